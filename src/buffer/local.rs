@@ -1,0 +1,508 @@
+//! Local buffer pools: one per result partition and per input gate, each with a guaranteed
+//! minimum and a maximum number of segments taken from the global pool.
+//!
+//! The request and recycle paths are lock-free (bounded `ArrayQueue`s and counters). Only a
+//! task that has to *wait* touches a mutex/condvar pair, and a recycler takes it only when the
+//! `waiting` counter says someone sleeps there.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use atomic_waker::AtomicWaker;
+use crossbeam_queue::ArrayQueue;
+
+use super::network::NetworkInner;
+use super::segment::{
+    BufferBuilder, FreeList, PooledSegment, Recycler, Segment, SegmentMemory, NO_CHANNEL,
+};
+use super::{DataType, PoolError};
+use crate::config::NetworkConfig;
+use crate::sync::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+
+/// A blocked waiter re-checks at least this often, in case a wake-up could not be delivered
+/// (the global pool's starved-pool queue was full). Not a polling loop: normal wake-ups are
+/// explicit.
+const WAIT_RECHECK: Duration = Duration::from_millis(50);
+
+/// Sizes of a local pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalPoolSpec {
+    /// Segments promised to this pool (admission control against the global pool).
+    pub min_segments: usize,
+    /// Most segments the pool may hold at once.
+    pub max_segments: usize,
+    /// Subpartitions whose segments are counted (0: no per-channel accounting).
+    pub subpartitions: usize,
+    /// Most segments one subpartition may hold (`max-buffers-per-channel`).
+    pub max_segments_per_channel: usize,
+    /// Most buffer listeners waiting at once (an input gate's channel count).
+    pub max_listeners: usize,
+}
+
+impl LocalPoolSpec {
+    /// A result partition's pool, sized as Flink sizes a bounded pipelined partition:
+    /// min = subpartitions + 1, max = subpartitions × buffers-per-channel + floating-per-gate.
+    pub fn for_partition(subpartitions: usize, config: &NetworkConfig) -> Self {
+        let min = subpartitions + 1;
+        let max = (subpartitions * config.buffers_per_channel + config.floating_buffers_per_gate)
+            .max(min);
+        Self {
+            min_segments: min,
+            max_segments: max,
+            subpartitions,
+            max_segments_per_channel: config.max_buffers_per_channel,
+            max_listeners: 1,
+        }
+    }
+
+    /// An input gate's pool: exclusive buffers of every channel plus the floating ones.
+    /// min = channels × buffers-per-channel + 1 (one floating buffer always exists),
+    /// max = channels × buffers-per-channel + floating-per-gate.
+    pub fn for_gate(channels: usize, config: &NetworkConfig) -> Self {
+        let exclusive = channels * config.buffers_per_channel;
+        let min = exclusive + 1;
+        Self {
+            min_segments: min,
+            max_segments: (exclusive + config.floating_buffers_per_gate).max(min),
+            subpartitions: 0,
+            max_segments_per_channel: usize::MAX,
+            max_listeners: channels.max(1),
+        }
+    }
+}
+
+/// Told when a segment comes free in a pool it waits on (how floating buffers reach remote
+/// input channels).
+pub trait BufferListener: Send + Sync {
+    /// A segment for the listener. `Ok` keeps it; `Err` gives it back to be offered elsewhere.
+    /// The listener is unregistered by the call and registers again if it wants more.
+    fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment>;
+    /// The pool was destroyed; no segment will come.
+    fn on_pool_destroyed(&self);
+}
+
+/// A pool of segments for one result partition or input gate (Flink's `LocalBufferPool`).
+/// Dropping it destroys it lazily: segments still in use return to the global pool later.
+pub struct LocalBufferPool {
+    shared: Arc<LocalPoolShared>,
+}
+
+pub(crate) struct LocalPoolShared {
+    me: Weak<LocalPoolShared>,
+    network: Arc<NetworkInner>,
+    spec: LocalPoolSpec,
+    /// Segments held here, ready to hand out.
+    available: FreeList,
+    /// Segments taken from the global pool and not yet given back.
+    requested: AtomicUsize,
+    /// Segments held per subpartition (leased and not recycled).
+    per_channel: Box<[AtomicU32]>,
+    destroyed: AtomicBool,
+    listeners: ArrayQueue<Arc<dyn BufferListener>>,
+    /// Set while this pool sits in the global pool's starved queue.
+    starved: AtomicBool,
+    /// Blocked threads plus pending async requests; recyclers wake only when non-zero.
+    waiting: AtomicUsize,
+    wait_lock: Mutex<()>,
+    wait_cond: Condvar,
+    waker: AtomicWaker,
+}
+
+impl fmt::Debug for LocalBufferPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalBufferPool")
+            .field("spec", &self.shared.spec)
+            .field("requested", &self.requested_segments())
+            .field("available", &self.available_segments())
+            .finish()
+    }
+}
+
+impl LocalBufferPool {
+    pub(crate) fn new(network: Arc<NetworkInner>, spec: LocalPoolSpec) -> Self {
+        let shared = Arc::new_cyclic(|me| LocalPoolShared {
+            me: me.clone(),
+            network,
+            spec,
+            available: FreeList::with_capacity(spec.max_segments),
+            requested: AtomicUsize::new(0),
+            per_channel: (0..spec.subpartitions).map(|_| AtomicU32::new(0)).collect(),
+            destroyed: AtomicBool::new(false),
+            listeners: ArrayQueue::new(spec.max_listeners.max(1)),
+            starved: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
+            wait_lock: Mutex::new(()),
+            wait_cond: Condvar::new(),
+            waker: AtomicWaker::new(),
+        });
+        Self { shared }
+    }
+
+    /// The pool's sizes.
+    pub fn spec(&self) -> LocalPoolSpec {
+        self.shared.spec
+    }
+
+    /// A free segment not counted against any subpartition, if one is at hand now.
+    pub fn request_segment(&self) -> Option<PooledSegment> {
+        let segment = self.shared.take(NO_CHANNEL).ok()??;
+        Some(PooledSegment::new(self.shared.clone(), segment))
+    }
+
+    /// A builder for `subpartition`, if a segment is at hand now and the subpartition is under
+    /// its `max-buffers-per-channel`.
+    pub fn request_buffer_builder(&self, subpartition: usize) -> Option<BufferBuilder> {
+        self.try_builder(subpartition).ok().flatten()
+    }
+
+    /// A builder for `subpartition`, waiting up to `timeout` for one (the producer's
+    /// backpressure). Fails when the pool is destroyed or the time is up.
+    pub fn request_buffer_builder_blocking(
+        &self,
+        subpartition: usize,
+        timeout: Duration,
+    ) -> Result<BufferBuilder, PoolError> {
+        if let Some(builder) = self.try_builder(subpartition)? {
+            return Ok(builder);
+        }
+        let shared = &self.shared;
+        let deadline = Instant::now() + timeout;
+        shared.waiting.fetch_add(1, Ordering::SeqCst);
+        let _unregister = WaitingGuard(&shared.waiting);
+        let mut guard = shared.wait_lock.lock().expect("not poisoned");
+        loop {
+            // Checked with the lock held: a recycler that pushes after this check must take
+            // the lock to notify, so it cannot slip between the check and the wait.
+            if let Some(builder) = self.try_builder(subpartition)? {
+                return Ok(builder);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(PoolError::Timeout(timeout));
+            }
+            let wait = (deadline - now).min(WAIT_RECHECK);
+            guard = shared
+                .wait_cond
+                .wait_timeout(guard, wait)
+                .expect("not poisoned")
+                .0;
+        }
+    }
+
+    /// A future resolving to a builder for `subpartition`, usable from any executor. One
+    /// pending future per pool at a time (the partition's single writer).
+    pub fn request_builder(&self, subpartition: usize) -> RequestBuilder<'_> {
+        RequestBuilder {
+            pool: self,
+            subpartition,
+            registered: false,
+        }
+    }
+
+    /// A segment now, or else `listener` is registered and gets the next free one through
+    /// [`BufferListener::on_segment_available`]. The listener may stay registered even when a
+    /// segment is returned here; it may reject what it no longer needs.
+    pub fn request_segment_or_listen(
+        &self,
+        listener: &Arc<dyn BufferListener>,
+    ) -> Result<Option<PooledSegment>, PoolError> {
+        let shared = &self.shared;
+        if let Some(segment) = shared.take(NO_CHANNEL)? {
+            return Ok(Some(PooledSegment::new(shared.clone(), segment)));
+        }
+        shared
+            .listeners
+            .push(listener.clone())
+            .map_err(|_| PoolError::TooManyListeners)?;
+        // A segment recycled between the first attempt and the registration went to the free
+        // list, not to the listener: look once more.
+        if let Some(segment) = shared.take(NO_CHANNEL)? {
+            return Ok(Some(PooledSegment::new(shared.clone(), segment)));
+        }
+        if shared.destroyed.load(Ordering::SeqCst) {
+            return Err(PoolError::Destroyed);
+        }
+        Ok(None)
+    }
+
+    /// True when a request for `subpartition` would succeed now (best effort).
+    pub fn is_available(&self, subpartition: usize) -> bool {
+        let shared = &self.shared;
+        let under_channel_limit = shared.per_channel.get(subpartition).is_none_or(|c| {
+            (c.load(Ordering::Relaxed) as usize) < shared.spec.max_segments_per_channel
+        });
+        under_channel_limit
+            && (shared.available.len() > 0
+                || shared.requested.load(Ordering::Relaxed) < shared.spec.max_segments)
+    }
+
+    /// Segments taken from the global pool and not yet returned.
+    pub fn requested_segments(&self) -> usize {
+        self.shared.requested.load(Ordering::Relaxed)
+    }
+
+    /// Segments held here and free.
+    pub fn available_segments(&self) -> usize {
+        self.shared.available.len()
+    }
+
+    /// Segments leased out now.
+    pub fn in_use_segments(&self) -> usize {
+        self.requested_segments()
+            .saturating_sub(self.available_segments())
+    }
+
+    /// Segments `subpartition` holds now.
+    pub fn segments_of(&self, subpartition: usize) -> usize {
+        self.shared
+            .per_channel
+            .get(subpartition)
+            .map_or(0, |c| c.load(Ordering::Relaxed) as usize)
+    }
+
+    /// Leased segments over the pool's maximum (Flink's `outPoolUsage` / `inPoolUsage`).
+    pub fn usage(&self) -> f64 {
+        self.in_use_segments() as f64 / self.shared.spec.max_segments as f64
+    }
+
+    /// True once destroyed.
+    pub fn is_destroyed(&self) -> bool {
+        self.shared.destroyed.load(Ordering::SeqCst)
+    }
+
+    /// Destroys the pool: free segments go back to the global pool now, leased ones when their
+    /// last lease drops; listeners and waiters are told. Idempotent.
+    pub fn destroy(&self) {
+        self.shared.destroy();
+    }
+
+    fn try_builder(&self, subpartition: usize) -> Result<Option<BufferBuilder>, PoolError> {
+        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        let Some(segment) = self.shared.take(channel)? else {
+            return Ok(None);
+        };
+        Ok(Some(
+            PooledSegment::new(self.shared.clone(), segment).into_builder(DataType::DataBuffer),
+        ))
+    }
+}
+
+impl Drop for LocalBufferPool {
+    fn drop(&mut self) {
+        self.shared.destroy();
+    }
+}
+
+struct WaitingGuard<'a>(&'a AtomicUsize);
+
+impl Drop for WaitingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Future of [`LocalBufferPool::request_builder`].
+pub struct RequestBuilder<'a> {
+    pool: &'a LocalBufferPool,
+    subpartition: usize,
+    registered: bool,
+}
+
+impl fmt::Debug for RequestBuilder<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestBuilder")
+            .field("subpartition", &self.subpartition)
+            .finish()
+    }
+}
+
+impl Future for RequestBuilder<'_> {
+    type Output = Result<BufferBuilder, PoolError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Some(builder) = self.pool.try_builder(self.subpartition)? {
+            return Poll::Ready(Ok(builder));
+        }
+        let shared = &self.pool.shared;
+        shared.waker.register(cx.waker());
+        if !self.registered {
+            self.registered = true;
+            shared.waiting.fetch_add(1, Ordering::SeqCst);
+        }
+        // Re-check after registering: a recycle in between saw the waker or left the segment.
+        match self.pool.try_builder(self.subpartition)? {
+            Some(builder) => Poll::Ready(Ok(builder)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for RequestBuilder<'_> {
+    fn drop(&mut self) {
+        if self.registered {
+            self.pool.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl LocalPoolShared {
+    /// A free segment for `channel`: from the local free list, else grown from the global
+    /// pool up to the maximum. `Ok(None)` when none is at hand now.
+    fn take(&self, channel: u32) -> Result<Option<Segment>, PoolError> {
+        if self.destroyed.load(Ordering::Relaxed) {
+            return Err(PoolError::Destroyed);
+        }
+        let counter = self.per_channel.get(channel as usize);
+        if let Some(counter) = counter {
+            if counter.load(Ordering::Relaxed) as usize >= self.spec.max_segments_per_channel {
+                return Ok(None);
+            }
+        }
+        let Some(segment) = self.available.pop().or_else(|| self.grow()) else {
+            return Ok(None);
+        };
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        self.network.memory().set_tag(&segment, channel);
+        Ok(Some(segment))
+    }
+
+    /// Takes one more segment from the global pool if under the maximum.
+    fn grow(&self) -> Option<Segment> {
+        let mut requested = self.requested.load(Ordering::Relaxed);
+        loop {
+            if requested >= self.spec.max_segments {
+                return None;
+            }
+            match self.requested.compare_exchange_weak(
+                requested,
+                requested + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(current) => requested = current,
+            }
+        }
+        if let Some(segment) = self.network.take() {
+            return Some(segment);
+        }
+        self.requested.fetch_sub(1, Ordering::Relaxed);
+        // Ask to be told when the global pool refills, then look once more: a segment given
+        // back between the failed take and the registration would otherwise wake no one.
+        if !self.starved.swap(true, Ordering::SeqCst)
+            && !self.network.register_starved(self.me.clone())
+        {
+            self.starved.store(false, Ordering::SeqCst);
+        }
+        let segment = self.network.take()?;
+        self.requested.fetch_add(1, Ordering::Relaxed);
+        Some(segment)
+    }
+
+    /// Called by the global pool when a segment came back while this pool was starved.
+    pub(crate) fn on_global_available(&self) {
+        self.starved.store(false, Ordering::SeqCst);
+        if self.destroyed.load(Ordering::SeqCst) {
+            return;
+        }
+        if !self.listeners.is_empty() {
+            if let Some(segment) = self.grow() {
+                self.place(segment);
+            }
+        }
+        self.wake_waiters();
+    }
+
+    /// Offers a free segment to the listeners, else keeps it or gives it back to the global
+    /// pool when the pool holds more than its minimum.
+    fn place(&self, segment: Segment) {
+        let Some(segment) = self.offer_to_listeners(segment) else {
+            return;
+        };
+        if self.destroyed.load(Ordering::SeqCst)
+            || self.requested.load(Ordering::Relaxed) > self.spec.min_segments
+        {
+            self.give_back(segment);
+            // A waiter of this pool can now grow from the global pool again.
+            self.wake_waiters();
+            return;
+        }
+        match self.available.push(segment) {
+            Ok(()) => {}
+            Err(segment) => self.give_back(segment),
+        }
+        // A concurrent `destroy` may have drained the free list before the push landed.
+        if self.destroyed.load(Ordering::SeqCst) {
+            self.drain_available();
+        }
+        self.wake_waiters();
+    }
+
+    fn offer_to_listeners(&self, mut segment: Segment) -> Option<Segment> {
+        if self.listeners.is_empty() {
+            return Some(segment);
+        }
+        let me: Arc<dyn Recycler> = self.me.upgrade()?;
+        while let Some(listener) = self.listeners.pop() {
+            self.network.memory().set_tag(&segment, NO_CHANNEL);
+            match listener.on_segment_available(PooledSegment::new(me.clone(), segment)) {
+                Ok(()) => return None,
+                Err(rejected) => segment = rejected.into_segment(),
+            }
+        }
+        Some(segment)
+    }
+
+    fn give_back(&self, segment: Segment) {
+        self.requested.fetch_sub(1, Ordering::Relaxed);
+        self.network.give_back(segment);
+    }
+
+    fn wake_waiters(&self) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            drop(self.wait_lock.lock().expect("not poisoned"));
+            self.wait_cond.notify_all();
+            self.waker.wake();
+        }
+    }
+
+    fn drain_available(&self) {
+        while let Some(segment) = self.available.pop() {
+            self.give_back(segment);
+        }
+    }
+
+    fn destroy(&self) {
+        if self.destroyed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.drain_available();
+        while let Some(listener) = self.listeners.pop() {
+            listener.on_pool_destroyed();
+        }
+        self.network.forget_promise(self.spec.min_segments);
+        drop(self.wait_lock.lock().expect("not poisoned"));
+        self.wait_cond.notify_all();
+        self.waker.wake();
+    }
+}
+
+impl Recycler for LocalPoolShared {
+    fn memory(&self) -> &SegmentMemory {
+        self.network.memory()
+    }
+
+    fn recycle(&self, segment: Segment) {
+        let tag = self.network.memory().tag(&segment);
+        if let Some(counter) = self.per_channel.get(tag as usize) {
+            counter.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.place(segment);
+    }
+}

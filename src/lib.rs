@@ -1,0 +1,38 @@
+//! # fluxgate
+//!
+//! Apache Flink's network stack — result partitions, input gates and credit-based flow
+//! control — rebuilt for Linux around io_uring, a pool of registered fixed memory segments and
+//! lock-free queues.
+//!
+//! ## The data path
+//!
+//! ```text
+//!  producer task                         I/O thread (one ring)                  consumer task
+//!  RecordWriter.emit(rec)                loop {                                 gate.next()
+//!   └ serialize into the current           drain ready readers with credit        ▲ channels with data
+//!     BufferBuilder (a pooled segment)     header into the segment's headroom     │
+//!   └ full / flush / event: the            send [header|payload] ──── TCP ────▶ payload lands in the
+//!     subpartition's queue                 on completion: recycle segment         channel's reserved segment
+//!  backpressure = no free segment        }                                       drop → segment back → credit
+//! ```
+//!
+//! Layers, bottom up (each its own module):
+//!
+//! * [`buffer`] — the [`NetworkBufferPool`](buffer::NetworkBufferPool) maps all network memory
+//!   at start as a few arenas cut into fixed segments (each with 64 bytes of headroom for a
+//!   frame header); [`LocalBufferPool`](buffer::LocalBufferPool)s give partitions and gates
+//!   their quota; [`BufferBuilder`](buffer::BufferBuilder) / [`BufferConsumer`](buffer::BufferConsumer)
+//!   / [`Buffer`](buffer::Buffer) lease segments and recycle them on the last drop.
+//! * [`record`] — `[u32 length | bytes]` records serialized straight into segments, spanning
+//!   segments when they must; a deserializer yielding borrowed slices.
+//! * [`event`] — in-band events (end of partition, checkpoint barriers, ...) and their bytes.
+//!
+//! Configuration options carry Flink's names; see [`config::NetworkConfig`].
+
+pub mod buffer;
+pub mod config;
+pub mod event;
+pub mod record;
+mod sync;
+
+pub use config::NetworkConfig;

@@ -1,0 +1,150 @@
+//! Reading records back out of a channel's buffers.
+
+use super::{RecordError, LENGTH_PREFIX};
+use crate::buffer::Buffer;
+
+/// Turns a channel's data buffers back into records (Flink's
+/// `SpillingAdaptiveSpanningRecordDeserializer`, without the spilling).
+///
+/// A record that lies inside one buffer is returned as a slice of that buffer, without a copy.
+/// Only a record that spans buffers is assembled, into a scratch vector reused for the next
+/// one; it grows only as the record's bytes arrive, so a corrupt length cannot make it allocate
+/// more than what was received (and never more than `max_record_bytes`).
+#[derive(Debug)]
+pub struct RecordDeserializer {
+    buffer: Option<Buffer>,
+    position: usize,
+    /// Length-prefix bytes gathered so far when the prefix itself spans buffers.
+    prefix: [u8; LENGTH_PREFIX],
+    prefix_len: usize,
+    /// Length of the record being assembled in `scratch`, if any.
+    spanning: Option<usize>,
+    scratch: Vec<u8>,
+    max_record_bytes: usize,
+}
+
+impl RecordDeserializer {
+    /// A deserializer refusing records longer than `max_record_bytes`.
+    pub fn new(max_record_bytes: usize) -> Self {
+        Self {
+            buffer: None,
+            position: 0,
+            prefix: [0; LENGTH_PREFIX],
+            prefix_len: 0,
+            spanning: None,
+            scratch: Vec::new(),
+            max_record_bytes,
+        }
+    }
+
+    /// Hands over the channel's next data buffer. The previous one must have been read to its
+    /// end ([`next_record`](Self::next_record) returned `Ok(None)`).
+    pub fn set_next_buffer(&mut self, buffer: Buffer) -> Result<(), RecordError> {
+        if self.buffer.is_some() {
+            return Err(RecordError::BufferNotConsumed);
+        }
+        self.buffer = Some(buffer);
+        self.position = 0;
+        Ok(())
+    }
+
+    /// The next complete record, or `Ok(None)` when the current buffer is used up (it is then
+    /// released) and the next one is needed.
+    pub fn next_record(&mut self) -> Result<Option<&[u8]>, RecordError> {
+        loop {
+            let Some(buffer) = self.buffer.as_ref() else {
+                return Ok(None);
+            };
+            let data = buffer.as_slice();
+            let rest = &data[self.position..];
+            if rest.is_empty() {
+                self.buffer = None;
+                return Ok(None);
+            }
+            if let Some(len) = self.spanning {
+                let take = (len - self.scratch.len()).min(rest.len());
+                self.scratch.extend_from_slice(&rest[..take]);
+                self.position += take;
+                if self.scratch.len() == len {
+                    self.spanning = None;
+                    return Ok(Some(&self.scratch));
+                }
+                continue;
+            }
+            if self.prefix_len == 0 && rest.len() >= LENGTH_PREFIX {
+                // The common case: the prefix is whole in this buffer.
+                let len = self.checked_len([rest[0], rest[1], rest[2], rest[3]])?;
+                let body = &rest[LENGTH_PREFIX..];
+                if body.len() >= len {
+                    let start = self.position + LENGTH_PREFIX;
+                    self.position = start + len;
+                    let buffer = self.buffer.as_ref().expect("checked above");
+                    return Ok(Some(&buffer.as_slice()[start..start + len]));
+                }
+                self.position += LENGTH_PREFIX;
+                self.begin_spanning(len);
+                continue;
+            }
+            // The prefix itself spans buffers: gather it byte by byte.
+            let take = (LENGTH_PREFIX - self.prefix_len).min(rest.len());
+            self.prefix[self.prefix_len..self.prefix_len + take].copy_from_slice(&rest[..take]);
+            self.prefix_len += take;
+            self.position += take;
+            if self.prefix_len == LENGTH_PREFIX {
+                self.prefix_len = 0;
+                let len = self.checked_len(self.prefix)?;
+                self.begin_spanning(len);
+                if len == 0 {
+                    self.spanning = None;
+                    return Ok(Some(&self.scratch[..0]));
+                }
+            }
+        }
+    }
+
+    /// True when a record has begun but not ended (checked when the channel ends: a partial
+    /// record then means a truncated stream).
+    pub fn has_partial_record(&self) -> bool {
+        self.spanning.is_some()
+            || self.prefix_len > 0
+            || self
+                .buffer
+                .as_ref()
+                .is_some_and(|b| b.len() > self.position)
+    }
+
+    /// Fails with [`RecordError::Truncated`] if a record was begun and never finished.
+    pub fn finish(&mut self) -> Result<(), RecordError> {
+        let partial = self.has_partial_record();
+        self.clear();
+        if partial {
+            return Err(RecordError::Truncated);
+        }
+        Ok(())
+    }
+
+    /// Drops the current buffer and any partial record (channel released).
+    pub fn clear(&mut self) {
+        self.buffer = None;
+        self.position = 0;
+        self.prefix_len = 0;
+        self.spanning = None;
+        self.scratch.clear();
+    }
+
+    fn checked_len(&self, prefix: [u8; LENGTH_PREFIX]) -> Result<usize, RecordError> {
+        let len = u32::from_be_bytes(prefix) as usize;
+        if len > self.max_record_bytes {
+            return Err(RecordError::TooLarge {
+                len,
+                max: self.max_record_bytes,
+            });
+        }
+        Ok(len)
+    }
+
+    fn begin_spanning(&mut self, len: usize) {
+        self.scratch.clear();
+        self.spanning = Some(len);
+    }
+}

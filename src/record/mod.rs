@@ -1,0 +1,201 @@
+//! Records on the wire: `[length: u32 big-endian | record bytes]`, written straight into the
+//! segments of [`BufferBuilder`]s and continued in the next segment when a record does not fit
+//! (Flink's record format, without its intermediate serialization buffer).
+//!
+//! Records are bytes at this layer. A user type implements [`Record`] to write itself into the
+//! segment directly, without an intermediate `Vec`.
+
+mod deserializer;
+
+pub use deserializer::RecordDeserializer;
+
+use crate::buffer::BufferBuilder;
+
+/// Bytes of the length prefix before every record.
+pub const LENGTH_PREFIX: usize = 4;
+
+/// Why a record could not be written or read.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// A record is longer than the configured maximum (writer: caller's fault; reader: a
+    /// corrupt or hostile stream).
+    #[error("record of {len} bytes exceeds the maximum of {max} bytes")]
+    TooLarge {
+        /// The record's (claimed) length.
+        len: usize,
+        /// The configured maximum.
+        max: usize,
+    },
+    /// A [`Record`] wrote a different number of bytes than its `encoded_len` said (a bug in
+    /// that impl). The stream stays well-formed: a shortfall is padded with zeros, an excess
+    /// is refused.
+    #[error("record declared {declared} bytes but wrote {written}")]
+    LengthMismatch {
+        /// What `encoded_len` returned.
+        declared: usize,
+        /// What `encode` wrote (at least).
+        written: usize,
+    },
+    /// A new buffer was given to the deserializer before the previous one was read to its end.
+    #[error("the previous buffer still holds unread bytes")]
+    BufferNotConsumed,
+    /// The stream ended in the middle of a record.
+    #[error("the stream ended inside a record")]
+    Truncated,
+    /// No segment could be obtained for the record (the pool was destroyed or timed out).
+    #[error("no buffer for the record: {0}")]
+    Pool(#[from] crate::buffer::PoolError),
+}
+
+/// Where serialized bytes go: the current builder of a subpartition, or a new one once the
+/// current is full.
+pub trait SegmentSink {
+    /// A builder with room for at least one byte: the current one, or a fresh one (finishing
+    /// and publishing the full one) when the current is full or missing.
+    fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError>;
+
+    /// The record is complete: publish it to consumers.
+    fn commit(&mut self);
+}
+
+/// A value that can write itself as record bytes.
+pub trait Record {
+    /// Exactly how many bytes [`encode`](Record::encode) writes.
+    fn encoded_len(&self) -> usize;
+
+    /// Writes the record's bytes.
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError>;
+}
+
+/// The writing side handed to [`Record::encode`]: bytes go straight into segments.
+#[derive(Debug)]
+pub struct RecordOutput<'a, S> {
+    sink: &'a mut S,
+    remaining: usize,
+}
+
+impl<S: SegmentSink> RecordOutput<'_, S> {
+    /// Appends bytes, continuing into new segments as needed.
+    #[inline]
+    pub fn write(&mut self, mut bytes: &[u8]) -> Result<(), RecordError> {
+        if bytes.len() > self.remaining {
+            return Err(RecordError::LengthMismatch {
+                declared: self.remaining,
+                written: bytes.len(),
+            });
+        }
+        self.remaining -= bytes.len();
+        while !bytes.is_empty() {
+            let builder = self.sink.writable()?;
+            let n = builder.append(bytes);
+            bytes = &bytes[n..];
+        }
+        Ok(())
+    }
+
+    /// Bytes still to write.
+    pub fn remaining(&self) -> usize {
+        self.remaining
+    }
+}
+
+/// Writes `record` with its length prefix into `sink`.
+#[inline]
+pub fn serialize<R, S>(record: &R, sink: &mut S, max_record_bytes: usize) -> Result<(), RecordError>
+where
+    R: Record + ?Sized,
+    S: SegmentSink,
+{
+    let len = record.encoded_len();
+    if len > max_record_bytes || len > u32::MAX as usize {
+        return Err(RecordError::TooLarge {
+            len,
+            max: max_record_bytes,
+        });
+    }
+    let mut out = RecordOutput {
+        sink,
+        remaining: LENGTH_PREFIX + len,
+    };
+    out.write(&(len as u32).to_be_bytes())?;
+    let encoded = record.encode(&mut out);
+    let short = out.remaining;
+    if short > 0 {
+        // Keep the framing intact for the records after this one.
+        const ZEROS: [u8; 256] = [0; 256];
+        while out.remaining > 0 {
+            let n = out.remaining.min(ZEROS.len());
+            out.write(&ZEROS[..n])?;
+        }
+    }
+    sink.commit();
+    encoded?;
+    if short > 0 {
+        return Err(RecordError::LengthMismatch {
+            declared: len,
+            written: len - short,
+        });
+    }
+    Ok(())
+}
+
+impl Record for [u8] {
+    fn encoded_len(&self) -> usize {
+        self.len()
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(self)
+    }
+}
+
+impl<const N: usize> Record for [u8; N] {
+    fn encoded_len(&self) -> usize {
+        N
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(self)
+    }
+}
+
+impl Record for Vec<u8> {
+    fn encoded_len(&self) -> usize {
+        self.len()
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(self)
+    }
+}
+
+impl Record for str {
+    fn encoded_len(&self) -> usize {
+        self.len()
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(self.as_bytes())
+    }
+}
+
+impl Record for u64 {
+    fn encoded_len(&self) -> usize {
+        8
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(&self.to_be_bytes())
+    }
+}
+
+impl<R: Record + ?Sized> Record for &R {
+    fn encoded_len(&self) -> usize {
+        (**self).encoded_len()
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        (**self).encode(out)
+    }
+}
