@@ -1,0 +1,294 @@
+//! Records through segments: any sequence of records of random sizes (empty to several
+//! segments) survives serialize → deserialize byte-exact, across segment boundaries and partial
+//! flushes; hostile lengths and truncated streams are typed errors.
+
+use std::collections::VecDeque;
+
+use fluxgate::buffer::{
+    Buffer, BufferBuilder, BufferConsumer, LocalBufferPool, LocalPoolSpec, NetworkBufferPool,
+};
+use fluxgate::record::{self, RecordDeserializer, RecordError, RecordOutput, SegmentSink};
+use fluxgate::NetworkConfig;
+use proptest::prelude::*;
+
+const SEGMENT: usize = 4096;
+
+fn network() -> (NetworkBufferPool, NetworkConfig) {
+    let mut config = NetworkConfig::default();
+    config
+        .set("taskmanager.memory.segment-size", "4kb")
+        .unwrap();
+    // Room for the property's worst case: 60 unread records of 4 segments each.
+    config.set("taskmanager.memory.network.max", "1mb").unwrap();
+    config.set("fluxgate.memory.arena-size", "128kb").unwrap();
+    (NetworkBufferPool::new(&config).unwrap(), config)
+}
+
+/// A subpartition stand-in: buffers become visible on flush or when a segment fills, in order.
+struct QueueSink<'a> {
+    pool: &'a LocalBufferPool,
+    current: Option<(BufferBuilder, BufferConsumer)>,
+    out: VecDeque<Buffer>,
+}
+
+impl QueueSink<'_> {
+    /// Makes what was committed so far visible without finishing the segment.
+    fn flush(&mut self) {
+        if let Some((_, consumer)) = self.current.as_mut() {
+            let buffer = consumer.build();
+            if !buffer.is_empty() {
+                self.out.push_back(buffer);
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some((mut builder, mut consumer)) = self.current.take() {
+            builder.finish();
+            let buffer = consumer.build();
+            if !buffer.is_empty() {
+                self.out.push_back(buffer);
+            }
+        }
+    }
+}
+
+impl SegmentSink for QueueSink<'_> {
+    fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError> {
+        if self.current.as_ref().is_some_and(|(b, _)| b.is_full()) {
+            self.finish();
+        }
+        if self.current.is_none() {
+            let builder = self
+                .pool
+                .request_buffer_builder(0)
+                .expect("pool sized for the test");
+            let consumer = builder.create_consumer_from_beginning();
+            self.current = Some((builder, consumer));
+        }
+        Ok(&mut self.current.as_mut().unwrap().0)
+    }
+
+    fn commit(&mut self) {
+        if let Some((builder, _)) = self.current.as_mut() {
+            builder.commit();
+        }
+    }
+}
+
+/// Feeds every queued buffer to the deserializer and collects the records.
+fn drain(sink: &mut QueueSink<'_>, reader: &mut RecordDeserializer, got: &mut Vec<Vec<u8>>) {
+    while let Some(buffer) = sink.out.pop_front() {
+        reader.set_next_buffer(buffer).unwrap();
+        while let Some(record) = reader.next_record().unwrap() {
+            got.push(record.to_vec());
+        }
+    }
+}
+
+fn record_bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        3 => prop::collection::vec(any::<u8>(), 0..16),
+        2 => prop::collection::vec(any::<u8>(), 0..SEGMENT + 100),
+        1 => prop::collection::vec(any::<u8>(), 0..3 * SEGMENT + 7),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn records_survive_segment_boundaries_and_partial_flushes(
+        steps in prop::collection::vec((record_bytes(), any::<bool>(), any::<bool>()), 0..60),
+    ) {
+        let (network, config) = network();
+        let pool = network
+            .create_local_pool(LocalPoolSpec {
+                min_segments: 4,
+                max_segments: 256,
+                subpartitions: 1,
+                max_segments_per_channel: 256,
+                max_listeners: 1,
+            })
+            .unwrap();
+        let mut sink = QueueSink { pool: &pool, current: None, out: VecDeque::new() };
+        let mut reader = RecordDeserializer::new(config.max_record_bytes);
+        let mut got = Vec::new();
+        let mut sent = Vec::new();
+        for (bytes, flush, read_now) in steps {
+            record::serialize(&bytes[..], &mut sink, config.max_record_bytes).unwrap();
+            sent.push(bytes);
+            if flush {
+                sink.flush();
+            }
+            if read_now {
+                drain(&mut sink, &mut reader, &mut got);
+            }
+        }
+        sink.finish();
+        drain(&mut sink, &mut reader, &mut got);
+        prop_assert!(reader.finish().is_ok(), "no partial record left");
+        prop_assert_eq!(got, sent);
+        drop(sink);
+        drop(pool);
+        prop_assert_eq!(network.available_segments(), network.total_segments());
+    }
+
+    #[test]
+    fn any_bytes_give_records_or_a_typed_error_never_a_panic(
+        chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..8),
+    ) {
+        let (network, _) = network();
+        let mut reader = RecordDeserializer::new(1000);
+        for chunk in chunks {
+            let mut builder = network
+                .request_segment()
+                .unwrap()
+                .into_builder(fluxgate::buffer::DataType::DataBuffer);
+            let mut consumer = builder.create_consumer_from_beginning();
+            builder.append_and_commit(&chunk);
+            drop(builder);
+            reader.set_next_buffer(consumer.build()).unwrap();
+            loop {
+                match reader.next_record() {
+                    Ok(Some(record)) => prop_assert!(record.len() <= 1000),
+                    Ok(None) => break,
+                    Err(RecordError::TooLarge { len, max: 1000 }) => {
+                        prop_assert!(len > 1000);
+                        reader.clear();
+                        break;
+                    }
+                    Err(other) => prop_assert!(false, "unexpected error {other}"),
+                }
+            }
+        }
+        reader.clear();
+        prop_assert_eq!(network.available_segments(), network.total_segments());
+    }
+}
+
+fn one_buffer(network: &NetworkBufferPool, bytes: &[u8]) -> Buffer {
+    let mut builder = network
+        .request_segment()
+        .unwrap()
+        .into_builder(fluxgate::buffer::DataType::DataBuffer);
+    let mut consumer = builder.create_consumer_from_beginning();
+    builder.append_and_commit(bytes);
+    consumer.build()
+}
+
+#[test]
+fn a_length_over_the_maximum_is_refused_before_any_allocation() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(64);
+    reader
+        .set_next_buffer(one_buffer(&network, &u32::MAX.to_be_bytes()))
+        .unwrap();
+    assert_eq!(
+        reader.next_record().unwrap_err(),
+        RecordError::TooLarge {
+            len: u32::MAX as usize,
+            max: 64
+        }
+    );
+}
+
+#[test]
+fn a_stream_ending_inside_a_record_is_truncated() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(64);
+    let mut bytes = 10u32.to_be_bytes().to_vec();
+    bytes.extend_from_slice(b"abc");
+    reader
+        .set_next_buffer(one_buffer(&network, &bytes))
+        .unwrap();
+    assert_eq!(reader.next_record().unwrap(), None);
+    assert_eq!(reader.finish().unwrap_err(), RecordError::Truncated);
+}
+
+#[test]
+fn a_new_buffer_before_the_old_one_is_read_is_refused() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(64);
+    reader
+        .set_next_buffer(one_buffer(&network, b"\0\0\0\x01x"))
+        .unwrap();
+    assert_eq!(
+        reader
+            .set_next_buffer(one_buffer(&network, b""))
+            .unwrap_err(),
+        RecordError::BufferNotConsumed
+    );
+}
+
+#[test]
+fn oversized_records_are_refused_by_the_writer() {
+    let (network, _) = network();
+    let pool = network
+        .create_local_pool(LocalPoolSpec::for_partition(1, &NetworkConfig::default()))
+        .unwrap();
+    let mut sink = QueueSink {
+        pool: &pool,
+        current: None,
+        out: VecDeque::new(),
+    };
+    let err = record::serialize(&[0u8; 65][..], &mut sink, 64).unwrap_err();
+    assert_eq!(err, RecordError::TooLarge { len: 65, max: 64 });
+    assert!(sink.current.is_none(), "nothing was written");
+}
+
+/// A user type that writes itself in two pieces straight into the segment.
+struct Pair(u32, &'static str);
+
+impl record::Record for Pair {
+    fn encoded_len(&self) -> usize {
+        4 + self.1.len()
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(&self.0.to_be_bytes())?;
+        out.write(self.1.as_bytes())
+    }
+}
+
+/// A broken user type: says 10 bytes, writes 3.
+struct Liar;
+
+impl record::Record for Liar {
+    fn encoded_len(&self) -> usize {
+        10
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(b"abc")
+    }
+}
+
+#[test]
+fn user_types_write_directly_and_a_wrong_length_keeps_the_stream_framed() {
+    let (network, config) = network();
+    let pool = network
+        .create_local_pool(LocalPoolSpec::for_partition(1, &config))
+        .unwrap();
+    let mut sink = QueueSink {
+        pool: &pool,
+        current: None,
+        out: VecDeque::new(),
+    };
+    record::serialize(&Pair(7, "seven"), &mut sink, 64).unwrap();
+    assert_eq!(
+        record::serialize(&Liar, &mut sink, 64).unwrap_err(),
+        RecordError::LengthMismatch {
+            declared: 10,
+            written: 3
+        }
+    );
+    record::serialize("after", &mut sink, 64).unwrap();
+    sink.finish();
+    let mut reader = RecordDeserializer::new(64);
+    let mut got = Vec::new();
+    drain(&mut sink, &mut reader, &mut got);
+    assert_eq!(got[0], b"\0\0\0\x07seven");
+    assert_eq!(got[1], b"abc\0\0\0\0\0\0\0");
+    assert_eq!(got[2], b"after");
+}
