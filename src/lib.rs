@@ -26,12 +26,18 @@
 //! * [`record`] — `[u32 length | bytes]` records serialized straight into segments, spanning
 //!   segments when they must; a deserializer yielding borrowed slices.
 //! * [`event`] — in-band events (end of partition, checkpoint barriers, ...) and their bytes.
+//! * [`partition`] — the producer: result partitions, pipelined subpartitions (lock-free data
+//!   and priority lanes, backlog, sequence numbers), views, the record writer and its channel
+//!   selectors, the partition manager.
 //!
 //! Configuration options carry Flink's names; see [`config::NetworkConfig`].
 
 pub mod buffer;
 pub mod config;
 pub mod event;
+pub mod flusher;
+pub mod metrics;
+pub mod partition;
 pub mod record;
 mod sync;
 

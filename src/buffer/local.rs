@@ -21,7 +21,7 @@ use super::segment::{
 };
 use super::{DataType, PoolError};
 use crate::config::NetworkConfig;
-use crate::sync::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// A blocked waiter re-checks at least this often, in case a wake-up could not be delivered
 /// (the global pool's starved-pool queue was full). Not a polling loop: normal wake-ups are
@@ -107,6 +107,8 @@ pub(crate) struct LocalPoolShared {
     starved: AtomicBool,
     /// Blocked threads plus pending async requests; recyclers wake only when non-zero.
     waiting: AtomicUsize,
+    /// Total nanoseconds blocking requests waited (the writer's back-pressured time).
+    blocked_nanos: AtomicU64,
     wait_lock: Mutex<()>,
     wait_cond: Condvar,
     waker: AtomicWaker,
@@ -135,6 +137,7 @@ impl LocalBufferPool {
             listeners: ArrayQueue::new(spec.max_listeners.max(1)),
             starved: AtomicBool::new(false),
             waiting: AtomicUsize::new(0),
+            blocked_nanos: AtomicU64::new(0),
             wait_lock: Mutex::new(()),
             wait_cond: Condvar::new(),
             waker: AtomicWaker::new(),
@@ -170,9 +173,14 @@ impl LocalBufferPool {
             return Ok(builder);
         }
         let shared = &self.shared;
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
         shared.waiting.fetch_add(1, Ordering::SeqCst);
-        let _unregister = WaitingGuard(&shared.waiting);
+        let _unregister = WaitingGuard {
+            waiting: &shared.waiting,
+            blocked_nanos: &shared.blocked_nanos,
+            started,
+        };
         let mut guard = shared.wait_lock.lock().expect("not poisoned");
         loop {
             // Checked with the lock held: a recycler that pushes after this check must take
@@ -269,6 +277,19 @@ impl LocalBufferPool {
         self.in_use_segments() as f64 / self.shared.spec.max_segments as f64
     }
 
+    /// Total nanoseconds blocking requests have waited for a segment (back pressure).
+    pub fn blocked_nanos(&self) -> u64 {
+        self.shared.blocked_nanos.load(Ordering::Relaxed)
+    }
+
+    /// A segment outside the pool's quota, straight from the global pool (Flink's overdraft
+    /// buffer), for an item that must not wait behind back pressure (a priority event). It
+    /// returns to the global pool when dropped.
+    pub fn request_overdraft_segment(&self) -> Option<PooledSegment> {
+        let segment = self.shared.network.take()?;
+        Some(PooledSegment::new(self.shared.network.clone(), segment))
+    }
+
     /// True once destroyed.
     pub fn is_destroyed(&self) -> bool {
         self.shared.destroyed.load(Ordering::SeqCst)
@@ -297,11 +318,18 @@ impl Drop for LocalBufferPool {
     }
 }
 
-struct WaitingGuard<'a>(&'a AtomicUsize);
+/// Unregisters a blocked waiter and books the time it waited.
+struct WaitingGuard<'a> {
+    waiting: &'a AtomicUsize,
+    blocked_nanos: &'a AtomicU64,
+    started: Instant,
+}
 
 impl Drop for WaitingGuard<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        let waited = self.started.elapsed().as_nanos() as u64;
+        self.blocked_nanos.fetch_add(waited, Ordering::Relaxed);
     }
 }
 

@@ -513,6 +513,11 @@ impl BufferBuilder {
         self.data_type
     }
 
+    /// Sets what the buffer carries; consumers created afterwards report it.
+    pub fn set_data_type(&mut self, data_type: DataType) {
+        self.data_type = data_type;
+    }
+
     /// The segment's handle.
     pub fn segment_index(&self) -> u32 {
         self.index

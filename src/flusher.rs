@@ -1,0 +1,60 @@
+//! The output flusher thread (Flink's `OutputFlusher`): makes partly filled buffers readable
+//! every buffer-timeout interval. Kept out of `partition/`, which never sleeps or reads the
+//! clock.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use crate::partition::PartitionHandle;
+
+/// A running flusher; dropping it stops the thread and waits for it.
+pub struct OutputFlusher {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl fmt::Debug for OutputFlusher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutputFlusher").finish_non_exhaustive()
+    }
+}
+
+impl OutputFlusher {
+    /// Flushes `partition` every `interval` until dropped.
+    pub fn start(partition: PartitionHandle, interval: Duration) -> Self {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let signal = stop.clone();
+        let thread = thread::Builder::new()
+            .name("fluxgate-flusher".into())
+            .spawn(move || {
+                let (lock, cond) = &*signal;
+                let mut stopped = lock.lock().expect("not poisoned");
+                while !*stopped {
+                    stopped = cond
+                        .wait_timeout(stopped, interval)
+                        .expect("not poisoned")
+                        .0;
+                    if !*stopped {
+                        partition.flush_all();
+                    }
+                }
+            })
+            .expect("spawning the output flusher thread");
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for OutputFlusher {
+    fn drop(&mut self) {
+        *self.stop.0.lock().expect("not poisoned") = true;
+        self.stop.1.notify_all();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

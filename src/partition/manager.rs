@@ -1,0 +1,84 @@
+//! The registry of produced partitions (Flink's `ResultPartitionManager`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::result_partition::PartitionHandle;
+use super::subpartition::SubpartitionView;
+use super::{AvailabilityListener, PartitionError, ResultPartitionId};
+
+/// Produced partitions of this process, by id. Registration and view creation take a lock;
+/// neither is on the per-record or per-buffer path.
+#[derive(Debug, Default)]
+pub struct PartitionManager {
+    partitions: Mutex<HashMap<ResultPartitionId, PartitionHandle>>,
+}
+
+impl PartitionManager {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a partition so consumers can find it.
+    pub fn register(&self, partition: PartitionHandle) -> Result<(), PartitionError> {
+        let mut partitions = self.partitions.lock().expect("not poisoned");
+        let id = partition.id();
+        if partitions.contains_key(&id) {
+            return Err(PartitionError::DuplicatePartition(id));
+        }
+        partitions.insert(id, partition);
+        Ok(())
+    }
+
+    /// The registered partition with this id.
+    pub fn partition(&self, id: ResultPartitionId) -> Result<PartitionHandle, PartitionError> {
+        self.partitions
+            .lock()
+            .expect("not poisoned")
+            .get(&id)
+            .cloned()
+            .ok_or(PartitionError::PartitionNotFound(id))
+    }
+
+    /// Creates the reader of `(id, subpartition)`; `PartitionNotFound` when the partition is
+    /// not registered (yet: the consumer retries with back-off).
+    pub fn create_view(
+        &self,
+        id: ResultPartitionId,
+        subpartition: usize,
+        listener: Arc<dyn AvailabilityListener>,
+    ) -> Result<SubpartitionView, PartitionError> {
+        self.partition(id)?.create_view(subpartition, listener)
+    }
+
+    /// Releases a partition and forgets it.
+    pub fn release(&self, id: ResultPartitionId) -> Result<(), PartitionError> {
+        let partition = self
+            .partitions
+            .lock()
+            .expect("not poisoned")
+            .remove(&id)
+            .ok_or(PartitionError::PartitionNotFound(id))?;
+        partition.release();
+        Ok(())
+    }
+
+    /// Forgets partitions whose every subpartition was consumed or released.
+    pub fn remove_released(&self) -> usize {
+        let mut partitions = self.partitions.lock().expect("not poisoned");
+        let before = partitions.len();
+        partitions.retain(|_, p| !p.is_released());
+        before - partitions.len()
+    }
+
+    /// Registered partitions.
+    pub fn len(&self) -> usize {
+        self.partitions.lock().expect("not poisoned").len()
+    }
+
+    /// True when none is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,452 @@
+//! The producer's side of a partition: builders per subpartition, events, flush, finish.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::subpartition::{PipelinedSubpartition, SubpartitionView};
+use super::{AvailabilityListener, PartitionError, PartitionType, ResultPartitionId};
+use crate::buffer::{
+    BufferBuilder, DataType, LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError,
+};
+use crate::config::NetworkConfig;
+use crate::event::Event;
+use crate::metrics::OutputMetrics;
+use crate::record::{self, Record, RecordError, SegmentSink};
+
+/// Builder requests for segments not counted against one subpartition (events, broadcast).
+const UNACCOUNTED: usize = usize::MAX;
+
+/// The part of a partition both sides reach: its subpartitions and metrics. Cheap to clone;
+/// the partition manager, the output flusher and readers hold it.
+#[derive(Clone)]
+pub struct PartitionHandle {
+    shared: Arc<PartitionShared>,
+}
+
+struct PartitionShared {
+    id: ResultPartitionId,
+    kind: PartitionType,
+    subpartitions: Box<[Arc<PipelinedSubpartition>]>,
+    metrics: OutputMetrics,
+}
+
+impl fmt::Debug for PartitionHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PartitionHandle")
+            .field("id", &self.shared.id)
+            .field("subpartitions", &self.shared.subpartitions.len())
+            .finish()
+    }
+}
+
+impl PartitionHandle {
+    /// The partition's id.
+    pub fn id(&self) -> ResultPartitionId {
+        self.shared.id
+    }
+
+    /// The partition's type.
+    pub fn partition_type(&self) -> PartitionType {
+        self.shared.kind
+    }
+
+    /// Number of subpartitions.
+    pub fn subpartition_count(&self) -> usize {
+        self.shared.subpartitions.len()
+    }
+
+    /// Creates the one reader of a subpartition.
+    pub fn create_view(
+        &self,
+        subpartition: usize,
+        listener: Arc<dyn AvailabilityListener>,
+    ) -> Result<SubpartitionView, PartitionError> {
+        let count = self.shared.subpartitions.len();
+        self.shared
+            .subpartitions
+            .get(subpartition)
+            .ok_or(PartitionError::NoSuchSubpartition {
+                index: subpartition,
+                count,
+            })?
+            .create_view(listener)
+    }
+
+    /// Makes the committed bytes of every subpartition readable (the output flusher's call).
+    pub fn flush_all(&self) {
+        for subpartition in self.shared.subpartitions.iter() {
+            subpartition.flush();
+        }
+    }
+
+    /// Releases every subpartition and what is queued in it.
+    pub fn release(&self) {
+        for subpartition in self.shared.subpartitions.iter() {
+            subpartition.release();
+        }
+    }
+
+    /// True once every subpartition was released.
+    pub fn is_released(&self) -> bool {
+        self.shared.subpartitions.iter().all(|s| s.is_released())
+    }
+
+    /// True once the producer finished (EndOfPartition queued everywhere).
+    pub fn is_finished(&self) -> bool {
+        self.shared.subpartitions.iter().all(|s| s.is_finished())
+    }
+
+    /// `numRecordsOut`, `numBytesOut`, `numBuffersOut`.
+    pub fn metrics(&self) -> &OutputMetrics {
+        &self.shared.metrics
+    }
+}
+
+/// A result partition as its producer holds it (Flink's `BufferWritingResultPartition` with
+/// pipelined subpartitions). Single-threaded: the task that writes owns it. Readers reach the
+/// data through [`PartitionHandle::create_view`].
+pub struct ResultPartition {
+    handle: PartitionHandle,
+    pool: LocalBufferPool,
+    /// The builder each subpartition is filling (unicast records).
+    unicast: Box<[Option<BufferBuilder>]>,
+    /// The builder shared by all subpartitions (broadcast records).
+    broadcast: Option<BufferBuilder>,
+    max_record_bytes: usize,
+    request_timeout: Duration,
+    finished: bool,
+}
+
+impl fmt::Debug for ResultPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResultPartition")
+            .field("id", &self.handle.id())
+            .field("pool", &self.pool)
+            .field("finished", &self.finished)
+            .finish()
+    }
+}
+
+impl ResultPartition {
+    /// A pipelined partition with `subpartitions` subpartitions and its own buffer pool sized
+    /// as Flink sizes it (see [`LocalPoolSpec::for_partition`]).
+    pub fn new(
+        id: ResultPartitionId,
+        subpartitions: usize,
+        network: &NetworkBufferPool,
+        config: &NetworkConfig,
+    ) -> Result<Self, PartitionError> {
+        let spec = LocalPoolSpec::for_partition(subpartitions, config);
+        let pool = network.create_local_pool(spec)?;
+        // Each lane item holds a distinct segment of the pool (or one overdraft segment per
+        // priority event), so lanes of the pool's maximum plus headroom never overflow.
+        let lane = spec.max_segments + spec.max_segments;
+        let shared = Arc::new(PartitionShared {
+            id,
+            kind: PartitionType::Pipelined,
+            subpartitions: (0..subpartitions)
+                .map(|i| Arc::new(PipelinedSubpartition::new(i, lane)))
+                .collect(),
+            metrics: OutputMetrics::default(),
+        });
+        Ok(Self {
+            handle: PartitionHandle { shared },
+            pool,
+            unicast: (0..subpartitions).map(|_| None).collect(),
+            broadcast: None,
+            max_record_bytes: config.max_record_bytes,
+            request_timeout: config.buffer_request_timeout,
+            finished: false,
+        })
+    }
+
+    /// The shared handle (for the partition manager, flusher and readers).
+    pub fn handle(&self) -> PartitionHandle {
+        self.handle.clone()
+    }
+
+    /// Number of subpartitions.
+    pub fn subpartition_count(&self) -> usize {
+        self.unicast.len()
+    }
+
+    /// The partition's buffer pool (`outPoolUsage` is its usage).
+    pub fn pool(&self) -> &LocalBufferPool {
+        &self.pool
+    }
+
+    /// Serializes `record` into subpartition `target`. Blocks while no buffer is free (the
+    /// back pressure); fails when the partition was released.
+    pub fn emit_record<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+        target: usize,
+    ) -> Result<(), PartitionError> {
+        self.check_writable()?;
+        if self.broadcast.is_some() {
+            self.finish_broadcast_builder();
+        }
+        let max_record_bytes = self.max_record_bytes;
+        let mut sink = self.sink(Target::Unicast(target))?;
+        record::serialize(record, &mut sink, max_record_bytes)?;
+        self.handle.shared.metrics.num_records_out.add(1);
+        Ok(())
+    }
+
+    /// Like [`emit_record`](Self::emit_record), but waits for the first buffer without
+    /// blocking the thread. (A record spanning more segments than are free may still wait in
+    /// the middle, blocking.)
+    pub async fn emit_record_async<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+        target: usize,
+    ) -> Result<(), PartitionError> {
+        self.check_writable()?;
+        let needs_builder = self
+            .unicast
+            .get(target)
+            .ok_or(PartitionError::NoSuchSubpartition {
+                index: target,
+                count: self.unicast.len(),
+            })?
+            .as_ref()
+            .is_none_or(|b| b.is_full());
+        if needs_builder {
+            self.finish_unicast_builder(target);
+            let builder = self.pool.request_builder(target).await?;
+            self.install_unicast(target, builder)?;
+        }
+        self.emit_record(record, target)
+    }
+
+    /// Writes `record` once into a segment shared by every subpartition.
+    pub fn broadcast_record<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+    ) -> Result<(), PartitionError> {
+        self.check_writable()?;
+        self.finish_unicast_builders();
+        let max_record_bytes = self.max_record_bytes;
+        let mut sink = self.sink(Target::Broadcast)?;
+        record::serialize(record, &mut sink, max_record_bytes)?;
+        self.handle.shared.metrics.num_records_out.add(1);
+        Ok(())
+    }
+
+    /// Queues `event` in every subpartition after what was written so far; a priority event
+    /// overtakes queued data instead.
+    pub fn broadcast_event(&mut self, event: &Event, priority: bool) -> Result<(), PartitionError> {
+        self.check_writable()?;
+        self.finish_unicast_builders();
+        self.finish_broadcast_builder();
+        let mut builder = self.event_builder(priority)?;
+        builder.set_data_type(event.data_type(priority));
+        event.write_to(&mut builder)?;
+        let consumer = builder.create_consumer_from_beginning();
+        drop(builder);
+        for subpartition in self.handle.shared.subpartitions.iter() {
+            subpartition.add_event(consumer.copy(), priority)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the committed bytes of subpartition `target` readable now.
+    pub fn flush(&mut self, target: usize) {
+        if let Some(subpartition) = self.handle.shared.subpartitions.get(target) {
+            subpartition.flush();
+        }
+    }
+
+    /// Makes the committed bytes of every subpartition readable now.
+    pub fn flush_all(&mut self) {
+        self.handle.flush_all();
+    }
+
+    /// Ends the partition: finishes the builders and queues EndOfPartition everywhere.
+    pub fn finish(&mut self) -> Result<(), PartitionError> {
+        self.broadcast_event(&Event::EndOfPartition, false)?;
+        for subpartition in self.handle.shared.subpartitions.iter() {
+            subpartition.mark_finished();
+        }
+        self.finished = true;
+        Ok(())
+    }
+
+    /// Drops everything queued and every builder; segments go back to the pool. Readers see
+    /// the partition as released.
+    pub fn release(&mut self) {
+        self.unicast.iter_mut().for_each(|b| *b = None);
+        self.broadcast = None;
+        self.handle.release();
+        self.pool.destroy();
+    }
+
+    fn check_writable(&self) -> Result<(), PartitionError> {
+        if self.finished {
+            return Err(PartitionError::Finished);
+        }
+        if self.pool.is_destroyed() || self.handle.is_released() {
+            return Err(PartitionError::Released);
+        }
+        Ok(())
+    }
+
+    fn sink(&mut self, target: Target) -> Result<PartitionSink<'_>, PartitionError> {
+        let slot = match target {
+            Target::Unicast(index) => {
+                self.unicast
+                    .get_mut(index)
+                    .ok_or(PartitionError::NoSuchSubpartition {
+                        index,
+                        count: self.handle.shared.subpartitions.len(),
+                    })?
+            }
+            Target::Broadcast => &mut self.broadcast,
+        };
+        Ok(PartitionSink {
+            slot,
+            target,
+            pool: &self.pool,
+            shared: &self.handle.shared,
+            request_timeout: self.request_timeout,
+        })
+    }
+
+    fn install_unicast(
+        &mut self,
+        target: usize,
+        builder: BufferBuilder,
+    ) -> Result<(), PartitionError> {
+        let consumer = builder.create_consumer_from_beginning();
+        self.handle.shared.subpartitions[target].add_data(consumer)?;
+        self.unicast[target] = Some(builder);
+        Ok(())
+    }
+
+    fn event_builder(&self, priority: bool) -> Result<BufferBuilder, PartitionError> {
+        if priority {
+            // A priority event must not wait behind the back pressure it is meant to overtake.
+            if let Some(segment) = self
+                .pool
+                .request_segment()
+                .or_else(|| self.pool.request_overdraft_segment())
+            {
+                return Ok(segment.into_builder(DataType::PrioritizedEventBuffer));
+            }
+        }
+        request_blocking(&self.pool, UNACCOUNTED, self.request_timeout)
+    }
+
+    fn finish_unicast_builder(&mut self, target: usize) {
+        if let Some(builder) = self.unicast.get_mut(target).and_then(Option::take) {
+            finish_builder(builder, Target::Unicast(target), &self.handle.shared);
+        }
+    }
+
+    fn finish_unicast_builders(&mut self) {
+        for target in 0..self.unicast.len() {
+            self.finish_unicast_builder(target);
+        }
+    }
+
+    fn finish_broadcast_builder(&mut self) {
+        if let Some(builder) = self.broadcast.take() {
+            finish_builder(builder, Target::Broadcast, &self.handle.shared);
+        }
+    }
+}
+
+impl Drop for ResultPartition {
+    fn drop(&mut self) {
+        // Queued data stays readable; readers learn that the tail buffers are complete.
+        self.finish_unicast_builders();
+        self.finish_broadcast_builder();
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    Unicast(usize),
+    Broadcast,
+}
+
+/// Finishes a builder and tells the subpartition(s) reading it.
+fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &PartitionShared) {
+    let bytes = builder.finish();
+    drop(builder);
+    shared.metrics.num_buffers_out.add(1);
+    shared.metrics.num_bytes_out.add(bytes as u64);
+    match target {
+        Target::Unicast(index) => shared.subpartitions[index].on_data_finished(),
+        Target::Broadcast => shared
+            .subpartitions
+            .iter()
+            .for_each(|s| s.on_data_finished()),
+    }
+}
+
+/// Waits for a builder as long as it takes (Flink's writer blocks on back pressure too);
+/// returns early when the pool is destroyed (partition released).
+fn request_blocking(
+    pool: &LocalBufferPool,
+    channel: usize,
+    recheck: Duration,
+) -> Result<BufferBuilder, PartitionError> {
+    loop {
+        match pool.request_buffer_builder_blocking(channel, recheck) {
+            Ok(builder) => return Ok(builder),
+            Err(PoolError::Timeout(_)) => continue,
+            Err(PoolError::Destroyed) => return Err(PartitionError::Released),
+            Err(other) => return Err(other.into()),
+        }
+    }
+}
+
+/// Serialization target: one subpartition's builder or the broadcast builder.
+struct PartitionSink<'a> {
+    slot: &'a mut Option<BufferBuilder>,
+    target: Target,
+    pool: &'a LocalBufferPool,
+    shared: &'a PartitionShared,
+    request_timeout: Duration,
+}
+
+impl SegmentSink for PartitionSink<'_> {
+    #[inline]
+    fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError> {
+        if self.slot.as_ref().is_some_and(|b| b.is_full()) {
+            let full = self.slot.take().expect("checked");
+            finish_builder(full, self.target, self.shared);
+        }
+        if self.slot.is_none() {
+            let channel = match self.target {
+                Target::Unicast(index) => index,
+                Target::Broadcast => UNACCOUNTED,
+            };
+            let builder = request_blocking(self.pool, channel, self.request_timeout)
+                .map_err(|_| RecordError::Pool(PoolError::Destroyed))?;
+            let consumer = builder.create_consumer_from_beginning();
+            let queued = match self.target {
+                Target::Unicast(index) => self.shared.subpartitions[index].add_data(consumer),
+                Target::Broadcast => {
+                    let mut result = Ok(());
+                    for subpartition in self.shared.subpartitions.iter() {
+                        result = result.and(subpartition.add_data(consumer.copy()));
+                    }
+                    result
+                }
+            };
+            queued.map_err(|_| RecordError::Pool(PoolError::Destroyed))?;
+            *self.slot = Some(builder);
+        }
+        Ok(self.slot.as_mut().expect("set above"))
+    }
+
+    #[inline]
+    fn commit(&mut self) {
+        if let Some(builder) = self.slot.as_mut() {
+            builder.commit();
+        }
+    }
+}

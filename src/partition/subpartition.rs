@@ -1,0 +1,413 @@
+//! One pipelined subpartition: the queue between the producer's builders and one reader.
+//!
+//! Flink guards its `PrioritizedDeque` with a lock. Here the queue is two bounded lock-free
+//! lanes (data and priority) with one producer (the partition's writer, plus the output
+//! flusher for `flush`) and one reader (the [`SubpartitionView`]). The reader keeps the head
+//! consumer it is reading; only the last consumer in the data lane may be unfinished.
+//!
+//! Wake-ups: the reader sets `reader_waiting` when it finds nothing, then looks once more; the
+//! producer makes data readable, then checks the flag. With a SeqCst fence on both sides
+//! (Dekker's pattern) either the reader sees the data or the producer sees the flag, so no
+//! wake-up is lost, and only the side that clears the flag notifies: exactly one notification
+//! per nothing-to-read → something-to-read transition.
+
+use std::fmt;
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
+use crossbeam_queue::ArrayQueue;
+
+use super::{AvailabilityListener, BufferAndBacklog, PartitionError};
+use crate::buffer::{BufferConsumer, DataType};
+use crate::sync::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+/// A priority item and how many data-lane items had been enqueued when it was added.
+struct PriorityItem {
+    consumer: BufferConsumer,
+    data_enqueued: u64,
+}
+
+/// The shared state of one subpartition (producer side and reader side meet here).
+pub(crate) struct PipelinedSubpartition {
+    index: usize,
+    data: ArrayQueue<BufferConsumer>,
+    priority: ArrayQueue<PriorityItem>,
+    /// Items pushed to the data lane so far (written by the producer only).
+    data_enqueued: AtomicU64,
+    /// Finished data buffers not yet fully taken by the reader.
+    backlog: AtomicUsize,
+    /// Events in the data lane not yet taken.
+    queued_events: AtomicUsize,
+    flush_requested: AtomicBool,
+    finished: AtomicBool,
+    released: AtomicBool,
+    reader_waiting: AtomicBool,
+    view_taken: AtomicBool,
+    listener: ArcSwapOption<ListenerSlot>,
+}
+
+struct ListenerSlot(Arc<dyn AvailabilityListener>);
+
+impl fmt::Debug for PipelinedSubpartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PipelinedSubpartition")
+            .field("index", &self.index)
+            .field("backlog", &self.backlog.load(Ordering::Relaxed))
+            .field("finished", &self.finished.load(Ordering::Relaxed))
+            .field("released", &self.released.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl PipelinedSubpartition {
+    /// A subpartition whose lanes hold up to `capacity` items each. Every item holds a distinct
+    /// segment of the partition's pool, so the pool's maximum is a bound no push can exceed.
+    pub(crate) fn new(index: usize, capacity: usize) -> Self {
+        Self {
+            index,
+            data: ArrayQueue::new(capacity.max(1)),
+            priority: ArrayQueue::new(capacity.max(1)),
+            data_enqueued: AtomicU64::new(0),
+            backlog: AtomicUsize::new(0),
+            queued_events: AtomicUsize::new(0),
+            flush_requested: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            reader_waiting: AtomicBool::new(false),
+            view_taken: AtomicBool::new(false),
+            listener: ArcSwapOption::empty(),
+        }
+    }
+
+    // ---- producer side ----
+
+    /// Queues the consumer of a data builder the producer just started writing.
+    pub(crate) fn add_data(&self, consumer: BufferConsumer) -> Result<(), PartitionError> {
+        self.push_data(consumer)
+    }
+
+    /// The producer finished the data builder at the tail: one more complete buffer.
+    pub(crate) fn on_data_finished(&self) {
+        self.backlog.fetch_add(1, Ordering::Release);
+        self.notify_if_waiting();
+    }
+
+    /// Queues an event. A priority event goes to the priority lane and overtakes queued data.
+    pub(crate) fn add_event(
+        &self,
+        consumer: BufferConsumer,
+        priority: bool,
+    ) -> Result<(), PartitionError> {
+        if priority {
+            let item = PriorityItem {
+                consumer,
+                data_enqueued: self.data_enqueued.load(Ordering::Relaxed),
+            };
+            if self.priority.push(item).is_err() {
+                unreachable!("lanes are sized to the pool: a push cannot find them full");
+            }
+            if self.released.load(Ordering::SeqCst) {
+                self.drain();
+                return Err(PartitionError::Released);
+            }
+            self.notify_priority();
+            return Ok(());
+        }
+        self.queued_events.fetch_add(1, Ordering::Release);
+        self.push_data(consumer)?;
+        self.notify_if_waiting();
+        Ok(())
+    }
+
+    /// Makes the committed bytes of the unfinished tail buffer readable.
+    pub(crate) fn flush(&self) {
+        self.flush_requested.store(true, Ordering::Release);
+        self.notify_if_waiting();
+    }
+
+    /// Marks the end; the producer has queued EndOfPartition before.
+    pub(crate) fn mark_finished(&self) {
+        self.finished.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(Ordering::SeqCst)
+    }
+
+    /// Drops everything queued (its segments go back to the pool) and refuses more.
+    pub(crate) fn release(&self) {
+        self.released.store(true, Ordering::SeqCst);
+        self.drain();
+        self.listener.store(None);
+    }
+
+    fn push_data(&self, consumer: BufferConsumer) -> Result<(), PartitionError> {
+        if self.data.push(consumer).is_err() {
+            unreachable!("lanes are sized to the pool: a push cannot find them full");
+        }
+        self.data_enqueued.fetch_add(1, Ordering::Relaxed);
+        // A release that drained before the push landed: drain again, nothing may stay.
+        if self.released.load(Ordering::SeqCst) {
+            self.drain();
+            return Err(PartitionError::Released);
+        }
+        Ok(())
+    }
+
+    fn drain(&self) {
+        while self.data.pop().is_some() {}
+        while self.priority.pop().is_some() {}
+    }
+
+    fn notify_if_waiting(&self) {
+        // Pairs with the fence in `SubpartitionView::park`.
+        fence(Ordering::SeqCst);
+        if self.reader_waiting.load(Ordering::Relaxed)
+            && self.reader_waiting.swap(false, Ordering::AcqRel)
+        {
+            if let Some(slot) = self.listener.load().as_ref() {
+                slot.0.notify_data_available();
+            }
+        }
+    }
+
+    fn notify_priority(&self) {
+        fence(Ordering::SeqCst);
+        self.reader_waiting.store(false, Ordering::Relaxed);
+        if let Some(slot) = self.listener.load().as_ref() {
+            slot.0.notify_priority_event();
+        }
+    }
+
+    // ---- reader side ----
+
+    /// Creates the one reader of this subpartition.
+    pub(crate) fn create_view(
+        self: &Arc<Self>,
+        listener: Arc<dyn AvailabilityListener>,
+    ) -> Result<SubpartitionView, PartitionError> {
+        if self.is_released() {
+            return Err(PartitionError::Released);
+        }
+        if self.view_taken.swap(true, Ordering::AcqRel) {
+            return Err(PartitionError::ViewExists(self.index));
+        }
+        self.listener.store(Some(Arc::new(ListenerSlot(listener))));
+        let view = SubpartitionView {
+            subpartition: self.clone(),
+            head: None,
+            data_taken: 0,
+            sequence_number: 0,
+            blocked: false,
+        };
+        // A new reader starts out waiting: the producer's next readable item notifies it.
+        self.reader_waiting.store(true, Ordering::SeqCst);
+        Ok(view)
+    }
+}
+
+/// The reader of one subpartition (Flink's `PipelinedSubpartitionView`): a local input channel
+/// or the network sender drains it. Dropping it releases the subpartition (pipelined
+/// partitions are consumed once).
+pub struct SubpartitionView {
+    subpartition: Arc<PipelinedSubpartition>,
+    /// The data-lane item being read; only it may be unfinished.
+    head: Option<BufferConsumer>,
+    /// Data-lane items fully taken.
+    data_taken: u64,
+    sequence_number: u64,
+    blocked: bool,
+}
+
+impl fmt::Debug for SubpartitionView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SubpartitionView")
+            .field("subpartition", &self.subpartition.index)
+            .field("sequence_number", &self.sequence_number)
+            .field("blocked", &self.blocked)
+            .finish()
+    }
+}
+
+impl SubpartitionView {
+    /// The next buffer or event with the backlog behind it, or `None` when nothing is readable
+    /// now (the listener is then told when something is).
+    pub fn poll_next(&mut self) -> Option<BufferAndBacklog> {
+        // Bounded: a retry happens only when data arrived between the look and the park.
+        for _ in 0..2 {
+            if let Some(item) = self.take() {
+                return Some(item);
+            }
+            if !self.park() {
+                return None;
+            }
+        }
+        None
+    }
+
+    /// Whether something is readable now, and the backlog (Flink's
+    /// `getAvailabilityAndBacklog`): with no credit only an event counts as readable.
+    pub fn availability_and_backlog(&mut self, has_credit: bool) -> (bool, usize) {
+        let next = self.peek_type();
+        let available = if has_credit {
+            next != DataType::None
+        } else {
+            next.is_event()
+        };
+        (available, self.backlog())
+    }
+
+    /// Unblocks the view after a blocking-upstream item (aligned barrier) was consumed.
+    /// Returns whether something is readable now.
+    pub fn resume_consumption(&mut self) -> bool {
+        self.blocked = false;
+        self.peek_type() != DataType::None
+    }
+
+    /// Finished data buffers not yet taken (what a sender announces as backlog).
+    pub fn backlog(&self) -> usize {
+        if self.blocked {
+            return 0;
+        }
+        self.subpartition.backlog.load(Ordering::Acquire)
+    }
+
+    /// True after an aligned barrier was taken and before `resume_consumption`.
+    pub fn is_blocked(&self) -> bool {
+        self.blocked
+    }
+
+    /// True once the subpartition was released (by either side).
+    pub fn is_released(&self) -> bool {
+        self.subpartition.is_released()
+    }
+
+    /// The subpartition's index within its partition.
+    pub fn subpartition_index(&self) -> usize {
+        self.subpartition.index
+    }
+
+    /// Releases the subpartition and everything queued in it.
+    pub fn release(self) {
+        drop(self);
+    }
+
+    fn take(&mut self) -> Option<BufferAndBacklog> {
+        let sub = self.subpartition.clone();
+        if sub.is_released() || self.blocked {
+            return None;
+        }
+        if let Some(PriorityItem {
+            mut consumer,
+            data_enqueued,
+        }) = sub.priority.pop()
+        {
+            let buffer = consumer.build();
+            let overtaken = data_enqueued.saturating_sub(self.data_taken) as usize;
+            return Some(self.emit(buffer, overtaken));
+        }
+        if self.peek_data_type() == DataType::None {
+            return None;
+        }
+        let head = self.head.as_mut().expect("a readable head");
+        if !head.is_finished() {
+            // The flushed part of the unfinished tail.
+            sub.flush_requested.store(false, Ordering::Release);
+            let buffer = head.build();
+            return Some(self.emit(buffer, 0));
+        }
+        let buffer = head.build();
+        self.take_head_out();
+        Some(self.emit(buffer, 0))
+    }
+
+    /// The head was read to its end: account for it and move on.
+    fn take_head_out(&mut self) {
+        let head = self.head.take().expect("a head to take out");
+        let sub = &self.subpartition;
+        self.data_taken += 1;
+        if head.data_type().is_buffer() {
+            sub.backlog.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            sub.queued_events.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    fn emit(&mut self, buffer: crate::buffer::Buffer, overtaken: usize) -> BufferAndBacklog {
+        if buffer.data_type().is_blocking_upstream() {
+            self.blocked = true;
+        }
+        let sequence_number = self.sequence_number;
+        self.sequence_number += 1;
+        let next_data_type = self.peek_type();
+        BufferAndBacklog {
+            buffer,
+            backlog: self.backlog(),
+            next_data_type,
+            sequence_number,
+            overtaken,
+        }
+    }
+
+    /// The type of the next readable item, `DataType::None` if nothing is readable.
+    fn peek_type(&mut self) -> DataType {
+        if self.subpartition.is_released() || self.blocked {
+            return DataType::None;
+        }
+        if !self.subpartition.priority.is_empty() {
+            return DataType::PrioritizedEventBuffer;
+        }
+        self.peek_data_type()
+    }
+
+    /// The type of the next readable data-lane item; pulls it into `head`, discarding finished
+    /// empty data buffers on the way.
+    fn peek_data_type(&mut self) -> DataType {
+        loop {
+            if self.head.is_none() {
+                match self.subpartition.data.pop() {
+                    Some(consumer) => self.head = Some(consumer),
+                    None => return DataType::None,
+                }
+            }
+            let head = self.head.as_ref().expect("set above");
+            if head.is_finished() {
+                if head.data_type().is_buffer() && !head.is_data_available() {
+                    self.take_head_out();
+                    continue;
+                }
+                return head.data_type();
+            }
+            let flushed = self.subpartition.flush_requested.load(Ordering::Acquire);
+            return if flushed && head.is_data_available() {
+                head.data_type()
+            } else {
+                DataType::None
+            };
+        }
+    }
+
+    /// Registers as waiting, then looks once more. Returns true when something became
+    /// readable and this side cleared the flag itself (so no notification will come).
+    fn park(&mut self) -> bool {
+        let sub = self.subpartition.clone();
+        sub.reader_waiting.store(true, Ordering::Relaxed);
+        // Pairs with the fence in `notify_if_waiting`.
+        fence(Ordering::SeqCst);
+        if self.peek_type() != DataType::None {
+            return sub.reader_waiting.swap(false, Ordering::AcqRel);
+        }
+        false
+    }
+}
+
+impl Drop for SubpartitionView {
+    fn drop(&mut self) {
+        self.head = None;
+        self.subpartition.release();
+    }
+}

@@ -1,0 +1,240 @@
+//! `RecordWriter`: picks a subpartition per record and applies the buffer timeout.
+
+use std::fmt;
+use std::time::Duration;
+
+use super::result_partition::ResultPartition;
+use super::PartitionError;
+use crate::event::Event;
+use crate::flusher::OutputFlusher;
+use crate::record::Record;
+
+/// Where a record goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// To one subpartition.
+    Channel(usize),
+    /// To every subpartition (written once, shared).
+    Broadcast,
+}
+
+/// Picks the subpartition of each record (Flink's `ChannelSelector` / stream partitioners).
+pub trait ChannelSelector<R: ?Sized> {
+    /// Where `record` goes among `channels` subpartitions.
+    fn select(&mut self, record: &R, channels: usize) -> Selection;
+}
+
+/// Round-robin over the subpartitions (Flink's rebalance partitioner).
+#[derive(Clone, Debug, Default)]
+pub struct RoundRobinSelector {
+    next: usize,
+}
+
+impl RoundRobinSelector {
+    /// Starts at `first` (Flink starts at a random channel so producers spread out).
+    pub fn starting_at(first: usize) -> Self {
+        Self { next: first }
+    }
+}
+
+impl<R: ?Sized> ChannelSelector<R> for RoundRobinSelector {
+    #[inline]
+    fn select(&mut self, _record: &R, channels: usize) -> Selection {
+        let channel = self.next % channels;
+        self.next = channel + 1;
+        Selection::Channel(channel)
+    }
+}
+
+/// Every record to every subpartition.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BroadcastSelector;
+
+impl<R: ?Sized> ChannelSelector<R> for BroadcastSelector {
+    fn select(&mut self, _record: &R, _channels: usize) -> Selection {
+        Selection::Broadcast
+    }
+}
+
+/// Every record to subpartition 0 (a one-to-one forward connection).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardSelector;
+
+impl<R: ?Sized> ChannelSelector<R> for ForwardSelector {
+    fn select(&mut self, _record: &R, _channels: usize) -> Selection {
+        Selection::Channel(0)
+    }
+}
+
+/// By key, as Flink's `KeyGroupStreamPartitioner`: key hash → key group (of
+/// `max_parallelism`) → channel, so a key always goes to the same channel and rescaling moves
+/// whole key groups.
+pub struct KeyHashSelector<F> {
+    key_hash: F,
+    max_parallelism: usize,
+}
+
+impl<F> fmt::Debug for KeyHashSelector<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyHashSelector")
+            .field("max_parallelism", &self.max_parallelism)
+            .finish()
+    }
+}
+
+impl<F> KeyHashSelector<F> {
+    /// `key_hash` hashes a record's key; `max_parallelism` is the number of key groups
+    /// (Flink's default is 128).
+    pub fn new(key_hash: F, max_parallelism: usize) -> Self {
+        Self {
+            key_hash,
+            max_parallelism: max_parallelism.max(1),
+        }
+    }
+
+    /// The key group of a key hash (a murmur finalizer spreads poor hashes first).
+    pub fn key_group(&self, hash: u64) -> usize {
+        let mut h = hash;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^= h >> 33;
+        (h % self.max_parallelism as u64) as usize
+    }
+}
+
+impl<R: ?Sized, F: FnMut(&R) -> u64> ChannelSelector<R> for KeyHashSelector<F> {
+    #[inline]
+    fn select(&mut self, record: &R, channels: usize) -> Selection {
+        let hash = (self.key_hash)(record);
+        let group = self.key_group(hash);
+        Selection::Channel(group * channels / self.max_parallelism)
+    }
+}
+
+/// When partly filled buffers become readable (Flink's `execution.buffer-timeout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufferTimeout {
+    /// `-1`: only full buffers and events are readable.
+    Never,
+    /// `0`: flush after every record (lowest latency).
+    Always,
+    /// `N ms`: a flusher makes data readable at most this long after it was written.
+    Every(Duration),
+}
+
+impl BufferTimeout {
+    /// From Flink's millisecond value: -1, 0 or a positive interval.
+    pub fn from_millis(millis: i64) -> Self {
+        match millis {
+            i64::MIN..=-1 => BufferTimeout::Never,
+            0 => BufferTimeout::Always,
+            n => BufferTimeout::Every(Duration::from_millis(n as u64)),
+        }
+    }
+}
+
+/// Writes records into a [`ResultPartition`] through a [`ChannelSelector`], applying the
+/// buffer timeout (Flink's `RecordWriter`).
+pub struct RecordWriter<S> {
+    partition: ResultPartition,
+    selector: S,
+    flush_always: bool,
+    _flusher: Option<OutputFlusher>,
+}
+
+impl<S> fmt::Debug for RecordWriter<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecordWriter")
+            .field("partition", &self.partition)
+            .field("flush_always", &self.flush_always)
+            .finish()
+    }
+}
+
+impl<S> RecordWriter<S> {
+    /// A writer over `partition`; with `BufferTimeout::Every` it starts an output flusher
+    /// thread that stops when the writer drops.
+    pub fn new(partition: ResultPartition, selector: S, timeout: BufferTimeout) -> Self {
+        let flusher = match timeout {
+            BufferTimeout::Every(interval) => {
+                Some(OutputFlusher::start(partition.handle(), interval))
+            }
+            _ => None,
+        };
+        Self {
+            partition,
+            selector,
+            flush_always: timeout == BufferTimeout::Always,
+            _flusher: flusher,
+        }
+    }
+
+    /// Emits `record` to the subpartition(s) the selector picks.
+    #[inline]
+    pub fn emit<R: Record + ?Sized>(&mut self, record: &R) -> Result<(), PartitionError>
+    where
+        S: ChannelSelector<R>,
+    {
+        let channels = self.partition.subpartition_count();
+        match self.selector.select(record, channels) {
+            Selection::Channel(target) => {
+                self.partition.emit_record(record, target)?;
+                if self.flush_always {
+                    self.partition.flush(target);
+                }
+            }
+            Selection::Broadcast => {
+                self.partition.broadcast_record(record)?;
+                if self.flush_always {
+                    self.partition.flush_all();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Emits without blocking the thread while waiting for the first buffer.
+    pub async fn emit_async<R: Record + ?Sized>(&mut self, record: &R) -> Result<(), PartitionError>
+    where
+        S: ChannelSelector<R>,
+    {
+        let channels = self.partition.subpartition_count();
+        match self.selector.select(record, channels) {
+            Selection::Channel(target) => {
+                self.partition.emit_record_async(record, target).await?;
+                if self.flush_always {
+                    self.partition.flush(target);
+                }
+                Ok(())
+            }
+            Selection::Broadcast => self.emit(record),
+        }
+    }
+
+    /// Queues an event in every subpartition (priority: ahead of queued data).
+    pub fn broadcast_event(&mut self, event: &Event, priority: bool) -> Result<(), PartitionError> {
+        self.partition.broadcast_event(event, priority)
+    }
+
+    /// Makes everything written so far readable.
+    pub fn flush_all(&mut self) {
+        self.partition.flush_all();
+    }
+
+    /// Ends the partition (EndOfPartition everywhere).
+    pub fn finish(&mut self) -> Result<(), PartitionError> {
+        self.partition.finish()
+    }
+
+    /// The partition written to.
+    pub fn partition(&self) -> &ResultPartition {
+        &self.partition
+    }
+
+    /// The partition written to, mutably.
+    pub fn partition_mut(&mut self) -> &mut ResultPartition {
+        &mut self.partition
+    }
+}
