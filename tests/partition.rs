@@ -1,0 +1,494 @@
+//! The producer side: what a subpartition view returns, when its listener hears of it, and
+//! where every segment goes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use fluxgate::buffer::{DataType, NetworkBufferPool};
+use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+use fluxgate::partition::{
+    AvailabilityListener, BufferAndBacklog, BufferTimeout, KeyHashSelector, PartitionError,
+    PartitionManager, RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector,
+    SubpartitionView,
+};
+use fluxgate::record::RecordDeserializer;
+use fluxgate::NetworkConfig;
+
+const LONG: Duration = Duration::from_secs(20);
+const ID: ResultPartitionId = ResultPartitionId {
+    partition: 1,
+    producer: 7,
+};
+
+fn setup(segments: usize) -> (NetworkBufferPool, NetworkConfig) {
+    let mut config = NetworkConfig::default();
+    config
+        .set("taskmanager.memory.segment-size", "4kb")
+        .unwrap();
+    config
+        .set(
+            "taskmanager.memory.network.max",
+            &(segments * 4096).to_string(),
+        )
+        .unwrap();
+    config.set("fluxgate.memory.arena-size", "256kb").unwrap();
+    (NetworkBufferPool::new(&config).unwrap(), config)
+}
+
+/// Counts notifications and lets a thread wait for the next one.
+#[derive(Default)]
+struct Signal {
+    count: Mutex<usize>,
+    cond: Condvar,
+    priority: AtomicUsize,
+}
+
+impl Signal {
+    fn notifications(&self) -> usize {
+        *self.count.lock().unwrap()
+    }
+
+    /// Waits until more than `seen` notifications arrived; false after `LONG`.
+    fn wait_beyond(&self, seen: usize) -> bool {
+        let guard = self.count.lock().unwrap();
+        let (guard, _) = self
+            .cond
+            .wait_timeout_while(guard, LONG, |count| *count <= seen)
+            .unwrap();
+        *guard > seen
+    }
+}
+
+impl AvailabilityListener for Signal {
+    fn notify_data_available(&self) {
+        *self.count.lock().unwrap() += 1;
+        self.cond.notify_all();
+    }
+
+    fn notify_priority_event(&self) {
+        self.priority.fetch_add(1, Ordering::SeqCst);
+        self.notify_data_available();
+    }
+}
+
+fn view(partition: &ResultPartition, index: usize) -> (SubpartitionView, Arc<Signal>) {
+    let signal = Arc::new(Signal::default());
+    let view = partition
+        .handle()
+        .create_view(index, signal.clone())
+        .unwrap();
+    (view, signal)
+}
+
+fn records_of(item: &BufferAndBacklog) -> Vec<Vec<u8>> {
+    assert_eq!(item.buffer.data_type(), DataType::DataBuffer);
+    let mut reader = RecordDeserializer::new(1 << 20);
+    reader.set_next_buffer(item.buffer.clone()).unwrap();
+    let mut out = Vec::new();
+    while let Some(r) = reader.next_record().unwrap() {
+        out.push(r.to_vec());
+    }
+    out
+}
+
+#[test]
+fn partial_buffers_are_readable_only_after_a_flush_and_the_listener_hears_once() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition.emit_record(&b"one"[..], 0).unwrap();
+    partition.emit_record(&b"two"[..], 0).unwrap();
+    assert!(view.poll_next().is_none(), "unflushed data is not readable");
+    assert_eq!(signal.notifications(), 0);
+    partition.flush(0);
+    assert_eq!(signal.notifications(), 1);
+    partition.flush(0);
+    assert_eq!(
+        signal.notifications(),
+        1,
+        "no second notification before the reader looks"
+    );
+    let item = view.poll_next().unwrap();
+    assert_eq!(records_of(&item), vec![b"one".to_vec(), b"two".to_vec()]);
+    assert_eq!(item.sequence_number, 0);
+    assert!(view.poll_next().is_none());
+    partition.emit_record(&b"three"[..], 0).unwrap();
+    partition.flush(0);
+    assert_eq!(
+        signal.notifications(),
+        2,
+        "empty → readable again notifies again"
+    );
+    let item = view.poll_next().unwrap();
+    assert_eq!(records_of(&item), vec![b"three".to_vec()]);
+    assert_eq!(
+        item.buffer.offset(),
+        14,
+        "the same segment, read on from where it stopped"
+    );
+    assert_eq!(item.sequence_number, 1);
+}
+
+#[test]
+fn full_buffers_are_readable_with_backlog_and_consecutive_sequence_numbers() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let record = [9u8; 1020]; // 1024 bytes with its prefix: 4 per segment
+    for _ in 0..12 {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    // 12 records fill 3 segments exactly; the third is finished when the 13th needs room.
+    partition.emit_record(&record[..], 0).unwrap();
+    assert_eq!(
+        signal.notifications(),
+        1,
+        "notified at the first finished buffer only"
+    );
+    let mut sequence = Vec::new();
+    let mut backlogs = Vec::new();
+    while let Some(item) = view.poll_next() {
+        assert_eq!(records_of(&item).len(), 4);
+        sequence.push(item.sequence_number);
+        backlogs.push(item.backlog);
+    }
+    assert_eq!(sequence, vec![0, 1, 2]);
+    assert_eq!(backlogs, vec![2, 1, 0]);
+    let metrics = partition.handle();
+    assert_eq!(metrics.metrics().num_buffers_out.get(), 3);
+    assert_eq!(metrics.metrics().num_records_out.get(), 13);
+}
+
+fn barrier(id: u64, alignment: Alignment) -> Event {
+    Event::CheckpointBarrier(CheckpointBarrier {
+        id,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment,
+    })
+}
+
+#[test]
+fn an_unaligned_barrier_overtakes_queued_data_and_says_how_much() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let record = [1u8; 2044]; // two records per 4 KiB segment
+    for _ in 0..6 {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    partition
+        .broadcast_event(&barrier(3, Alignment::Unaligned), true)
+        .unwrap();
+    assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
+    let first = view.poll_next().unwrap();
+    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
+    assert_eq!(
+        Event::decode(first.buffer.as_slice()).unwrap(),
+        barrier(3, Alignment::Unaligned)
+    );
+    assert_eq!(first.sequence_number, 0);
+    assert_eq!(
+        first.overtaken, 3,
+        "three data buffers were queued before it"
+    );
+    assert_eq!(first.next_data_type, DataType::DataBuffer);
+    let rest: Vec<_> = std::iter::from_fn(|| view.poll_next()).collect();
+    assert_eq!(rest.len(), 3);
+    assert!(rest.iter().all(|i| i.overtaken == 0));
+    assert_eq!(
+        rest.iter().map(|i| i.sequence_number).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+}
+
+#[test]
+fn an_aligned_barrier_keeps_its_place_and_blocks_until_resumed() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&b"before"[..], 0).unwrap();
+    partition
+        .broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    partition.flush(0);
+    let before = view.poll_next().unwrap();
+    assert_eq!(records_of(&before), vec![b"before".to_vec()]);
+    assert_eq!(before.next_data_type, DataType::AlignedCheckpointBarrier);
+    let barrier_item = view.poll_next().unwrap();
+    assert_eq!(
+        barrier_item.buffer.data_type(),
+        DataType::AlignedCheckpointBarrier
+    );
+    assert!(view.is_blocked());
+    assert!(
+        view.poll_next().is_none(),
+        "blocked until resume_consumption"
+    );
+    assert_eq!(view.availability_and_backlog(true), (false, 0));
+    assert!(view.resume_consumption());
+    let after = view.poll_next().unwrap();
+    assert_eq!(records_of(&after), vec![b"after".to_vec()]);
+}
+
+#[test]
+fn without_credit_only_an_event_counts_as_available() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&b"data"[..], 0).unwrap();
+    partition.flush(0);
+    assert!(!view.availability_and_backlog(false).0);
+    assert!(view.availability_and_backlog(true).0);
+    view.poll_next().unwrap();
+    partition
+        .broadcast_event(&Event::CancelCheckpointMarker(4), false)
+        .unwrap();
+    assert!(view.availability_and_backlog(false).0);
+}
+
+#[test]
+fn finish_ends_with_end_of_partition_and_refuses_more_records() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (mut a, _) = view(&partition, 0);
+    let (mut b, _) = view(&partition, 1);
+    partition.emit_record(&b"x"[..], 1).unwrap();
+    partition.finish().unwrap();
+    assert_eq!(
+        partition.emit_record(&b"late"[..], 0).unwrap_err(),
+        PartitionError::Finished
+    );
+    let end = a.poll_next().unwrap();
+    assert_eq!(
+        Event::decode(end.buffer.as_slice()).unwrap(),
+        Event::EndOfPartition
+    );
+    assert_eq!(records_of(&b.poll_next().unwrap()), vec![b"x".to_vec()]);
+    let end = b.poll_next().unwrap();
+    assert_eq!(
+        Event::decode(end.buffer.as_slice()).unwrap(),
+        Event::EndOfPartition
+    );
+    assert!(partition.handle().is_finished());
+}
+
+#[test]
+fn releasing_returns_every_segment_even_with_data_queued() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 3, &network, &config).unwrap();
+    let (view, _) = view(&partition, 1);
+    for i in 0..40 {
+        partition.emit_record(&[i as u8; 700][..], i % 3).unwrap();
+    }
+    partition
+        .broadcast_event(&barrier(1, Alignment::Unaligned), true)
+        .unwrap();
+    drop(view);
+    partition.release();
+    assert_eq!(
+        partition.emit_record(&b"x"[..], 0).unwrap_err(),
+        PartitionError::Released
+    );
+    drop(partition);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn dropping_the_producer_keeps_queued_data_readable() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _) = view(&partition, 0);
+    partition.emit_record(&b"kept"[..], 0).unwrap();
+    drop(partition);
+    assert_eq!(
+        records_of(&view.poll_next().unwrap()),
+        vec![b"kept".to_vec()]
+    );
+    drop(view);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn the_manager_finds_partitions_and_allows_one_view_per_subpartition() {
+    let (network, config) = setup(64);
+    let manager = PartitionManager::new();
+    let signal: Arc<dyn AvailabilityListener> = Arc::new(Signal::default());
+    assert_eq!(
+        manager.create_view(ID, 0, signal.clone()).unwrap_err(),
+        PartitionError::PartitionNotFound(ID)
+    );
+    let partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    manager.register(partition.handle()).unwrap();
+    assert_eq!(
+        manager.register(partition.handle()).unwrap_err(),
+        PartitionError::DuplicatePartition(ID)
+    );
+    let _view = manager.create_view(ID, 0, signal.clone()).unwrap();
+    assert_eq!(
+        manager.create_view(ID, 0, signal.clone()).unwrap_err(),
+        PartitionError::ViewExists(0)
+    );
+    assert!(matches!(
+        manager.create_view(ID, 5, signal.clone()).unwrap_err(),
+        PartitionError::NoSuchSubpartition { index: 5, count: 2 }
+    ));
+    manager.release(ID).unwrap();
+    assert!(manager.is_empty());
+}
+
+#[test]
+fn broadcast_records_share_one_segment_across_subpartitions() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 3, &network, &config).unwrap();
+    let mut views: Vec<_> = (0..3).map(|i| view(&partition, i).0).collect();
+    partition.broadcast_record(&b"everyone"[..]).unwrap();
+    partition.flush_all();
+    let items: Vec<_> = views.iter_mut().map(|v| v.poll_next().unwrap()).collect();
+    for item in &items {
+        assert_eq!(records_of(item), vec![b"everyone".to_vec()]);
+        assert_eq!(item.buffer.segment_index(), items[0].buffer.segment_index());
+    }
+}
+
+#[test]
+fn selectors_spread_round_robin_and_keep_keys_together() {
+    let (network, config) = setup(128);
+    let partition = ResultPartition::new(ID, 4, &network, &config).unwrap();
+    let mut views: Vec<_> = (0..4).map(|i| view(&partition, i).0).collect();
+    let mut writer = RecordWriter::new(
+        partition,
+        RoundRobinSelector::default(),
+        BufferTimeout::Always,
+    );
+    for i in 0..8u64 {
+        writer.emit(&i).unwrap();
+    }
+    for (channel, view) in views.iter_mut().enumerate() {
+        let got: Vec<_> = std::iter::from_fn(|| view.poll_next())
+            .flat_map(|item| records_of(&item))
+            .collect();
+        let expected: Vec<_> = [channel as u64, channel as u64 + 4]
+            .iter()
+            .map(|v| v.to_be_bytes().to_vec())
+            .collect();
+        assert_eq!(got, expected);
+    }
+
+    let id = ResultPartitionId {
+        partition: 2,
+        producer: 7,
+    };
+    let partition = ResultPartition::new(id, 4, &network, &config).unwrap();
+    let mut views: Vec<_> = (0..4).map(|i| view(&partition, i).0).collect();
+    let by_key = KeyHashSelector::new(|r: &[u8]| u64::from(r[0]), 128);
+    let mut writer = RecordWriter::new(partition, by_key, BufferTimeout::Never);
+    for i in 0..64u8 {
+        writer.emit(&[i % 8, i][..]).unwrap();
+    }
+    writer.flush_all();
+    let mut channel_of_key = [None; 8];
+    for (channel, view) in views.iter_mut().enumerate() {
+        for item in std::iter::from_fn(|| view.poll_next()) {
+            for record in records_of(&item) {
+                let previous = channel_of_key[record[0] as usize].replace(channel);
+                assert!(previous.is_none() || previous == Some(channel), "key split");
+            }
+        }
+    }
+    assert!(channel_of_key.iter().all(Option::is_some));
+}
+
+#[test]
+fn the_output_flusher_makes_data_readable_without_an_explicit_flush() {
+    let (network, config) = setup(64);
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let mut writer = RecordWriter::new(
+        partition,
+        RoundRobinSelector::default(),
+        BufferTimeout::from_millis(5),
+    );
+    writer.emit(&b"soon"[..]).unwrap();
+    assert!(signal.wait_beyond(0), "the flusher never flushed");
+    assert_eq!(
+        records_of(&view.poll_next().unwrap()),
+        vec![b"soon".to_vec()]
+    );
+}
+
+#[test]
+fn a_slow_consumer_backpressures_the_producer_within_the_pool() {
+    let (network, config) = setup(64);
+    let partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let handle = partition.handle();
+    let (mut view, signal) = view(&partition, 0);
+    let max = partition.pool().spec().max_segments;
+    const RECORDS: u64 = 20_000;
+    let (done_tx, done_rx) = mpsc::channel();
+    thread::scope(|s| {
+        let producer = s.spawn(move || {
+            let mut writer = RecordWriter::new(
+                partition,
+                fluxgate::partition::ForwardSelector,
+                BufferTimeout::Never,
+            );
+            let mut peak_in_use = 0;
+            let mut peak_of_channel = 0;
+            for i in 0..RECORDS {
+                writer.emit(&[i as u8; 100][..]).unwrap();
+                let pool = writer.partition().pool();
+                peak_in_use = peak_in_use.max(pool.in_use_segments());
+                peak_of_channel = peak_of_channel.max(pool.segments_of(0));
+            }
+            writer.finish().unwrap();
+            done_tx.send((peak_in_use, peak_of_channel)).unwrap();
+        });
+        let mut records = 0u64;
+        let mut reader = RecordDeserializer::new(1 << 20);
+        let mut seen = 0;
+        let mut expected_sequence = 0;
+        'read: for _ in 0..1_000_000 {
+            match view.poll_next() {
+                Some(item) => {
+                    assert_eq!(item.sequence_number, expected_sequence);
+                    expected_sequence += 1;
+                    if item.buffer.data_type() != DataType::DataBuffer {
+                        assert_eq!(
+                            Event::decode(item.buffer.as_slice()).unwrap(),
+                            Event::EndOfPartition
+                        );
+                        break 'read;
+                    }
+                    reader.set_next_buffer(item.buffer).unwrap();
+                    while let Some(r) = reader.next_record().unwrap() {
+                        assert_eq!(r, &[records as u8; 100][..]);
+                        records += 1;
+                    }
+                }
+                None => {
+                    assert!(signal.wait_beyond(seen), "producer stalled: lost wake-up");
+                    seen = signal.notifications();
+                }
+            }
+        }
+        assert_eq!(records, RECORDS);
+        let (peak_in_use, peak_of_channel) = done_rx.recv_timeout(LONG).unwrap();
+        assert!(
+            peak_in_use <= max,
+            "pool usage {peak_in_use} over its max {max}"
+        );
+        assert!(peak_of_channel <= config.max_buffers_per_channel);
+        producer.join().unwrap();
+    });
+    drop(view);
+    assert!(
+        !handle.is_released(),
+        "subpartition 1 still holds its EndOfPartition"
+    );
+    handle.release();
+    assert_eq!(network.available_segments(), network.total_segments());
+}
