@@ -306,6 +306,15 @@ impl SubpartitionView {
             data_enqueued,
         }) = sub.priority.pop()
         {
+            // The producer finished every builder before queueing the event, so a head already
+            // read to its end is done: it is not among the overtaken.
+            if self
+                .head
+                .as_ref()
+                .is_some_and(|h| h.is_finished() && !h.is_data_available())
+            {
+                self.take_head_out();
+            }
             let buffer = consumer.build();
             let overtaken = data_enqueued.saturating_sub(self.data_taken) as usize;
             return Some(self.emit(buffer, overtaken));
