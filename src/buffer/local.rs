@@ -211,9 +211,9 @@ impl LocalBufferPool {
         }
     }
 
-    /// A segment now, or else `listener` is registered and gets the next free one through
-    /// [`BufferListener::on_segment_available`]. The listener may stay registered even when a
-    /// segment is returned here; it may reject what it no longer needs.
+    /// A segment now (`Some`, the listener is *not* registered), or else (`None`) `listener`
+    /// is registered and gets the next free segment through
+    /// [`BufferListener::on_segment_available`].
     pub fn request_segment_or_listen(
         &self,
         listener: &Arc<dyn BufferListener>,
@@ -227,9 +227,9 @@ impl LocalBufferPool {
             .push(listener.clone())
             .map_err(|_| PoolError::TooManyListeners)?;
         // A segment recycled between the first attempt and the registration went to the free
-        // list, not to the listener: look once more.
+        // list, not to a listener: hand it to the listeners now.
         if let Some(segment) = shared.take(NO_CHANNEL)? {
-            return Ok(Some(PooledSegment::new(shared.clone(), segment)));
+            shared.place(segment);
         }
         if shared.destroyed.load(Ordering::SeqCst) {
             return Err(PoolError::Destroyed);

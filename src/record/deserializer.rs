@@ -20,7 +20,18 @@ pub struct RecordDeserializer {
     /// Length of the record being assembled in `scratch`, if any.
     spanning: Option<usize>,
     scratch: Vec<u8>,
+    /// Where the record found by the last successful `advance` lies.
+    current: Option<Location>,
     max_record_bytes: usize,
+}
+
+/// Where a complete record lies.
+#[derive(Clone, Copy, Debug)]
+enum Location {
+    /// `start..start + len` of the current buffer.
+    Buffer { start: usize, len: usize },
+    /// The whole scratch vector (a record that spanned buffers).
+    Scratch,
 }
 
 impl RecordDeserializer {
@@ -33,6 +44,7 @@ impl RecordDeserializer {
             prefix_len: 0,
             spanning: None,
             scratch: Vec::new(),
+            current: None,
             max_record_bytes,
         }
     }
@@ -51,15 +63,27 @@ impl RecordDeserializer {
     /// The next complete record, or `Ok(None)` when the current buffer is used up (it is then
     /// released) and the next one is needed.
     pub fn next_record(&mut self) -> Result<Option<&[u8]>, RecordError> {
+        Ok(if self.advance()? {
+            Some(self.current_record())
+        } else {
+            None
+        })
+    }
+
+    /// Moves to the next complete record (then read it with
+    /// [`current_record`](Self::current_record)); `Ok(false)` when the current buffer is used
+    /// up (it is then released) and the next one is needed. The split from `next_record` lets
+    /// a caller loop over channels without holding a borrow across iterations.
+    pub fn advance(&mut self) -> Result<bool, RecordError> {
+        self.current = None;
         loop {
             let Some(buffer) = self.buffer.as_ref() else {
-                return Ok(None);
+                return Ok(false);
             };
-            let data = buffer.as_slice();
-            let rest = &data[self.position..];
+            let rest = &buffer.as_slice()[self.position..];
             if rest.is_empty() {
                 self.buffer = None;
-                return Ok(None);
+                return Ok(false);
             }
             if let Some(len) = self.spanning {
                 let take = (len - self.scratch.len()).min(rest.len());
@@ -67,19 +91,19 @@ impl RecordDeserializer {
                 self.position += take;
                 if self.scratch.len() == len {
                     self.spanning = None;
-                    return Ok(Some(&self.scratch));
+                    self.current = Some(Location::Scratch);
+                    return Ok(true);
                 }
                 continue;
             }
             if self.prefix_len == 0 && rest.len() >= LENGTH_PREFIX {
                 // The common case: the prefix is whole in this buffer.
                 let len = self.checked_len([rest[0], rest[1], rest[2], rest[3]])?;
-                let body = &rest[LENGTH_PREFIX..];
-                if body.len() >= len {
+                if rest.len() - LENGTH_PREFIX >= len {
                     let start = self.position + LENGTH_PREFIX;
                     self.position = start + len;
-                    let buffer = self.buffer.as_ref().expect("checked above");
-                    return Ok(Some(&buffer.as_slice()[start..start + len]));
+                    self.current = Some(Location::Buffer { start, len });
+                    return Ok(true);
                 }
                 self.position += LENGTH_PREFIX;
                 self.begin_spanning(len);
@@ -96,9 +120,22 @@ impl RecordDeserializer {
                 self.begin_spanning(len);
                 if len == 0 {
                     self.spanning = None;
-                    return Ok(Some(&self.scratch[..0]));
+                    self.current = Some(Location::Scratch);
+                    return Ok(true);
                 }
             }
+        }
+    }
+
+    /// The record found by the last successful [`advance`](Self::advance); empty if none.
+    pub fn current_record(&self) -> &[u8] {
+        match self.current {
+            Some(Location::Buffer { start, len }) => match self.buffer.as_ref() {
+                Some(buffer) => &buffer.as_slice()[start..start + len],
+                None => &[],
+            },
+            Some(Location::Scratch) => &self.scratch,
+            None => &[],
         }
     }
 
@@ -125,6 +162,7 @@ impl RecordDeserializer {
 
     /// Drops the current buffer and any partial record (channel released).
     pub fn clear(&mut self) {
+        self.current = None;
         self.buffer = None;
         self.position = 0;
         self.prefix_len = 0;

@@ -1,0 +1,153 @@
+//! The gate's queue of channels with data: two bounded lock-free lanes (priority, data) of
+//! channel indexes with an "enqueued" flag per channel and lane, so a channel sits in a lane
+//! at most once, plus the wake-up of a reader waiting for any channel.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::Waker;
+use std::time::Duration;
+
+use atomic_waker::AtomicWaker;
+use crossbeam_queue::ArrayQueue;
+
+use crate::partition::AvailabilityListener;
+use crate::sync::{fence, AtomicBool, AtomicUsize, Ordering};
+
+/// Shared between the gate (its one reader) and every thread that notifies a channel.
+pub(crate) struct ChannelQueue {
+    data: ArrayQueue<u32>,
+    priority: ArrayQueue<u32>,
+    in_data: Box<[AtomicBool]>,
+    in_priority: Box<[AtomicBool]>,
+    closed: AtomicBool,
+    /// Blocked reader threads; notifiers take the lock to wake them only if non-zero.
+    waiting: AtomicUsize,
+    lock: Mutex<()>,
+    cond: Condvar,
+    waker: AtomicWaker,
+}
+
+impl fmt::Debug for ChannelQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChannelQueue")
+            .field("data", &self.data.len())
+            .field("priority", &self.priority.len())
+            .finish()
+    }
+}
+
+impl ChannelQueue {
+    pub(crate) fn new(channels: usize) -> Arc<Self> {
+        let flags = || (0..channels).map(|_| AtomicBool::new(false)).collect();
+        Arc::new(Self {
+            data: ArrayQueue::new(channels.max(1)),
+            priority: ArrayQueue::new(channels.max(1)),
+            in_data: flags(),
+            in_priority: flags(),
+            closed: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            cond: Condvar::new(),
+            waker: AtomicWaker::new(),
+        })
+    }
+
+    /// Puts `channel` at the tail of a lane unless it is already in it, and wakes a waiting
+    /// reader. Called from any thread.
+    pub(crate) fn enqueue(&self, channel: u32, priority: bool) {
+        let (lane, flags) = if priority {
+            (&self.priority, &self.in_priority)
+        } else {
+            (&self.data, &self.in_data)
+        };
+        let Some(flag) = flags.get(channel as usize) else {
+            return;
+        };
+        if flag.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if lane.push(channel).is_err() {
+            unreachable!("a lane holds each channel at most once and has room for all");
+        }
+        self.wake();
+    }
+
+    /// The next channel to read: priority lane first, then the data lane (FIFO: a channel that
+    /// still has data goes back to the tail, so none starves).
+    pub(crate) fn pop(&self) -> Option<(u32, bool)> {
+        if let Some(channel) = self.priority.pop() {
+            self.in_priority[channel as usize].store(false, Ordering::Release);
+            return Some((channel, true));
+        }
+        let channel = self.data.pop()?;
+        self.in_data[channel as usize].store(false, Ordering::Release);
+        Some((channel, false))
+    }
+
+    /// True when a channel waits in either lane.
+    pub(crate) fn has_channels(&self) -> bool {
+        !self.priority.is_empty() || !self.data.is_empty()
+    }
+
+    /// True when a channel waits in the priority lane.
+    pub(crate) fn has_priority(&self) -> bool {
+        !self.priority.is_empty()
+    }
+
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        drop(self.lock.lock().expect("not poisoned"));
+        self.cond.notify_all();
+        self.waker.wake();
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Blocks until a channel is queued, the queue is closed, or `timeout` passes.
+    pub(crate) fn wait(&self, timeout: Duration) {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let guard = self.lock.lock().expect("not poisoned");
+        // Checked under the lock a notifier must take: no wake-up slips between check and wait.
+        if !self.has_channels() && !self.is_closed() {
+            let _ = self.cond.wait_timeout(guard, timeout).expect("not poisoned");
+        }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Registers an async reader to be woken by the next enqueue. Returns true if a channel is
+    /// already queued (no need to wait).
+    pub(crate) fn register_waker(&self, waker: &Waker) -> bool {
+        // An enqueue pushes before it wakes; AtomicWaker orders a later registration after
+        // that wake, so this look sees the channel if the wake-up was missed.
+        self.waker.register(waker);
+        self.has_channels() || self.is_closed()
+    }
+
+    fn wake(&self) {
+        // Pairs with the increment of `waiting` before a reader's last look.
+        fence(Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            drop(self.lock.lock().expect("not poisoned"));
+            self.cond.notify_all();
+        }
+        self.waker.wake();
+    }
+}
+
+/// The listener a channel's data source calls: it queues the channel at the gate.
+pub(crate) struct ChannelNotifier {
+    pub(crate) queue: Arc<ChannelQueue>,
+    pub(crate) channel: u32,
+}
+
+impl AvailabilityListener for ChannelNotifier {
+    fn notify_data_available(&self) {
+        self.queue.enqueue(self.channel, false);
+    }
+
+    fn notify_priority_event(&self) {
+        self.queue.enqueue(self.channel, true);
+    }
+}
