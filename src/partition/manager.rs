@@ -6,12 +6,27 @@ use std::sync::{Arc, Mutex};
 use super::result_partition::PartitionHandle;
 use super::subpartition::SubpartitionView;
 use super::{AvailabilityListener, PartitionError, ResultPartitionId};
+use crate::event::Event;
+
+/// Receives task events that consumers send upstream to a partition's producer (Flink's
+/// `TaskEventHandler`, e.g. iteration synchronization).
+pub trait TaskEventListener: Send + Sync {
+    /// An event from a consumer of the partition.
+    fn on_task_event(&self, event: &Event);
+}
 
 /// Produced partitions of this process, by id. Registration and view creation take a lock;
 /// neither is on the per-record or per-buffer path.
 #[derive(Debug, Default)]
 pub struct PartitionManager {
     partitions: Mutex<HashMap<ResultPartitionId, PartitionHandle>>,
+    task_event_listeners: Mutex<HashMap<ResultPartitionId, Arc<dyn TaskEventListener>>>,
+}
+
+impl std::fmt::Debug for dyn TaskEventListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TaskEventListener")
+    }
 }
 
 impl PartitionManager {
@@ -60,8 +75,42 @@ impl PartitionManager {
             .expect("not poisoned")
             .remove(&id)
             .ok_or(PartitionError::PartitionNotFound(id))?;
+        self.task_event_listeners
+            .lock()
+            .expect("not poisoned")
+            .remove(&id);
         partition.release();
         Ok(())
+    }
+
+    /// Routes task events for partition `id` to its producer.
+    pub fn subscribe_task_events(
+        &self,
+        id: ResultPartitionId,
+        listener: Arc<dyn TaskEventListener>,
+    ) {
+        self.task_event_listeners
+            .lock()
+            .expect("not poisoned")
+            .insert(id, listener);
+    }
+
+    /// Delivers a consumer's task event to the producer of `id`; false when no producer
+    /// listens.
+    pub fn publish_task_event(&self, id: ResultPartitionId, event: &Event) -> bool {
+        let listener = self
+            .task_event_listeners
+            .lock()
+            .expect("not poisoned")
+            .get(&id)
+            .cloned();
+        match listener {
+            Some(listener) => {
+                listener.on_task_event(event);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Forgets partitions whose every subpartition was consumed or released.

@@ -16,7 +16,7 @@ mod result_partition;
 mod subpartition;
 mod writer;
 
-pub use manager::PartitionManager;
+pub use manager::{PartitionManager, TaskEventListener};
 pub use result_partition::{PartitionHandle, ResultPartition};
 pub use subpartition::SubpartitionView;
 pub use writer::{
