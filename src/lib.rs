@@ -29,6 +29,9 @@
 //! * [`partition`] — the producer: result partitions, pipelined subpartitions (lock-free data
 //!   and priority lanes, backlog, sequence numbers), views, the record writer and its channel
 //!   selectors, the partition manager.
+//! * [`gate`] — the consumer: single and union input gates reading channels fairly through a
+//!   lock-free queue, local channels (reading the producer's view by reference), remote
+//!   channels' credit accounting, barrier alignment, a record reader.
 //!
 //! Configuration options carry Flink's names; see [`config::NetworkConfig`].
 
@@ -36,6 +39,7 @@ pub mod buffer;
 pub mod config;
 pub mod event;
 pub mod flusher;
+pub mod gate;
 pub mod metrics;
 pub mod partition;
 pub mod record;

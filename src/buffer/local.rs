@@ -145,6 +145,11 @@ impl LocalBufferPool {
         Self { shared }
     }
 
+    /// The pool as a recycler (where segments requested from it return).
+    pub(crate) fn recycler(&self) -> Arc<dyn Recycler> {
+        self.shared.clone()
+    }
+
     /// The pool's sizes.
     pub fn spec(&self) -> LocalPoolSpec {
         self.shared.spec

@@ -15,8 +15,14 @@ mod segment;
 pub use local::{BufferListener, LocalBufferPool, LocalPoolSpec, RequestBuilder};
 pub use network::NetworkBufferPool;
 pub use segment::{
-    ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, HEADROOM,
+    ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, Segment,
+    SegmentMemory, HEADROOM,
 };
+
+/// Pieces other modules of the crate build their own recyclers from.
+pub(crate) mod segment_internals {
+    pub(crate) use super::segment::{FreeList, SegmentMemory};
+}
 
 /// What a buffer carries; the ordinal is what goes on the wire (Flink 1.18's table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

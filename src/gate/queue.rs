@@ -3,7 +3,7 @@
 //! at most once, plus the wake-up of a reader waiting for any channel.
 
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::Waker;
 use std::time::Duration;
 
@@ -25,6 +25,8 @@ pub(crate) struct ChannelQueue {
     lock: Mutex<()>,
     cond: Condvar,
     waker: AtomicWaker,
+    /// A union gate's queue, told (with this gate's index) whenever a channel is queued here.
+    parent: OnceLock<(Arc<ChannelQueue>, u32)>,
 }
 
 impl fmt::Debug for ChannelQueue {
@@ -49,6 +51,7 @@ impl ChannelQueue {
             lock: Mutex::new(()),
             cond: Condvar::new(),
             waker: AtomicWaker::new(),
+            parent: OnceLock::new(),
         })
     }
 
@@ -69,7 +72,15 @@ impl ChannelQueue {
         if lane.push(channel).is_err() {
             unreachable!("a lane holds each channel at most once and has room for all");
         }
-        self.wake();
+        match self.parent.get() {
+            Some((parent, gate)) => parent.enqueue(*gate, priority),
+            None => self.wake(),
+        }
+    }
+
+    /// Makes this gate's queue report to a union gate's queue as entry `gate`.
+    pub(crate) fn set_parent(&self, parent: Arc<ChannelQueue>, gate: u32) {
+        let _ = self.parent.set((parent, gate));
     }
 
     /// The next channel to read: priority lane first, then the data lane (FIFO: a channel that
@@ -111,7 +122,10 @@ impl ChannelQueue {
         let guard = self.lock.lock().expect("not poisoned");
         // Checked under the lock a notifier must take: no wake-up slips between check and wait.
         if !self.has_channels() && !self.is_closed() {
-            let _ = self.cond.wait_timeout(guard, timeout).expect("not poisoned");
+            let _ = self
+                .cond
+                .wait_timeout(guard, timeout)
+                .expect("not poisoned");
         }
         self.waiting.fetch_sub(1, Ordering::SeqCst);
     }

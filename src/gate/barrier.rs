@@ -1,0 +1,313 @@
+//! Checkpoint barriers at the gate (Flink's `CheckpointedInputGate` with its barrier
+//! handlers): aligned, unaligned, and cancellation.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{BufferOrEvent, GateError, GateItem, InputGate};
+use crate::buffer::Buffer;
+use crate::event::{Alignment, Event};
+
+/// How barriers are aligned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlignmentMode {
+    /// A channel that delivered barrier n is blocked until every channel did; then all resume
+    /// and the barrier is handed to the task once.
+    Aligned,
+    /// The first barrier n (through the priority lane) triggers the checkpoint at once; data
+    /// received before each channel's barrier goes to the channel-state sink, by reference.
+    Unaligned,
+}
+
+/// Receives the in-flight input data of unaligned checkpoints.
+pub trait ChannelStateSink: Send + Sync {
+    /// A buffer of `channel` that precedes its barrier of checkpoint `checkpoint_id`; the
+    /// buffer shares the segment (no copy).
+    fn add_input_data(&self, checkpoint_id: u64, channel: usize, buffer: Buffer);
+    /// Every channel's in-flight data of `checkpoint_id` was handed over.
+    fn input_complete(&self, checkpoint_id: u64);
+}
+
+/// What an unaligned checkpoint still persists of one channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Persist {
+    /// Nothing (barrier seen and its overtaken data persisted, or no checkpoint running).
+    Done,
+    /// Every data buffer until the channel's barrier arrives.
+    UntilBarrier,
+    /// This many more data buffers (the ones its barrier overtook).
+    Next(usize),
+}
+
+/// A gate whose barriers are aligned (or not) before the task sees them.
+pub struct CheckpointedInputGate<G> {
+    gate: G,
+    mode: AlignmentMode,
+    sink: Option<Arc<dyn ChannelStateSink>>,
+    /// The checkpoint being aligned or persisted.
+    current: Option<u64>,
+    /// Highest checkpoint completed or aborted: its late barriers are ignored.
+    last_done: Option<u64>,
+    barrier_seen: Vec<bool>,
+    /// Channels blocked behind an aligned barrier.
+    blocked: Vec<usize>,
+    persist: Vec<Persist>,
+}
+
+impl<G> fmt::Debug for CheckpointedInputGate<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CheckpointedInputGate")
+            .field("mode", &self.mode)
+            .field("current", &self.current)
+            .field("last_done", &self.last_done)
+            .field("blocked", &self.blocked)
+            .finish()
+    }
+}
+
+impl<G: InputGate> CheckpointedInputGate<G> {
+    /// Wraps `gate`; `sink` receives unaligned checkpoints' in-flight data.
+    pub fn new(gate: G, mode: AlignmentMode, sink: Option<Arc<dyn ChannelStateSink>>) -> Self {
+        let channels = gate.channel_count();
+        Self {
+            gate,
+            mode,
+            sink,
+            current: None,
+            last_done: None,
+            barrier_seen: vec![false; channels],
+            blocked: Vec::new(),
+            persist: vec![Persist::Done; channels],
+        }
+    }
+
+    /// The wrapped gate.
+    pub fn gate(&self) -> &G {
+        &self.gate
+    }
+
+    /// The wrapped gate, mutably.
+    pub fn gate_mut(&mut self) -> &mut G {
+        &mut self.gate
+    }
+
+    /// The checkpoint being aligned or persisted.
+    pub fn pending_checkpoint(&self) -> Option<u64> {
+        self.current
+    }
+
+    /// Channels blocked behind an aligned barrier now.
+    pub fn blocked_channels(&self) -> &[usize] {
+        &self.blocked
+    }
+
+    /// The next item the task should see, without blocking.
+    pub fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        // Bounded by what the gate can deliver now; swallowed barriers loop.
+        loop {
+            let Some(item) = self.gate.poll_next()? else {
+                return Ok(None);
+            };
+            if let Some(item) = self.handle(item)? {
+                return Ok(Some(item));
+            }
+        }
+    }
+
+    /// The next item the task should see, blocking; `Ok(None)` at the end.
+    // A blocking, fallible read (Flink's `getNext`), not an iterator: items borrow the reader.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        loop {
+            let Some(item) = self.gate.next()? else {
+                return Ok(None);
+            };
+            if let Some(item) = self.handle(item)? {
+                return Ok(Some(item));
+            }
+        }
+    }
+
+    /// Retries due partition requests of the wrapped gate.
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        self.gate.handle_timeout(now)
+    }
+
+    fn handle(&mut self, item: BufferOrEvent) -> Result<Option<BufferOrEvent>, GateError> {
+        let channel = item.channel;
+        match &item.item {
+            GateItem::Buffer(buffer) => {
+                self.persist_if_in_flight(channel, buffer);
+                Ok(Some(item))
+            }
+            GateItem::Event {
+                event: Event::CheckpointBarrier(barrier),
+                ..
+            } => {
+                let id = barrier.id;
+                let unaligned = self.mode == AlignmentMode::Unaligned
+                    && barrier.alignment == Alignment::Unaligned;
+                if unaligned {
+                    self.on_unaligned_barrier(id, channel, item.overtaken)
+                        .map(|surface| surface.then_some(item))
+                } else {
+                    self.on_aligned_barrier(id, channel)
+                        .map(|surface| surface.then_some(item))
+                }
+            }
+            GateItem::Event {
+                event: Event::CancelCheckpointMarker(id),
+                ..
+            } => {
+                let id = *id;
+                if self.last_done.is_some_and(|done| id <= done) {
+                    return Ok(None);
+                }
+                if self.current.is_some_and(|current| id >= current) {
+                    self.abort()?;
+                }
+                self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
+                Ok(Some(item))
+            }
+            GateItem::Event {
+                event: Event::EndOfPartition,
+                ..
+            } => {
+                self.persist[channel] = Persist::Done;
+                if self.current.is_some() {
+                    self.check_complete()?;
+                }
+                Ok(Some(item))
+            }
+            GateItem::Event { .. } => Ok(Some(item)),
+        }
+    }
+
+    /// Returns whether the barrier is handed to the task.
+    fn on_aligned_barrier(&mut self, id: u64, channel: usize) -> Result<bool, GateError> {
+        if self.last_done.is_some_and(|done| id <= done)
+            || self.current.is_some_and(|current| id < current)
+        {
+            // A barrier of a checkpoint already completed or aborted: let the channel go on.
+            self.gate.resume_consumption(channel)?;
+            return Ok(false);
+        }
+        if self.current.is_some_and(|current| id > current) {
+            // A newer checkpoint subsumes the one being aligned.
+            self.abort()?;
+        }
+        if self.current.is_none() {
+            self.start(id);
+        }
+        if !self.barrier_seen[channel] {
+            self.barrier_seen[channel] = true;
+            self.blocked.push(channel);
+        }
+        self.check_complete()
+    }
+
+    /// Returns whether the barrier is handed to the task (the first one of a checkpoint).
+    fn on_unaligned_barrier(
+        &mut self,
+        id: u64,
+        channel: usize,
+        overtaken: usize,
+    ) -> Result<bool, GateError> {
+        if self.last_done.is_some_and(|done| id <= done)
+            || self.current.is_some_and(|current| id < current)
+        {
+            return Ok(false);
+        }
+        if self.current.is_some_and(|current| id > current) {
+            self.abort()?;
+        }
+        let first = self.current.is_none();
+        if first {
+            self.start(id);
+            for (c, persist) in self.persist.iter_mut().enumerate() {
+                *persist = if self.gate.is_channel_finished(c) {
+                    Persist::Done
+                } else {
+                    Persist::UntilBarrier
+                };
+            }
+        }
+        self.barrier_seen[channel] = true;
+        self.persist[channel] = if overtaken > 0 {
+            Persist::Next(overtaken)
+        } else {
+            Persist::Done
+        };
+        self.check_complete()?;
+        Ok(first)
+    }
+
+    fn persist_if_in_flight(&mut self, channel: usize, buffer: &Buffer) {
+        let (Some(id), Some(sink)) = (self.current, self.sink.as_ref()) else {
+            return;
+        };
+        match self.persist[channel] {
+            Persist::Done => return,
+            Persist::UntilBarrier => {}
+            Persist::Next(n) => {
+                self.persist[channel] = if n > 1 {
+                    Persist::Next(n - 1)
+                } else {
+                    Persist::Done
+                };
+            }
+        }
+        sink.add_input_data(id, channel, buffer.clone());
+        if self.persist[channel] == Persist::Done {
+            let _ = self.check_complete();
+        }
+    }
+
+    fn start(&mut self, id: u64) {
+        self.current = Some(id);
+        self.barrier_seen.iter_mut().for_each(|seen| *seen = false);
+    }
+
+    /// Completes the current checkpoint when every open channel delivered its barrier (and,
+    /// unaligned, its in-flight data). Returns whether it completed now.
+    fn check_complete(&mut self) -> Result<bool, GateError> {
+        let Some(id) = self.current else {
+            return Ok(false);
+        };
+        let all_seen = (0..self.barrier_seen.len())
+            .all(|c| self.barrier_seen[c] || self.gate.is_channel_finished(c));
+        if !all_seen {
+            return Ok(false);
+        }
+        if self.mode == AlignmentMode::Unaligned {
+            if self.persist.iter().any(|p| *p != Persist::Done) {
+                return Ok(false);
+            }
+            if let Some(sink) = &self.sink {
+                sink.input_complete(id);
+            }
+        }
+        self.finish_checkpoint(id)?;
+        Ok(true)
+    }
+
+    fn abort(&mut self) -> Result<(), GateError> {
+        if let Some(id) = self.current {
+            self.finish_checkpoint(id)?;
+        }
+        Ok(())
+    }
+
+    fn finish_checkpoint(&mut self, id: u64) -> Result<(), GateError> {
+        self.current = None;
+        self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
+        self.persist.iter_mut().for_each(|p| *p = Persist::Done);
+        for channel in std::mem::take(&mut self.blocked) {
+            if !self.gate.is_channel_finished(channel) {
+                self.gate.resume_consumption(channel)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,286 @@
+//! Input channels: local (same process), remote (through the transport) and unknown (the
+//! producer's location is not known yet).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::queue::{ChannelNotifier, ChannelQueue};
+use super::remote::RemoteInputChannel;
+use super::{partition_error, ChannelRead, ConsumedSubpartition, GateError};
+use crate::buffer::DataType;
+use crate::event::Event;
+use crate::metrics::Counter;
+use crate::partition::{PartitionError, PartitionManager, SubpartitionView};
+
+/// Where a channel's producer runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChannelLocation {
+    /// In this process: read the subpartition view directly.
+    Local,
+    /// In another process, reached through the transport.
+    Remote,
+    /// Not known yet (lazy scheduling).
+    Unknown,
+}
+
+/// Partition-request back-off (Flink's `increaseBackoff`): 0 → initial, then doubling up to
+/// the maximum; at the maximum the next increase fails and the request gives up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    current: Duration,
+}
+
+impl Backoff {
+    /// Flink's defaults: 100 ms initial, 10 s maximum.
+    pub fn flink_default() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_secs(10))
+    }
+
+    /// A back-off from `initial` doubling to `max`.
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            current: Duration::ZERO,
+        }
+    }
+
+    /// The delay before the next retry.
+    pub fn current(&self) -> Duration {
+        self.current
+    }
+
+    /// Grows the delay; false when it already reached the maximum (give up).
+    pub fn increase(&mut self) -> bool {
+        if self.current.is_zero() {
+            self.current = self.initial;
+            true
+        } else if self.current < self.max {
+            self.current = (self.current * 2).min(self.max);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Counters of one channel (Flink's `numBytesIn`, `numBuffersIn`).
+#[derive(Debug, Default)]
+pub struct ChannelMetrics {
+    /// Bytes of buffers and events read.
+    pub num_bytes_in: Counter,
+    /// Buffers and events read.
+    pub num_buffers_in: Counter,
+}
+
+/// A channel of a gate.
+#[derive(Debug)]
+pub enum InputChannel {
+    /// Same process.
+    Local(LocalInputChannel),
+    /// Other process.
+    Remote(RemoteInputChannel),
+    /// Location not known yet.
+    Unknown(UnknownInputChannel),
+}
+
+impl InputChannel {
+    /// The subpartition the channel consumes.
+    pub fn consumed(&self) -> ConsumedSubpartition {
+        match self {
+            InputChannel::Local(c) => c.consumed,
+            InputChannel::Remote(c) => c.consumed(),
+            InputChannel::Unknown(c) => c.consumed,
+        }
+    }
+
+    pub(crate) fn metrics(&self) -> Option<&ChannelMetrics> {
+        match self {
+            InputChannel::Local(c) => Some(&c.metrics),
+            InputChannel::Remote(c) => Some(c.metrics()),
+            InputChannel::Unknown(_) => None,
+        }
+    }
+
+    pub(crate) fn request(&mut self, now: Instant) -> Result<(), GateError> {
+        match self {
+            InputChannel::Local(c) => c.request(now),
+            InputChannel::Remote(c) => c.request(),
+            InputChannel::Unknown(_) => Ok(()),
+        }
+    }
+
+    pub(crate) fn next_read(&mut self) -> Result<Option<ChannelRead>, GateError> {
+        let read = match self {
+            InputChannel::Local(c) => c.next_read()?,
+            InputChannel::Remote(c) => c.next_read()?,
+            InputChannel::Unknown(_) => None,
+        };
+        if let (Some(read), Some(metrics)) = (read.as_ref(), self.metrics()) {
+            metrics.num_buffers_in.add(1);
+            metrics.num_bytes_in.add(read.buffer.len() as u64);
+        }
+        Ok(read)
+    }
+
+    pub(crate) fn resume_consumption(&mut self) -> Result<bool, GateError> {
+        match self {
+            InputChannel::Local(c) => Ok(c.resume_consumption()),
+            InputChannel::Remote(c) => {
+                c.resume_consumption();
+                Ok(false)
+            }
+            InputChannel::Unknown(c) => Err(GateError::UnknownChannel(c.index)),
+        }
+    }
+
+    pub(crate) fn release(&mut self) {
+        match self {
+            InputChannel::Local(c) => c.release(),
+            InputChannel::Remote(c) => c.release(),
+            InputChannel::Unknown(_) => {}
+        }
+    }
+
+    pub(crate) fn retry_due(&self) -> Option<Instant> {
+        match self {
+            InputChannel::Local(c) => c.retry_at,
+            _ => None,
+        }
+    }
+}
+
+/// A channel whose producer runs in this process: it reads the producer's subpartition view
+/// directly, so buffers change hands by reference (Flink's `LocalInputChannel`).
+pub struct LocalInputChannel {
+    index: usize,
+    consumed: ConsumedSubpartition,
+    manager: Arc<PartitionManager>,
+    notifier: Arc<ChannelNotifier>,
+    view: Option<SubpartitionView>,
+    backoff: Backoff,
+    retry_at: Option<Instant>,
+    metrics: ChannelMetrics,
+}
+
+impl fmt::Debug for LocalInputChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalInputChannel")
+            .field("index", &self.index)
+            .field("consumed", &self.consumed)
+            .field("requested", &self.view.is_some())
+            .field("backoff", &self.backoff)
+            .finish()
+    }
+}
+
+impl LocalInputChannel {
+    pub(crate) fn new(
+        index: usize,
+        consumed: ConsumedSubpartition,
+        manager: Arc<PartitionManager>,
+        queue: Arc<ChannelQueue>,
+        backoff: Backoff,
+    ) -> Self {
+        Self {
+            index,
+            consumed,
+            manager,
+            notifier: Arc::new(ChannelNotifier {
+                queue,
+                channel: index as u32,
+            }),
+            view: None,
+            backoff,
+            retry_at: None,
+            metrics: ChannelMetrics::default(),
+        }
+    }
+
+    /// The delay before the next partition-request retry (zero before the first failure).
+    pub fn backoff(&self) -> Duration {
+        self.backoff.current()
+    }
+
+    /// When the next retry is due, if one is scheduled.
+    pub fn retry_at(&self) -> Option<Instant> {
+        self.retry_at
+    }
+
+    /// Creates the view on the local producer; a partition not registered yet schedules a
+    /// retry after the back-off, and fails once the back-off is exhausted.
+    pub(crate) fn request(&mut self, now: Instant) -> Result<(), GateError> {
+        if self.view.is_some() {
+            return Ok(());
+        }
+        self.retry_at = None;
+        let listener = self.notifier.clone();
+        match self.manager.create_view(
+            self.consumed.partition,
+            self.consumed.subpartition,
+            listener,
+        ) {
+            Ok(view) => {
+                self.view = Some(view);
+                // Data may already be queued: let the gate look once.
+                self.notifier.queue.enqueue(self.index as u32, false);
+                Ok(())
+            }
+            Err(PartitionError::PartitionNotFound(id)) => {
+                if self.backoff.increase() {
+                    self.retry_at = Some(now + self.backoff.current());
+                    Ok(())
+                } else {
+                    Err(partition_error(
+                        self.index,
+                        PartitionError::PartitionNotFound(id),
+                    ))
+                }
+            }
+            Err(other) => Err(partition_error(self.index, other)),
+        }
+    }
+
+    fn next_read(&mut self) -> Result<Option<ChannelRead>, GateError> {
+        let Some(view) = self.view.as_mut() else {
+            return Ok(None);
+        };
+        if view.is_released() {
+            return Err(partition_error(self.index, PartitionError::Released));
+        }
+        Ok(view.poll_next().map(|item| ChannelRead {
+            more_available: item.next_data_type != DataType::None,
+            next_is_priority: item.next_data_type.has_priority(),
+            overtaken: item.overtaken,
+            buffer: item.buffer,
+        }))
+    }
+
+    fn resume_consumption(&mut self) -> bool {
+        self.view
+            .as_mut()
+            .is_some_and(|view| view.resume_consumption())
+    }
+
+    /// Sends a task event to the producer through the partition manager.
+    pub(crate) fn send_task_event(&self, event: &Event) -> bool {
+        self.manager
+            .publish_task_event(self.consumed.partition, event)
+    }
+
+    fn release(&mut self) {
+        self.view = None;
+        self.retry_at = None;
+    }
+}
+
+/// A channel whose producer's location is not known yet (Flink's `UnknownInputChannel`); the
+/// gate keeps task events for it and replays them once the location is known.
+#[derive(Debug)]
+pub struct UnknownInputChannel {
+    pub(crate) index: usize,
+    pub(crate) consumed: ConsumedSubpartition,
+}

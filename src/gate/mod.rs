@@ -1,0 +1,164 @@
+//! The consuming half of the exchange (Flink's `SingleInputGate`, `UnionInputGate`,
+//! `InputChannel`s, `CheckpointedInputGate`). IO-free: the transport feeds remote channels
+//! through [`RemoteChannelShared`]; local channels read their producer's subpartition view.
+//!
+//! ```text
+//! data source (view / I/O thread) ── notify ──▶ ChannelQueue (lock-free, one entry per channel)
+//!                                                  │ priority lane first, then data lane (FIFO)
+//! task thread: gate.poll_next() / next() ◀─────────┘ read ONE buffer, requeue at the tail if more
+//! ```
+
+mod barrier;
+mod channel;
+mod queue;
+mod reader;
+mod remote;
+mod single;
+mod union;
+
+pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate};
+pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
+pub use reader::{ReaderError, ReaderItem, RecordReader};
+pub use remote::{BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel};
+pub use single::{ChannelSpec, GateMetrics, SingleInputGate};
+pub use union::UnionInputGate;
+
+use std::time::Instant;
+
+use crate::buffer::{Buffer, PoolError};
+use crate::event::{Event, EventError};
+use crate::partition::{PartitionError, ResultPartitionId};
+
+/// Why a gate or channel read failed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GateError {
+    /// The gate was closed (task cancelled or finished).
+    #[error("the input gate is closed")]
+    Closed,
+    /// Partitions were already requested.
+    #[error("partitions were already requested")]
+    AlreadyRequested,
+    /// A producer partition could not be reached or failed.
+    #[error("channel {channel}: {source}")]
+    Partition {
+        /// Gate-local channel index.
+        channel: usize,
+        /// What the producer side said.
+        source: PartitionError,
+    },
+    /// A remote channel received sequence number `actual` where `expected` was due: a buffer
+    /// was lost or reordered on the way (the sender's or the network's fault).
+    #[error(
+        "channel {channel}: buffer reordering, expected sequence number {expected}, got {actual}"
+    )]
+    Reordering {
+        /// Gate-local channel index.
+        channel: usize,
+        /// The sequence number due.
+        expected: u64,
+        /// The one received.
+        actual: u64,
+    },
+    /// A channel's transport failed (connection lost, protocol error).
+    #[error("channel {channel}: remote transport failed: {reason}")]
+    Transport {
+        /// Gate-local channel index.
+        channel: usize,
+        /// What happened.
+        reason: String,
+    },
+    /// An event's bytes did not decode (the sender's fault).
+    #[error("channel {channel}: {source}")]
+    Event {
+        /// Gate-local channel index.
+        channel: usize,
+        /// The decoding error.
+        source: EventError,
+    },
+    /// A channel index out of range.
+    #[error("no channel {0}")]
+    NoSuchChannel(usize),
+    /// The operation needs the channel's producer location, which is not known yet.
+    #[error("channel {0} has no known producer yet")]
+    UnknownChannel(usize),
+    /// The gate's buffer pool refused.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// More received buffers than the channel granted credit for (the sender's fault).
+    #[error("channel {0}: more buffers received than credit granted")]
+    CreditExceeded(usize),
+}
+
+/// One item read from a gate.
+#[derive(Debug)]
+pub struct BufferOrEvent {
+    /// The channel it came from (gate-local; union gates remap to their own numbering).
+    pub channel: usize,
+    /// A data buffer or a decoded event.
+    pub item: GateItem,
+    /// True when more is readable from the gate right now.
+    pub more_available: bool,
+    /// For a priority event: how many data items of its channel it overtook (those are the
+    /// next items the channel delivers).
+    pub overtaken: usize,
+}
+
+/// A data buffer or an event.
+#[derive(Debug)]
+pub enum GateItem {
+    /// Serialized records.
+    Buffer(Buffer),
+    /// A decoded event; `priority` when it overtook data.
+    Event {
+        /// The event.
+        event: Event,
+        /// True when it came through the priority lane.
+        priority: bool,
+    },
+}
+
+/// What a channel hands the gate per read (Flink's `BufferAndAvailability`).
+#[derive(Debug)]
+pub struct ChannelRead {
+    /// The buffer or event bytes.
+    pub buffer: Buffer,
+    /// True when the channel has more readable right now.
+    pub more_available: bool,
+    /// True when the next readable item is a priority event.
+    pub next_is_priority: bool,
+    /// For priority events: data items overtaken.
+    pub overtaken: usize,
+}
+
+/// Something a gate of any kind does: read, resume a channel, count channels.
+pub trait InputGate {
+    /// The next buffer or event without blocking; `Ok(None)` when nothing is readable now or
+    /// the gate is finished.
+    fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError>;
+    /// The next buffer or event, blocking until one is readable; `Ok(None)` at the end.
+    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError>;
+    /// Unblocks a channel after an aligned barrier.
+    fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError>;
+    /// Number of channels.
+    fn channel_count(&self) -> usize;
+    /// True once every channel delivered EndOfPartition.
+    fn is_finished(&self) -> bool;
+    /// Channels that have not delivered EndOfPartition.
+    fn is_channel_finished(&self, channel: usize) -> bool;
+    /// Retries due partition requests (`now` from the caller's clock).
+    fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError>;
+}
+
+fn partition_error(channel: usize, source: PartitionError) -> GateError {
+    GateError::Partition { channel, source }
+}
+
+/// Identifies the subpartition a channel consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConsumedSubpartition {
+    /// The producer's partition.
+    pub partition: ResultPartitionId,
+    /// Which of its subpartitions.
+    pub subpartition: usize,
+}

@@ -1,0 +1,140 @@
+//! `RecordReader`: records, events and the end, read from any gate.
+
+use std::fmt;
+
+use super::{GateError, GateItem, InputGate};
+use crate::event::Event;
+use crate::record::{RecordDeserializer, RecordError};
+
+/// What the reader yields.
+#[derive(Debug)]
+pub enum ReaderItem<'a> {
+    /// One record, borrowed from its buffer (or from the reader's scratch vector when it
+    /// spanned buffers); valid until the next call.
+    Record {
+        /// The channel it came from.
+        channel: usize,
+        /// The record's bytes.
+        bytes: &'a [u8],
+    },
+    /// An event (EndOfPartition included, once per channel).
+    Event {
+        /// The channel it came from.
+        channel: usize,
+        /// The event.
+        event: Event,
+    },
+}
+
+/// Why the reader stopped.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReaderError {
+    /// The gate failed.
+    #[error(transparent)]
+    Gate(#[from] GateError),
+    /// A channel's records did not decode.
+    #[error("channel {channel}: {source}")]
+    Record {
+        /// The channel.
+        channel: usize,
+        /// What was wrong.
+        source: RecordError,
+    },
+}
+
+/// Reads records from a gate: one deserializer per channel, so records spanning buffers of a
+/// channel are joined while other channels' buffers interleave.
+pub struct RecordReader<G> {
+    gate: G,
+    deserializers: Vec<RecordDeserializer>,
+    /// The channel whose buffer is being read.
+    current: Option<usize>,
+}
+
+impl<G> fmt::Debug for RecordReader<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecordReader")
+            .field("current", &self.current)
+            .finish()
+    }
+}
+
+impl<G: InputGate> RecordReader<G> {
+    /// A reader over `gate` refusing records over `max_record_bytes`.
+    pub fn new(gate: G, max_record_bytes: usize) -> Self {
+        let deserializers = (0..gate.channel_count())
+            .map(|_| RecordDeserializer::new(max_record_bytes))
+            .collect();
+        Self {
+            gate,
+            deserializers,
+            current: None,
+        }
+    }
+
+    /// The next record or event, blocking; `Ok(None)` once every channel ended.
+    // A blocking, fallible read (Flink's `getNext`), not an iterator: items borrow the reader.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        self.read(true)
+    }
+
+    /// The next record or event if one is readable now.
+    pub fn poll_next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        self.read(false)
+    }
+
+    /// The gate read from.
+    pub fn gate(&self) -> &G {
+        &self.gate
+    }
+
+    /// The gate read from, mutably (resume consumption, close).
+    pub fn gate_mut(&mut self) -> &mut G {
+        &mut self.gate
+    }
+
+    fn read(&mut self, blocking: bool) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        loop {
+            if let Some(channel) = self.current {
+                let found = self.deserializers[channel]
+                    .advance()
+                    .map_err(|source| ReaderError::Record { channel, source })?;
+                if found {
+                    return Ok(Some(ReaderItem::Record {
+                        channel,
+                        bytes: self.deserializers[channel].current_record(),
+                    }));
+                }
+                self.current = None;
+            }
+            let next = if blocking {
+                self.gate.next()?
+            } else {
+                self.gate.poll_next()?
+            };
+            let Some(item) = next else {
+                return Ok(None);
+            };
+            let channel = item.channel;
+            match item.item {
+                GateItem::Buffer(buffer) => {
+                    self.deserializers[channel]
+                        .set_next_buffer(buffer)
+                        .map_err(|source| ReaderError::Record { channel, source })?;
+                    self.current = Some(channel);
+                }
+                GateItem::Event { event, .. } => {
+                    if event == Event::EndOfPartition {
+                        // A record begun and never ended means a truncated stream.
+                        self.deserializers[channel]
+                            .finish()
+                            .map_err(|source| ReaderError::Record { channel, source })?;
+                    }
+                    return Ok(Some(ReaderItem::Event { channel, event }));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! The consumer's side of a remote channel, IO-free: the buffers it may receive into (its
+//! credit), the buffers received, and the sequence check. The transport (I/O thread) calls
+//! [`RemoteChannelShared`]; the gate (task thread) reads through [`RemoteInputChannel`].
+//!
+//! Credit as Flink counts it: the channel owns `buffers-per-channel` exclusive segments and
+//! borrows floating ones from the gate's pool when the sender announces a backlog. Every
+//! segment it holds free is one credit. Credit is *unannounced* until the transport sends it
+//! in an AddCredit message; exactly one announcement is due when it goes from 0 to positive.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+
+use arc_swap::ArcSwapOption;
+use crossbeam_queue::ArrayQueue;
+
+use super::channel::ChannelMetrics;
+use super::queue::ChannelQueue;
+use super::{ChannelRead, ConsumedSubpartition, GateError};
+use crate::buffer::segment_internals::{FreeList, SegmentMemory};
+use crate::buffer::{Buffer, BufferListener, LocalBufferPool, PooledSegment, Recycler, Segment};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+/// Told when a channel has something for the transport to send: credit to announce, a
+/// resume-consumption request, or a release.
+pub trait CreditListener: Send + Sync {
+    /// Channel `channel` wants the transport's attention.
+    fn on_channel_ready(&self, channel: usize);
+}
+
+struct ListenerSlot(Arc<dyn CreditListener>);
+
+/// A remote channel's segments and credit (Flink's `BufferManager` plus the channel's
+/// unannounced credit).
+pub struct BufferManager {
+    me: Weak<BufferManager>,
+    channel: usize,
+    pool: Arc<LocalBufferPool>,
+    /// Where exclusive segments came from and go back to on release (the gate's pool).
+    origin: Arc<dyn Recycler>,
+    exclusive_free: FreeList,
+    exclusive_total: usize,
+    floating: ArrayQueue<PooledSegment>,
+    /// Segments wanted: the sender's backlog plus the exclusive ones.
+    required: AtomicUsize,
+    /// Registered at the gate's pool as a listener for a floating segment.
+    waiting_for_floating: AtomicBool,
+    unannounced_credit: AtomicU32,
+    released: AtomicBool,
+    listener: ArcSwapOption<ListenerSlot>,
+}
+
+impl fmt::Debug for BufferManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BufferManager")
+            .field("channel", &self.channel)
+            .field("exclusive_free", &self.exclusive_free.len())
+            .field("floating", &self.floating.len())
+            .field("unannounced_credit", &self.unannounced_credit())
+            .finish()
+    }
+}
+
+impl BufferManager {
+    /// Takes `exclusive` segments from the gate's pool for channel `channel`.
+    pub fn new(
+        channel: usize,
+        pool: Arc<LocalBufferPool>,
+        exclusive: usize,
+        max_floating: usize,
+    ) -> Result<Arc<Self>, GateError> {
+        let mut segments = Vec::with_capacity(exclusive);
+        for _ in 0..exclusive {
+            let segment = pool.request_segment().ok_or(GateError::Pool(
+                crate::buffer::PoolError::Timeout(std::time::Duration::ZERO),
+            ))?;
+            segments.push(segment);
+        }
+        let origin = pool.recycler();
+        let manager = Arc::new_cyclic(|me| {
+            let exclusive_free = FreeList::with_capacity(exclusive);
+            for segment in segments {
+                if exclusive_free.push(segment.into_segment()).is_err() {
+                    unreachable!("sized for every exclusive segment");
+                }
+            }
+            BufferManager {
+                me: me.clone(),
+                channel,
+                pool,
+                origin,
+                exclusive_free,
+                exclusive_total: exclusive,
+                floating: ArrayQueue::new(max_floating.max(1)),
+                required: AtomicUsize::new(exclusive),
+                waiting_for_floating: AtomicBool::new(false),
+                unannounced_credit: AtomicU32::new(0),
+                released: AtomicBool::new(false),
+                listener: ArcSwapOption::empty(),
+            }
+        });
+        Ok(manager)
+    }
+
+    /// Credit to announce in the partition request: the exclusive segments.
+    pub fn initial_credit(&self) -> u32 {
+        self.exclusive_total as u32
+    }
+
+    /// Segments free to receive into now.
+    pub fn available(&self) -> usize {
+        self.exclusive_free.len() + self.floating.len()
+    }
+
+    /// Credit granted but not yet announced to the sender.
+    pub fn unannounced_credit(&self) -> u32 {
+        self.unannounced_credit.load(Ordering::Acquire)
+    }
+
+    /// Takes the unannounced credit for an AddCredit message (the transport's call).
+    pub fn take_unannounced_credit(&self) -> u32 {
+        self.unannounced_credit.swap(0, Ordering::AcqRel)
+    }
+
+    /// A free segment to receive the next buffer into: floating first (so it returns to the
+    /// shared pool sooner), then exclusive. `None` means the sender exceeded its credit.
+    pub fn take_segment(&self) -> Option<PooledSegment> {
+        if let Some(segment) = self.floating.pop() {
+            return Some(segment);
+        }
+        let segment = self.exclusive_free.pop()?;
+        let me: Arc<dyn Recycler> = self.me.upgrade()?;
+        Some(PooledSegment::new(me, segment))
+    }
+
+    /// The sender has `backlog` buffers queued: ask the gate's pool for floating segments up to
+    /// backlog + exclusive, registering as a listener when it has none.
+    pub fn on_sender_backlog(&self, backlog: usize) {
+        self.required
+            .store(backlog + self.exclusive_total, Ordering::Release);
+        self.request_floating();
+    }
+
+    /// Returns every segment; later recycles go straight back to the gate's pool.
+    pub fn release(&self) {
+        self.released.store(true, Ordering::SeqCst);
+        while self.floating.pop().is_some() {}
+        while let Some(segment) = self.exclusive_free.pop() {
+            self.origin.recycle(segment);
+        }
+    }
+
+    pub(crate) fn set_listener(&self, listener: Arc<dyn CreditListener>) {
+        self.listener.store(Some(Arc::new(ListenerSlot(listener))));
+    }
+
+    fn request_floating(&self) {
+        let mut obtained = 0;
+        while !self.released.load(Ordering::SeqCst)
+            && self.available() < self.required.load(Ordering::Acquire)
+            && !self.waiting_for_floating.load(Ordering::Acquire)
+        {
+            let me: Option<Arc<dyn BufferListener>> =
+                self.me.upgrade().map(|m| m as Arc<dyn BufferListener>);
+            let Some(me) = me else { break };
+            self.waiting_for_floating.store(true, Ordering::Release);
+            match self.pool.request_segment_or_listen(&me) {
+                Ok(Some(segment)) => {
+                    self.waiting_for_floating.store(false, Ordering::Release);
+                    if self.floating.push(segment).is_err() {
+                        break;
+                    }
+                    obtained += 1;
+                }
+                // Registered: the pool calls `on_segment_available` later.
+                Ok(None) => break,
+                Err(_) => {
+                    self.waiting_for_floating.store(false, Ordering::Release);
+                    break;
+                }
+            }
+        }
+        self.add_credit(obtained);
+    }
+
+    fn add_credit(&self, credit: u32) {
+        if credit > 0 && self.unannounced_credit.fetch_add(credit, Ordering::AcqRel) == 0 {
+            if let Some(slot) = self.listener.load().as_ref() {
+                slot.0.on_channel_ready(self.channel);
+            }
+        }
+    }
+}
+
+impl Recycler for BufferManager {
+    fn memory(&self) -> &SegmentMemory {
+        self.origin.memory()
+    }
+
+    /// An exclusive segment came back: it is credit again, unless the channel now holds more
+    /// than it needs, in which case a floating segment goes back to the pool instead.
+    fn recycle(&self, segment: Segment) {
+        if self.released.load(Ordering::SeqCst) {
+            self.origin.recycle(segment);
+            return;
+        }
+        if let Err(segment) = self.exclusive_free.push(segment) {
+            self.origin.recycle(segment);
+            return;
+        }
+        if self.released.load(Ordering::SeqCst) {
+            // Released while pushing: hand everything back.
+            while let Some(segment) = self.exclusive_free.pop() {
+                self.origin.recycle(segment);
+            }
+            return;
+        }
+        if self.available() > self.required.load(Ordering::Acquire) {
+            if let Some(floating) = self.floating.pop() {
+                drop(floating);
+                return;
+            }
+        }
+        self.add_credit(1);
+    }
+}
+
+impl BufferListener for BufferManager {
+    fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment> {
+        self.waiting_for_floating.store(false, Ordering::Release);
+        if self.released.load(Ordering::SeqCst)
+            || self.available() >= self.required.load(Ordering::Acquire)
+        {
+            return Err(segment);
+        }
+        self.floating.push(segment)?;
+        self.add_credit(1);
+        // Still short: ask again (or register again).
+        self.request_floating();
+        Ok(())
+    }
+
+    fn on_pool_destroyed(&self) {
+        self.waiting_for_floating.store(false, Ordering::Release);
+    }
+}
+
+/// A received item with its sequence number checked.
+struct Received {
+    buffer: Buffer,
+    overtaken: usize,
+}
+
+/// What the transport and the gate share of one remote channel.
+pub struct RemoteChannelShared {
+    channel: usize,
+    consumed: ConsumedSubpartition,
+    queue: Arc<ChannelQueue>,
+    buffers: Arc<BufferManager>,
+    received: ArrayQueue<Received>,
+    received_priority: ArrayQueue<Received>,
+    expected_sequence: AtomicU64,
+    error: Mutex<Option<GateError>>,
+    failed: AtomicBool,
+    released: AtomicBool,
+    resume_requested: AtomicBool,
+    metrics: ChannelMetrics,
+}
+
+impl fmt::Debug for RemoteChannelShared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteChannelShared")
+            .field("channel", &self.channel)
+            .field("consumed", &self.consumed)
+            .field("received", &self.received.len())
+            .finish()
+    }
+}
+
+impl RemoteChannelShared {
+    /// The gate-local channel index.
+    pub fn channel(&self) -> usize {
+        self.channel
+    }
+
+    /// The subpartition the channel consumes.
+    pub fn consumed(&self) -> ConsumedSubpartition {
+        self.consumed
+    }
+
+    /// The channel's segments and credit.
+    pub fn buffers(&self) -> &Arc<BufferManager> {
+        &self.buffers
+    }
+
+    /// The sequence number the next buffer must carry.
+    pub fn expected_sequence(&self) -> u64 {
+        self.expected_sequence.load(Ordering::Acquire)
+    }
+
+    /// A buffer (or event) arrived from the sender with its sequence number and the sender's
+    /// backlog. A sequence gap fails the channel with [`GateError::Reordering`]; the buffer is
+    /// dropped (its segment recycled) on every error path.
+    pub fn on_buffer(
+        &self,
+        buffer: Buffer,
+        sequence: u64,
+        backlog: usize,
+        overtaken: usize,
+    ) -> Result<(), GateError> {
+        if self.released.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let expected = self.expected_sequence.load(Ordering::Acquire);
+        if sequence != expected {
+            let error = GateError::Reordering {
+                channel: self.channel,
+                expected,
+                actual: sequence,
+            };
+            self.fail(error.clone());
+            return Err(error);
+        }
+        self.expected_sequence
+            .store(expected + 1, Ordering::Release);
+        let priority = buffer.data_type().has_priority();
+        let lane = if priority {
+            &self.received_priority
+        } else {
+            &self.received
+        };
+        if lane.push(Received { buffer, overtaken }).is_err() {
+            let error = GateError::CreditExceeded(self.channel);
+            self.fail(error.clone());
+            return Err(error);
+        }
+        if backlog > 0 {
+            self.buffers.on_sender_backlog(backlog);
+        }
+        self.queue.enqueue(self.channel as u32, priority);
+        Ok(())
+    }
+
+    /// Fails the channel: the gate's next read of it returns `error`.
+    pub fn fail(&self, error: GateError) {
+        let mut slot = self.error.lock().expect("not poisoned");
+        if slot.is_none() {
+            *slot = Some(error);
+        }
+        drop(slot);
+        self.failed.store(true, Ordering::SeqCst);
+        self.queue.enqueue(self.channel as u32, false);
+    }
+
+    /// True (once) when the gate asked to resume consumption after an aligned barrier; the
+    /// transport then sends ResumeConsumption.
+    pub fn take_resume_request(&self) -> bool {
+        self.resume_requested.swap(false, Ordering::AcqRel)
+    }
+
+    /// True once the gate released the channel.
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::SeqCst)
+    }
+}
+
+/// A channel whose producer runs in another process (Flink's `RemoteInputChannel`).
+pub struct RemoteInputChannel {
+    shared: Arc<RemoteChannelShared>,
+    requested: bool,
+}
+
+impl fmt::Debug for RemoteInputChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteInputChannel")
+            .field("shared", &self.shared)
+            .field("requested", &self.requested)
+            .finish()
+    }
+}
+
+impl RemoteInputChannel {
+    pub(crate) fn new(
+        channel: usize,
+        consumed: ConsumedSubpartition,
+        queue: Arc<ChannelQueue>,
+        buffers: Arc<BufferManager>,
+        max_received: usize,
+    ) -> Self {
+        Self {
+            shared: Arc::new(RemoteChannelShared {
+                channel,
+                consumed,
+                queue,
+                buffers,
+                received: ArrayQueue::new(max_received.max(1)),
+                received_priority: ArrayQueue::new(max_received.max(1)),
+                expected_sequence: AtomicU64::new(0),
+                error: Mutex::new(None),
+                failed: AtomicBool::new(false),
+                released: AtomicBool::new(false),
+                resume_requested: AtomicBool::new(false),
+                metrics: ChannelMetrics::default(),
+            }),
+            requested: false,
+        }
+    }
+
+    /// What the transport holds of this channel.
+    pub fn shared(&self) -> &Arc<RemoteChannelShared> {
+        &self.shared
+    }
+
+    /// The subpartition the channel consumes.
+    pub fn consumed(&self) -> ConsumedSubpartition {
+        self.shared.consumed
+    }
+
+    pub(crate) fn metrics(&self) -> &ChannelMetrics {
+        &self.shared.metrics
+    }
+
+    /// Marks the channel requested; the transport sends the PartitionRequest with the initial
+    /// credit when it attaches (its listener is told).
+    pub(crate) fn request(&mut self) -> Result<(), GateError> {
+        self.requested = true;
+        Ok(())
+    }
+
+    /// Attaches the transport: it hears when credit or a resume request is due.
+    pub fn attach(&self, listener: Arc<dyn CreditListener>) {
+        self.shared.buffers.set_listener(listener);
+    }
+
+    pub(crate) fn next_read(&mut self) -> Result<Option<ChannelRead>, GateError> {
+        let shared = &self.shared;
+        if shared.failed.load(Ordering::SeqCst) {
+            let error = shared.error.lock().expect("not poisoned").clone();
+            return Err(error.unwrap_or(GateError::Transport {
+                channel: shared.channel,
+                reason: "failed".into(),
+            }));
+        }
+        let item = shared
+            .received_priority
+            .pop()
+            .or_else(|| shared.received.pop());
+        Ok(item.map(|Received { buffer, overtaken }| ChannelRead {
+            buffer,
+            more_available: !shared.received.is_empty() || !shared.received_priority.is_empty(),
+            next_is_priority: !shared.received_priority.is_empty(),
+            overtaken,
+        }))
+    }
+
+    pub(crate) fn resume_consumption(&mut self) {
+        self.shared.resume_requested.store(true, Ordering::Release);
+        if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
+            slot.0.on_channel_ready(self.shared.channel);
+        }
+    }
+
+    pub(crate) fn release(&mut self) {
+        let shared = &self.shared;
+        shared.released.store(true, Ordering::SeqCst);
+        while shared.received.pop().is_some() {}
+        while shared.received_priority.pop().is_some() {}
+        shared.buffers.release();
+        if let Some(slot) = shared.buffers.listener.load().as_ref() {
+            slot.0.on_channel_ready(shared.channel);
+        }
+    }
+}

@@ -1,0 +1,477 @@
+//! `SingleInputGate`: the channels consuming one intermediate result, read fairly.
+
+use std::fmt;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use super::channel::{
+    Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel,
+};
+use super::queue::ChannelQueue;
+use super::remote::{BufferManager, RemoteInputChannel};
+use super::{
+    partition_error, BufferOrEvent, ChannelRead, ConsumedSubpartition, GateError, GateItem,
+    InputGate,
+};
+use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool};
+use crate::config::NetworkConfig;
+use crate::event::Event;
+use crate::metrics::Counter;
+use crate::partition::PartitionManager;
+
+/// How long a blocked reader sleeps at most before it looks at due partition-request retries.
+const RETRY_CHECK: Duration = Duration::from_millis(100);
+
+/// One channel of a gate as the scheduler describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChannelSpec {
+    /// The subpartition it consumes.
+    pub consumed: ConsumedSubpartition,
+    /// Where its producer runs (if known).
+    pub location: ChannelLocation,
+}
+
+/// Gate-level metrics (Flink's `inPoolUsage` comes from [`SingleInputGate::pool_usage`]).
+#[derive(Debug, Default)]
+pub struct GateMetrics {
+    /// Nanoseconds the reader spent blocked waiting for data (`idleTimeMsPerSecond` when
+    /// sampled once a second).
+    pub idle_nanos: Counter,
+}
+
+/// The input gate of one task input (Flink's `SingleInputGate`).
+pub struct SingleInputGate {
+    specs: Vec<ChannelSpec>,
+    channels: Vec<InputChannel>,
+    queue: Arc<ChannelQueue>,
+    manager: Arc<PartitionManager>,
+    network: NetworkBufferPool,
+    config: NetworkConfig,
+    pool: Option<Arc<LocalBufferPool>>,
+    backoff: Backoff,
+    requested: bool,
+    closed: bool,
+    finished: Vec<bool>,
+    finished_count: usize,
+    /// Task events sent while some channel's location was unknown.
+    pending_events: Vec<Event>,
+    metrics: GateMetrics,
+}
+
+impl fmt::Debug for SingleInputGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SingleInputGate")
+            .field("channels", &self.channels)
+            .field("requested", &self.requested)
+            .field("closed", &self.closed)
+            .field("finished", &self.finished_count)
+            .finish()
+    }
+}
+
+impl SingleInputGate {
+    /// A gate over `specs`, one channel each (channel `i` is `specs[i]`).
+    pub fn new(
+        specs: Vec<ChannelSpec>,
+        manager: Arc<PartitionManager>,
+        network: &NetworkBufferPool,
+        config: &NetworkConfig,
+    ) -> Self {
+        let count = specs.len();
+        Self {
+            queue: ChannelQueue::new(count),
+            channels: Vec::with_capacity(count),
+            specs,
+            manager,
+            network: network.clone(),
+            config: config.clone(),
+            pool: None,
+            backoff: Backoff::flink_default(),
+            requested: false,
+            closed: false,
+            finished: vec![false; count],
+            finished_count: 0,
+            pending_events: Vec::new(),
+            metrics: GateMetrics::default(),
+        }
+    }
+
+    /// Uses `backoff` for partition-request retries instead of Flink's 100 ms … 10 s.
+    pub fn with_backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// Creates the gate's pool (exclusive buffers for every channel that is or may become
+    /// remote, plus the floating ones) and the channels.
+    pub fn setup(&mut self) -> Result<(), GateError> {
+        if !self.channels.is_empty() || self.pool.is_some() {
+            // Flink: "Bug in input gate setup logic: Already registered buffer pool."
+            return Err(GateError::AlreadyRequested);
+        }
+        let non_local = self
+            .specs
+            .iter()
+            .filter(|s| s.location != ChannelLocation::Local)
+            .count();
+        if non_local > 0 {
+            let spec = LocalPoolSpec::for_gate(non_local, &self.config);
+            self.pool = Some(Arc::new(self.network.create_local_pool(spec)?));
+        }
+        for index in 0..self.specs.len() {
+            let channel = self.make_channel(index, self.specs[index].location.clone())?;
+            self.channels.push(channel);
+        }
+        Ok(())
+    }
+
+    /// Requests every channel's subpartition, once. A channel whose request fails carries the
+    /// error to the next read.
+    pub fn request_partitions(&mut self, now: Instant) -> Result<(), GateError> {
+        if self.closed {
+            return Err(GateError::Closed);
+        }
+        if self.requested {
+            return Ok(());
+        }
+        if self.channels.len() != self.specs.len() {
+            // Flink: "mismatch between number of total input channels and the currently set
+            // number" — setup did not run.
+            return Err(GateError::UnknownChannel(self.channels.len()));
+        }
+        self.requested = true;
+        for channel in self.channels.iter_mut() {
+            channel.request(now)?;
+        }
+        Ok(())
+    }
+
+    /// The producer of an unknown channel was located: the channel becomes local or remote,
+    /// is requested if partitions were, and receives the pending task events.
+    pub fn update_channel(
+        &mut self,
+        index: usize,
+        location: ChannelLocation,
+        now: Instant,
+    ) -> Result<(), GateError> {
+        if self.closed {
+            return Ok(());
+        }
+        let current = self
+            .channels
+            .get(index)
+            .ok_or(GateError::NoSuchChannel(index))?;
+        if !matches!(current, InputChannel::Unknown(_)) || location == ChannelLocation::Unknown {
+            return Ok(());
+        }
+        let mut channel = self.make_channel(index, location)?;
+        if self.requested {
+            channel.request(now)?;
+        }
+        for event in &self.pending_events {
+            send_event(&channel, event);
+        }
+        self.channels[index] = channel;
+        if !self
+            .channels
+            .iter()
+            .any(|c| matches!(c, InputChannel::Unknown(_)))
+        {
+            self.pending_events.clear();
+        }
+        Ok(())
+    }
+
+    /// Retries the partition request of a channel now (after the producer said it is running).
+    pub fn retrigger_partition_request(
+        &mut self,
+        index: usize,
+        now: Instant,
+    ) -> Result<(), GateError> {
+        if self.closed {
+            return Ok(());
+        }
+        self.channels
+            .get_mut(index)
+            .ok_or(GateError::NoSuchChannel(index))?
+            .request(now)
+    }
+
+    /// When the next due partition-request retry is, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.channels.iter().filter_map(|c| c.retry_due()).min()
+    }
+
+    /// Sends a task event to every producer; channels not located yet get it on update.
+    pub fn send_task_event(&mut self, event: &Event) {
+        for channel in &self.channels {
+            send_event(channel, event);
+        }
+        if self
+            .channels
+            .iter()
+            .any(|c| matches!(c, InputChannel::Unknown(_)))
+        {
+            self.pending_events.push(event.clone());
+        }
+    }
+
+    /// Releases every channel, destroys the pool lazily and wakes a blocked reader.
+    pub fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        for channel in self.channels.iter_mut() {
+            channel.release();
+        }
+        self.pool = None;
+        self.queue.close();
+    }
+
+    /// A local channel (for inspection: its back-off and retry time).
+    pub fn local_channel(&self, index: usize) -> Option<&LocalInputChannel> {
+        match self.channels.get(index) {
+            Some(InputChannel::Local(c)) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// A remote channel (the transport attaches to it).
+    pub fn remote_channel(&self, index: usize) -> Option<&RemoteInputChannel> {
+        match self.channels.get(index) {
+            Some(InputChannel::Remote(c)) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// A channel.
+    pub fn channel(&self, index: usize) -> Option<&InputChannel> {
+        self.channels.get(index)
+    }
+
+    /// `inPoolUsage`: leased segments of the gate's pool over its maximum.
+    pub fn pool_usage(&self) -> f64 {
+        self.pool.as_ref().map_or(0.0, |p| p.usage())
+    }
+
+    /// The gate's pool, if it has remote channels.
+    pub fn pool(&self) -> Option<&Arc<LocalBufferPool>> {
+        self.pool.as_ref()
+    }
+
+    /// Idle time and other gate metrics.
+    pub fn metrics(&self) -> &GateMetrics {
+        &self.metrics
+    }
+
+    /// True after `close`.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Waits for the next item without blocking the thread (any executor).
+    pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        poll_fn(|cx| {
+            // Bounded: each round either returns or registers and finds nothing queued.
+            for _ in 0..2 {
+                match self.poll_next() {
+                    Ok(None) if !self.is_finished() => {}
+                    other => return Poll::Ready(other),
+                }
+                if !self.queue.register_waker(cx.waker()) {
+                    return Poll::Pending;
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    pub(crate) fn queue(&self) -> &Arc<ChannelQueue> {
+        &self.queue
+    }
+
+    fn make_channel(
+        &self,
+        index: usize,
+        location: ChannelLocation,
+    ) -> Result<InputChannel, GateError> {
+        let consumed = self.specs[index].consumed;
+        Ok(match location {
+            ChannelLocation::Local => InputChannel::Local(LocalInputChannel::new(
+                index,
+                consumed,
+                self.manager.clone(),
+                self.queue.clone(),
+                self.backoff,
+            )),
+            ChannelLocation::Remote => {
+                let pool = self.pool.clone().ok_or(GateError::UnknownChannel(index))?;
+                let max = pool.spec().max_segments;
+                let buffers = BufferManager::new(
+                    index,
+                    pool,
+                    self.config.buffers_per_channel,
+                    self.config.max_buffers_per_channel,
+                )?;
+                InputChannel::Remote(RemoteInputChannel::new(
+                    index,
+                    consumed,
+                    self.queue.clone(),
+                    buffers,
+                    max,
+                ))
+            }
+            ChannelLocation::Unknown => {
+                InputChannel::Unknown(UnknownInputChannel { index, consumed })
+            }
+        })
+    }
+
+    /// Turns one channel read into a gate item, handling EndOfPartition.
+    fn on_read(&mut self, index: usize, read: ChannelRead) -> Result<BufferOrEvent, GateError> {
+        let ChannelRead {
+            buffer,
+            more_available,
+            next_is_priority,
+            overtaken,
+        } = read;
+        let data_type = buffer.data_type();
+        let item = if data_type.is_buffer() {
+            GateItem::Buffer(buffer)
+        } else {
+            let event = Event::decode(buffer.as_slice()).map_err(|source| GateError::Event {
+                channel: index,
+                source,
+            })?;
+            GateItem::Event {
+                event,
+                priority: data_type.has_priority(),
+            }
+        };
+        if let GateItem::Event {
+            event: Event::EndOfPartition,
+            ..
+        } = &item
+        {
+            if !self.finished[index] {
+                self.finished[index] = true;
+                self.finished_count += 1;
+            }
+            self.channels[index].release();
+        } else if more_available || next_is_priority {
+            // Back to the tail (or the priority lane): a busy channel cannot starve the others.
+            self.queue.enqueue(index as u32, next_is_priority);
+        }
+        Ok(BufferOrEvent {
+            channel: index,
+            item,
+            more_available: self.queue.has_channels(),
+            overtaken,
+        })
+    }
+}
+
+fn send_event(channel: &InputChannel, event: &Event) {
+    match channel {
+        InputChannel::Local(c) => {
+            c.send_task_event(event);
+        }
+        InputChannel::Remote(_) => {
+            // The transport issue sends TaskEventRequest frames; until then remote task events
+            // are dropped with a trace.
+            tracing::trace!("task event for a remote channel awaits the transport");
+        }
+        InputChannel::Unknown(_) => {}
+    }
+}
+
+impl InputGate for SingleInputGate {
+    fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if self.closed {
+            return Err(GateError::Closed);
+        }
+        // Each channel is in the queue at most once per lane, so this bounds spurious entries.
+        for _ in 0..=2 * self.channels.len() {
+            let Some((index, _priority)) = self.queue.pop() else {
+                return Ok(None);
+            };
+            let index = index as usize;
+            if self.finished[index] {
+                continue;
+            }
+            let Some(read) = self.channels[index].next_read()? else {
+                continue;
+            };
+            return self.on_read(index, read).map(Some);
+        }
+        Ok(None)
+    }
+
+    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        loop {
+            if let Some(item) = self.poll_next()? {
+                return Ok(Some(item));
+            }
+            if self.is_finished() {
+                return Ok(None);
+            }
+            let now = Instant::now();
+            let wait = self
+                .poll_timeout()
+                .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now))
+                .min(RETRY_CHECK);
+            self.queue.wait(wait);
+            self.metrics.idle_nanos.add(now.elapsed().as_nanos() as u64);
+            self.handle_timeout(Instant::now())?;
+        }
+    }
+
+    fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError> {
+        let readable = self
+            .channels
+            .get_mut(channel)
+            .ok_or(GateError::NoSuchChannel(channel))?
+            .resume_consumption()?;
+        if readable {
+            self.queue.enqueue(channel as u32, false);
+        }
+        Ok(())
+    }
+
+    fn channel_count(&self) -> usize {
+        self.specs.len()
+    }
+
+    fn is_finished(&self) -> bool {
+        self.finished_count == self.specs.len()
+    }
+
+    fn is_channel_finished(&self, channel: usize) -> bool {
+        self.finished.get(channel).copied().unwrap_or(true)
+    }
+
+    fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        for index in 0..self.channels.len() {
+            if self.channels[index]
+                .retry_due()
+                .is_some_and(|due| due <= now)
+            {
+                self.channels[index].request(now).map_err(|e| match e {
+                    GateError::Partition { source, .. } => partition_error(index, source),
+                    other => other,
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SingleInputGate {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

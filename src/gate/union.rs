@@ -1,0 +1,154 @@
+//! `UnionInputGate`: several gates read as one, channel indexes remapped, gates served in
+//! turn (Flink's `UnionInputGate`).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::queue::ChannelQueue;
+use super::single::SingleInputGate;
+use super::{BufferOrEvent, GateError, InputGate};
+
+/// How long a blocked reader sleeps at most before it looks at due partition-request retries.
+const RETRY_CHECK: Duration = Duration::from_millis(100);
+
+/// Gates behind one reader: gate 0's channels are `0..n0`, gate 1's `n0..n0+n1`, and so on.
+/// A gate with data waits in a FIFO of gates, so each gate gets its turn.
+pub struct UnionInputGate {
+    gates: Vec<SingleInputGate>,
+    /// First union channel index of each gate.
+    offsets: Vec<usize>,
+    /// Queue of gates with data (entries are gate indexes).
+    queue: Arc<ChannelQueue>,
+}
+
+impl fmt::Debug for UnionInputGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UnionInputGate")
+            .field("gates", &self.gates.len())
+            .field("offsets", &self.offsets)
+            .finish()
+    }
+}
+
+impl UnionInputGate {
+    /// Unions `gates` (in this order).
+    pub fn new(gates: Vec<SingleInputGate>) -> Self {
+        let queue = ChannelQueue::new(gates.len());
+        let mut offsets = Vec::with_capacity(gates.len());
+        let mut next = 0;
+        for (index, gate) in gates.iter().enumerate() {
+            offsets.push(next);
+            next += gate.channel_count();
+            gate.queue().set_parent(queue.clone(), index as u32);
+            // Data queued before the union existed.
+            if gate.queue().has_channels() {
+                queue.enqueue(index as u32, gate.queue().has_priority());
+            }
+        }
+        Self {
+            gates,
+            offsets,
+            queue,
+        }
+    }
+
+    /// The member gates.
+    pub fn gates(&self) -> &[SingleInputGate] {
+        &self.gates
+    }
+
+    /// The member gates, mutably (setup, requests, updates).
+    pub fn gates_mut(&mut self) -> &mut [SingleInputGate] {
+        &mut self.gates
+    }
+
+    /// `(gate, channel within the gate)` of a union channel index.
+    pub fn locate(&self, channel: usize) -> Option<(usize, usize)> {
+        let gate = self.offsets.partition_point(|&offset| offset <= channel);
+        let gate = gate.checked_sub(1)?;
+        let local = channel - self.offsets[gate];
+        (local < self.gates[gate].channel_count()).then_some((gate, local))
+    }
+
+    /// Closes every member gate and wakes a blocked reader.
+    pub fn close(&mut self) {
+        for gate in self.gates.iter_mut() {
+            gate.close();
+        }
+        self.queue.close();
+    }
+}
+
+impl InputGate for UnionInputGate {
+    fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if self.queue.is_closed() {
+            return Err(GateError::Closed);
+        }
+        for _ in 0..=2 * self.gates.len() {
+            let Some((index, _)) = self.queue.pop() else {
+                return Ok(None);
+            };
+            let gate = &mut self.gates[index as usize];
+            let Some(mut item) = gate.poll_next()? else {
+                continue;
+            };
+            item.channel += self.offsets[index as usize];
+            if gate.queue().has_channels() {
+                // Back to the tail of the gate FIFO.
+                self.queue.enqueue(index, gate.queue().has_priority());
+            }
+            item.more_available = self.queue.has_channels();
+            return Ok(Some(item));
+        }
+        Ok(None)
+    }
+
+    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        loop {
+            if let Some(item) = self.poll_next()? {
+                return Ok(Some(item));
+            }
+            if self.is_finished() {
+                return Ok(None);
+            }
+            let now = Instant::now();
+            let wait = self
+                .gates
+                .iter()
+                .filter_map(|g| g.poll_timeout())
+                .min()
+                .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now))
+                .min(RETRY_CHECK);
+            self.queue.wait(wait);
+            self.handle_timeout(Instant::now())?;
+        }
+    }
+
+    fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError> {
+        let (gate, local) = self
+            .locate(channel)
+            .ok_or(GateError::NoSuchChannel(channel))?;
+        self.gates[gate].resume_consumption(local)
+    }
+
+    fn channel_count(&self) -> usize {
+        self.gates.iter().map(|g| g.channel_count()).sum()
+    }
+
+    fn is_finished(&self) -> bool {
+        self.gates.iter().all(|g| g.is_finished())
+    }
+
+    fn is_channel_finished(&self, channel: usize) -> bool {
+        self.locate(channel)
+            .is_none_or(|(gate, local)| self.gates[gate].is_channel_finished(local))
+    }
+
+    fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        for gate in self.gates.iter_mut() {
+            gate.handle_timeout(now)?;
+        }
+        Ok(())
+    }
+}
