@@ -119,8 +119,16 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     // A blocking, fallible read (Flink's `getNext`), not an iterator: items borrow the reader.
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        self.next_until(None)
+    }
+
+    /// [`next`](Self::next) giving up at `deadline` with [`GateError::TimedOut`].
+    pub fn next_until(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<BufferOrEvent>, GateError> {
         loop {
-            let Some(item) = self.gate.next()? else {
+            let Some(item) = self.gate.next_until(deadline)? else {
                 return Ok(None);
             };
             if let Some(item) = self.handle(item)? {

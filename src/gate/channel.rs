@@ -97,7 +97,8 @@ impl InputChannel {
         }
     }
 
-    pub(crate) fn metrics(&self) -> Option<&ChannelMetrics> {
+    /// The channel's counters (none while its location is unknown).
+    pub fn metrics(&self) -> Option<&ChannelMetrics> {
         match self {
             InputChannel::Local(c) => Some(&c.metrics),
             InputChannel::Remote(c) => Some(c.metrics()),

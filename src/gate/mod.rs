@@ -20,10 +20,10 @@ pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate};
 pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
 pub use reader::{ReaderError, ReaderItem, RecordReader};
 pub use remote::{BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel};
-pub use single::{ChannelSpec, GateMetrics, SingleInputGate};
+pub use single::{ChannelSpec, GateCloser, GateMetrics, SingleInputGate};
 pub use union::UnionInputGate;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::buffer::{Buffer, PoolError};
 use crate::event::{Event, EventError};
@@ -36,6 +36,9 @@ pub enum GateError {
     /// The gate was closed (task cancelled or finished).
     #[error("the input gate is closed")]
     Closed,
+    /// A read with a deadline found nothing before it.
+    #[error("nothing to read before the deadline")]
+    TimedOut,
     /// Partitions were already requested.
     #[error("partitions were already requested")]
     AlreadyRequested,
@@ -136,8 +139,18 @@ pub trait InputGate {
     /// The next buffer or event without blocking; `Ok(None)` when nothing is readable now or
     /// the gate is finished.
     fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError>;
+    /// The next buffer or event, blocking until one is readable or `deadline` passes
+    /// ([`GateError::TimedOut`]); `Ok(None)` at the end.
+    fn next_until(&mut self, deadline: Option<Instant>)
+        -> Result<Option<BufferOrEvent>, GateError>;
     /// The next buffer or event, blocking until one is readable; `Ok(None)` at the end.
-    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError>;
+    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        self.next_until(None)
+    }
+    /// [`next`](Self::next) giving up after `timeout` with [`GateError::TimedOut`].
+    fn next_timeout(&mut self, timeout: Duration) -> Result<Option<BufferOrEvent>, GateError> {
+        self.next_until(Some(Instant::now() + timeout))
+    }
     /// Unblocks a channel after an aligned barrier.
     fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError>;
     /// Number of channels.

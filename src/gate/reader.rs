@@ -1,6 +1,7 @@
 //! `RecordReader`: records, events and the end, read from any gate.
 
 use std::fmt;
+use std::time::{Duration, Instant};
 
 use super::{GateError, GateItem, InputGate};
 use crate::event::Event;
@@ -77,12 +78,20 @@ impl<G: InputGate> RecordReader<G> {
     // A blocking, fallible read (Flink's `getNext`), not an iterator: items borrow the reader.
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
-        self.read(true)
+        self.read(Some(None))
+    }
+
+    /// [`next`](Self::next) giving up after `timeout` with [`GateError::TimedOut`].
+    pub fn next_timeout(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        self.read(Some(Some(Instant::now() + timeout)))
     }
 
     /// The next record or event if one is readable now.
     pub fn poll_next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
-        self.read(false)
+        self.read(None)
     }
 
     /// The gate read from.
@@ -95,7 +104,11 @@ impl<G: InputGate> RecordReader<G> {
         &mut self.gate
     }
 
-    fn read(&mut self, blocking: bool) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+    /// `wait`: `None` polls; `Some(deadline)` blocks until the deadline (`Some(None)`: forever).
+    fn read(
+        &mut self,
+        wait: Option<Option<Instant>>,
+    ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
         loop {
             if let Some(channel) = self.current {
                 let found = self.deserializers[channel]
@@ -109,10 +122,9 @@ impl<G: InputGate> RecordReader<G> {
                 }
                 self.current = None;
             }
-            let next = if blocking {
-                self.gate.next()?
-            } else {
-                self.gate.poll_next()?
+            let next = match wait {
+                Some(deadline) => self.gate.next_until(deadline)?,
+                None => self.gate.poll_next()?,
             };
             let Some(item) = next else {
                 return Ok(None);

@@ -231,6 +231,14 @@ impl SingleInputGate {
         self.queue.close();
     }
 
+    /// A handle that closes the gate from another thread (task cancellation): a reader blocked
+    /// in [`next`](InputGate::next) wakes with [`GateError::Closed`].
+    pub fn closer(&self) -> GateCloser {
+        GateCloser {
+            queue: self.queue.clone(),
+        }
+    }
+
     /// A local channel (for inspection: its back-off and retry time).
     pub fn local_channel(&self, index: usize) -> Option<&LocalInputChannel> {
         match self.channels.get(index) {
@@ -389,8 +397,25 @@ fn send_event(channel: &InputChannel, event: &Event) {
     }
 }
 
+/// Closes a gate from any thread; see [`SingleInputGate::closer`].
+#[derive(Clone, Debug)]
+pub struct GateCloser {
+    queue: Arc<ChannelQueue>,
+}
+
+impl GateCloser {
+    /// Closes the gate: the reader's next read fails with [`GateError::Closed`] and releases
+    /// the channels.
+    pub fn close(&self) {
+        self.queue.close();
+    }
+}
+
 impl InputGate for SingleInputGate {
     fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if self.queue.is_closed() {
+            self.close();
+        }
         if self.closed {
             return Err(GateError::Closed);
         }
@@ -411,7 +436,10 @@ impl InputGate for SingleInputGate {
         Ok(None)
     }
 
-    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+    fn next_until(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<BufferOrEvent>, GateError> {
         loop {
             if let Some(item) = self.poll_next()? {
                 return Ok(Some(item));
@@ -420,10 +448,14 @@ impl InputGate for SingleInputGate {
                 return Ok(None);
             }
             let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(GateError::TimedOut);
+            }
             let wait = self
                 .poll_timeout()
                 .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now))
-                .min(RETRY_CHECK);
+                .min(RETRY_CHECK)
+                .min(deadline.map_or(RETRY_CHECK, |d| d.saturating_duration_since(now)));
             self.queue.wait(wait);
             self.metrics.idle_nanos.add(now.elapsed().as_nanos() as u64);
             self.handle_timeout(Instant::now())?;

@@ -104,7 +104,10 @@ impl InputGate for UnionInputGate {
         Ok(None)
     }
 
-    fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+    fn next_until(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<BufferOrEvent>, GateError> {
         loop {
             if let Some(item) = self.poll_next()? {
                 return Ok(Some(item));
@@ -113,13 +116,17 @@ impl InputGate for UnionInputGate {
                 return Ok(None);
             }
             let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(GateError::TimedOut);
+            }
             let wait = self
                 .gates
                 .iter()
                 .filter_map(|g| g.poll_timeout())
                 .min()
                 .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now))
-                .min(RETRY_CHECK);
+                .min(RETRY_CHECK)
+                .min(deadline.map_or(RETRY_CHECK, |d| d.saturating_duration_since(now)));
             self.queue.wait(wait);
             self.handle_timeout(Instant::now())?;
         }

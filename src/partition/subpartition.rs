@@ -235,7 +235,8 @@ impl fmt::Debug for SubpartitionView {
 
 impl SubpartitionView {
     /// The next buffer or event with the backlog behind it, or `None` when nothing is readable
-    /// now (the listener is then told when something is).
+    /// now. Whenever this returns `None`, or an item whose `next_data_type` is `None`, the
+    /// listener is told when something becomes readable.
     pub fn poll_next(&mut self) -> Option<BufferAndBacklog> {
         // Bounded: a retry happens only when data arrived between the look and the park.
         for _ in 0..2 {
@@ -297,14 +298,13 @@ impl SubpartitionView {
     }
 
     fn take(&mut self) -> Option<BufferAndBacklog> {
-        let sub = self.subpartition.clone();
-        if sub.is_released() || self.blocked {
+        if self.subpartition.is_released() || self.blocked {
             return None;
         }
         if let Some(PriorityItem {
             mut consumer,
             data_enqueued,
-        }) = sub.priority.pop()
+        }) = self.subpartition.priority.pop()
         {
             // The producer finished every builder before queueing the event, so a head already
             // read to its end is done: it is not among the overtaken.
@@ -325,7 +325,9 @@ impl SubpartitionView {
         let head = self.head.as_mut().expect("a readable head");
         if !head.is_finished() {
             // The flushed part of the unfinished tail.
-            sub.flush_requested.store(false, Ordering::Release);
+            self.subpartition
+                .flush_requested
+                .store(false, Ordering::Release);
             let buffer = head.build();
             return Some(self.emit(buffer, 0));
         }
@@ -352,7 +354,11 @@ impl SubpartitionView {
         }
         let sequence_number = self.sequence_number;
         self.sequence_number += 1;
-        let next_data_type = self.peek_type();
+        let mut next_data_type = self.peek_type();
+        if next_data_type == DataType::None && self.park() {
+            // Data arrived while parking, and this side took the wake-up: report it.
+            next_data_type = self.peek_type();
+        }
         BufferAndBacklog {
             buffer,
             backlog: self.backlog(),
@@ -403,12 +409,16 @@ impl SubpartitionView {
     /// Registers as waiting, then looks once more. Returns true when something became
     /// readable and this side cleared the flag itself (so no notification will come).
     fn park(&mut self) -> bool {
-        let sub = self.subpartition.clone();
-        sub.reader_waiting.store(true, Ordering::Relaxed);
+        self.subpartition
+            .reader_waiting
+            .store(true, Ordering::Relaxed);
         // Pairs with the fence in `notify_if_waiting`.
         fence(Ordering::SeqCst);
         if self.peek_type() != DataType::None {
-            return sub.reader_waiting.swap(false, Ordering::AcqRel);
+            return self
+                .subpartition
+                .reader_waiting
+                .swap(false, Ordering::AcqRel);
         }
         false
     }

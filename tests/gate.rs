@@ -1,0 +1,645 @@
+//! Input gates over local channels: the scenarios the InputGate seed walks through, one test
+//! each, plus barriers, union gates and the async read.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fluxgate::buffer::{Buffer, NetworkBufferPool};
+use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+use fluxgate::gate::{
+    AlignmentMode, Backoff, ChannelLocation, ChannelSpec, ChannelStateSink, CheckpointedInputGate,
+    ConsumedSubpartition, GateError, GateItem, InputGate, ReaderItem, RecordReader,
+    SingleInputGate, UnionInputGate,
+};
+use fluxgate::partition::{
+    PartitionError, PartitionManager, ResultPartition, ResultPartitionId, TaskEventListener,
+};
+use fluxgate::NetworkConfig;
+
+const LONG: Duration = Duration::from_secs(20);
+
+struct Fixture {
+    network: NetworkBufferPool,
+    config: NetworkConfig,
+    manager: Arc<PartitionManager>,
+}
+
+fn fixture() -> Fixture {
+    let mut config = NetworkConfig::default();
+    config
+        .set("taskmanager.memory.segment-size", "4kb")
+        .unwrap();
+    config.set("taskmanager.memory.network.max", "2mb").unwrap();
+    config.set("fluxgate.memory.arena-size", "1mb").unwrap();
+    Fixture {
+        network: NetworkBufferPool::new(&config).unwrap(),
+        config,
+        manager: Arc::new(PartitionManager::new()),
+    }
+}
+
+fn pid(n: u64) -> ResultPartitionId {
+    ResultPartitionId {
+        partition: n,
+        producer: 0,
+    }
+}
+
+impl Fixture {
+    /// A registered producer partition with `subpartitions` subpartitions.
+    fn producer(&self, n: u64, subpartitions: usize) -> ResultPartition {
+        let partition =
+            ResultPartition::new(pid(n), subpartitions, &self.network, &self.config).unwrap();
+        self.manager.register(partition.handle()).unwrap();
+        partition
+    }
+
+    /// A set-up gate with one local channel per `(partition, subpartition)`.
+    fn gate(&self, consumed: &[(u64, usize)], location: ChannelLocation) -> SingleInputGate {
+        let specs = consumed
+            .iter()
+            .map(|&(n, subpartition)| ChannelSpec {
+                consumed: ConsumedSubpartition {
+                    partition: pid(n),
+                    subpartition,
+                },
+                location: location.clone(),
+            })
+            .collect();
+        let mut gate =
+            SingleInputGate::new(specs, self.manager.clone(), &self.network, &self.config);
+        gate.setup().unwrap();
+        gate
+    }
+
+    fn all_segments_back(&self) -> bool {
+        self.network.available_segments() == self.network.total_segments()
+    }
+}
+
+fn data(item: &GateItem) -> Vec<u8> {
+    match item {
+        GateItem::Buffer(buffer) => buffer.as_slice().to_vec(),
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+fn event(item: &GateItem) -> &Event {
+    match item {
+        GateItem::Event { event, .. } => event,
+        other => panic!("expected an event, got {other:?}"),
+    }
+}
+
+fn framed(record: &[u8]) -> Vec<u8> {
+    let mut bytes = (record.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(record);
+    bytes
+}
+
+#[test]
+fn partitions_are_requested_once_and_data_flows_by_reference() {
+    let f = fixture();
+    let mut producer = f.producer(1, 1);
+    let mut gate = f.gate(&[(1, 0)], ChannelLocation::Local);
+    let now = Instant::now();
+    gate.request_partitions(now).unwrap();
+    gate.request_partitions(now).unwrap();
+    producer.emit_record(&b"hello"[..], 0).unwrap();
+    producer.flush(0);
+    let item = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(item.channel, 0);
+    let GateItem::Buffer(buffer) = &item.item else {
+        panic!()
+    };
+    assert_eq!(buffer.as_slice(), framed(b"hello"));
+    let metrics = gate.channel(0).unwrap().metrics().unwrap();
+    assert_eq!(metrics.num_buffers_in.get(), 1);
+    assert_eq!(metrics.num_bytes_in.get(), 9);
+    drop(item);
+    producer.finish().unwrap();
+    assert_eq!(
+        event(&gate.next_timeout(LONG).unwrap().unwrap().item),
+        &Event::EndOfPartition
+    );
+    assert!(gate.is_finished());
+    assert!(gate.next_timeout(LONG).unwrap().is_none());
+    gate.close();
+    assert_eq!(gate.poll_next().unwrap_err(), GateError::Closed);
+    assert_eq!(gate.request_partitions(now).unwrap_err(), GateError::Closed);
+    drop(producer);
+    assert!(f.all_segments_back());
+}
+
+#[test]
+fn a_missing_partition_is_retried_with_doubling_backoff_then_found() {
+    let f = fixture();
+    let mut gate = f
+        .gate(&[(5, 0)], ChannelLocation::Local)
+        .with_backoff(Backoff::new(
+            Duration::from_millis(100),
+            Duration::from_millis(400),
+        ));
+    // `with_backoff` applies to channels made after it: rebuild through a fresh gate.
+    drop(gate);
+    let specs = vec![ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(5),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Local,
+    }];
+    gate = SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
+        Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
+    );
+    gate.setup().unwrap();
+    let t0 = Instant::now();
+    gate.request_partitions(t0).unwrap();
+    assert_eq!(
+        gate.local_channel(0).unwrap().backoff(),
+        Duration::from_millis(100)
+    );
+    assert_eq!(gate.poll_timeout(), Some(t0 + Duration::from_millis(100)));
+    // Not due yet: nothing happens.
+    gate.handle_timeout(t0 + Duration::from_millis(50)).unwrap();
+    assert_eq!(
+        gate.local_channel(0).unwrap().backoff(),
+        Duration::from_millis(100)
+    );
+    let t1 = t0 + Duration::from_millis(100);
+    gate.handle_timeout(t1).unwrap();
+    assert_eq!(
+        gate.local_channel(0).unwrap().backoff(),
+        Duration::from_millis(200)
+    );
+    assert_eq!(gate.poll_timeout(), Some(t1 + Duration::from_millis(200)));
+    // The producer registers before the next retry: the retry succeeds.
+    let mut producer = f.producer(5, 1);
+    gate.handle_timeout(t1 + Duration::from_millis(200))
+        .unwrap();
+    assert_eq!(gate.poll_timeout(), None);
+    producer.emit_record(&b"late"[..], 0).unwrap();
+    producer.flush(0);
+    assert_eq!(
+        data(&gate.next_timeout(LONG).unwrap().unwrap().item),
+        framed(b"late")
+    );
+}
+
+#[test]
+fn an_exhausted_backoff_fails_with_partition_not_found() {
+    let f = fixture();
+    let specs = vec![ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(9),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Local,
+    }];
+    let mut gate =
+        SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
+            Backoff::new(Duration::from_millis(100), Duration::from_millis(200)),
+        );
+    gate.setup().unwrap();
+    let mut now = Instant::now();
+    gate.request_partitions(now).unwrap();
+    let mut result = Ok(());
+    for _ in 0..5 {
+        now += Duration::from_secs(1);
+        result = gate.handle_timeout(now);
+        if result.is_err() {
+            break;
+        }
+    }
+    assert_eq!(
+        result.unwrap_err(),
+        GateError::Partition {
+            channel: 0,
+            source: PartitionError::PartitionNotFound(pid(9))
+        }
+    );
+}
+
+struct Events(Mutex<Vec<Event>>);
+
+impl TaskEventListener for Events {
+    fn on_task_event(&self, event: &Event) {
+        self.0.lock().unwrap().push(event.clone());
+    }
+}
+
+#[test]
+fn unknown_channels_become_local_get_requested_and_receive_pending_task_events() {
+    let f = fixture();
+    let mut producer = f.producer(2, 1);
+    let events = Arc::new(Events(Mutex::new(Vec::new())));
+    f.manager.subscribe_task_events(pid(2), events.clone());
+    let mut gate = f.gate(&[(2, 0)], ChannelLocation::Unknown);
+    let now = Instant::now();
+    gate.request_partitions(now).unwrap();
+    gate.send_task_event(&Event::Task(b"sync".to_vec()));
+    assert!(
+        events.0.lock().unwrap().is_empty(),
+        "held while the location is unknown"
+    );
+    producer.emit_record(&b"x"[..], 0).unwrap();
+    producer.flush(0);
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "an unknown channel reads nothing"
+    );
+    gate.update_channel(0, ChannelLocation::Local, now).unwrap();
+    assert_eq!(
+        *events.0.lock().unwrap(),
+        vec![Event::Task(b"sync".to_vec())]
+    );
+    assert_eq!(
+        data(&gate.next_timeout(LONG).unwrap().unwrap().item),
+        framed(b"x")
+    );
+    gate.send_task_event(&Event::Task(b"again".to_vec()));
+    assert_eq!(events.0.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn closing_from_another_thread_wakes_a_blocked_reader() {
+    let f = fixture();
+    let _producer = f.producer(3, 1);
+    let mut gate = f.gate(&[(3, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let closer = gate.closer();
+    let result = thread::scope(|s| {
+        let reader = s.spawn(move || gate.next_timeout(LONG));
+        closer.close();
+        reader.join().unwrap()
+    });
+    assert_eq!(result.unwrap_err(), GateError::Closed);
+}
+
+#[test]
+fn the_gate_finishes_after_end_of_partition_from_every_channel() {
+    let f = fixture();
+    let mut producer = f.producer(4, 3);
+    let mut gate = f.gate(&[(4, 0), (4, 1), (4, 2)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    producer.finish().unwrap();
+    let mut ended = Vec::new();
+    while let Some(item) = gate.next_timeout(LONG).unwrap() {
+        assert_eq!(event(&item.item), &Event::EndOfPartition);
+        assert!(!ended.contains(&item.channel));
+        ended.push(item.channel);
+        assert_eq!(gate.is_finished(), ended.len() == 3);
+    }
+    ended.sort();
+    assert_eq!(ended, vec![0, 1, 2]);
+}
+
+fn barrier(id: u64, alignment: Alignment) -> Event {
+    Event::CheckpointBarrier(CheckpointBarrier {
+        id,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment,
+    })
+}
+
+#[test]
+fn an_aligned_barrier_blocks_its_channel_until_resumed() {
+    let f = fixture();
+    let mut producer = f.producer(6, 1);
+    let mut gate = f.gate(&[(6, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    producer
+        .broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    producer.emit_record(&b"after"[..], 0).unwrap();
+    producer.flush(0);
+    assert_eq!(
+        event(&gate.next_timeout(LONG).unwrap().unwrap().item),
+        &barrier(1, Alignment::Aligned)
+    );
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "blocked behind the barrier"
+    );
+    gate.resume_consumption(0).unwrap();
+    assert_eq!(
+        data(&gate.next_timeout(LONG).unwrap().unwrap().item),
+        framed(b"after")
+    );
+}
+
+#[test]
+fn priority_events_are_read_before_queued_data_of_every_channel() {
+    let f = fixture();
+    let mut a = f.producer(7, 1);
+    let mut b = f.producer(8, 1);
+    let mut gate = f.gate(&[(7, 0), (8, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    for i in 0..3u8 {
+        a.emit_record(&[i][..], 0).unwrap();
+        a.flush(0);
+    }
+    b.emit_record(&b"b"[..], 0).unwrap();
+    b.flush(0);
+    b.broadcast_event(&barrier(2, Alignment::Unaligned), true)
+        .unwrap();
+    let first = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(first.channel, 1);
+    assert_eq!(event(&first.item), &barrier(2, Alignment::Unaligned));
+    assert_eq!(first.overtaken, 1);
+}
+
+#[test]
+fn a_busy_channel_does_not_starve_the_others() {
+    let f = fixture();
+    let mut busy = f.producer(10, 1);
+    let mut quiet = f.producer(11, 1);
+    let mut gate = f.gate(&[(10, 0), (11, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let record = [1u8; 4092]; // one full segment per record
+    for _ in 0..8 {
+        busy.emit_record(&record[..], 0).unwrap();
+    }
+    busy.flush(0);
+    quiet.emit_record(&b"q"[..], 0).unwrap();
+    quiet.flush(0);
+    let order: Vec<usize> = (0..4)
+        .map(|_| gate.next_timeout(LONG).unwrap().unwrap().channel)
+        .collect();
+    assert!(
+        order[..3].contains(&1),
+        "the quiet channel waited behind {order:?}"
+    );
+}
+
+#[test]
+fn a_union_gate_remaps_channels_and_takes_gates_in_turn() {
+    let f = fixture();
+    let mut a = f.producer(12, 2);
+    let mut b = f.producer(13, 1);
+    let mut g0 = f.gate(&[(12, 0), (12, 1)], ChannelLocation::Local);
+    let mut g1 = f.gate(&[(13, 0)], ChannelLocation::Local);
+    g0.request_partitions(Instant::now()).unwrap();
+    g1.request_partitions(Instant::now()).unwrap();
+    let mut union = UnionInputGate::new(vec![g0, g1]);
+    assert_eq!(union.channel_count(), 3);
+    assert_eq!(union.locate(2), Some((1, 0)));
+    a.emit_record(&b"a1"[..], 1).unwrap();
+    a.flush(1);
+    b.emit_record(&b"b0"[..], 0).unwrap();
+    b.flush(0);
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let item = union.next_timeout(LONG).unwrap().unwrap();
+        seen.push((item.channel, data(&item.item)));
+    }
+    seen.sort();
+    assert_eq!(seen, vec![(1, framed(b"a1")), (2, framed(b"b0"))]);
+    a.finish().unwrap();
+    b.finish().unwrap();
+    let mut ends = 0;
+    while let Some(item) = union.next_timeout(LONG).unwrap() {
+        assert_eq!(event(&item.item), &Event::EndOfPartition);
+        ends += 1;
+    }
+    assert_eq!(ends, 3);
+    assert!(union.is_finished());
+}
+
+#[derive(Default)]
+struct Sink {
+    data: Mutex<Vec<(u64, usize, Vec<u8>)>>,
+    complete: Mutex<Vec<u64>>,
+}
+
+impl ChannelStateSink for Sink {
+    fn add_input_data(&self, checkpoint_id: u64, channel: usize, buffer: Buffer) {
+        self.data
+            .lock()
+            .unwrap()
+            .push((checkpoint_id, channel, buffer.as_slice().to_vec()));
+    }
+
+    fn input_complete(&self, checkpoint_id: u64) {
+        self.complete.lock().unwrap().push(checkpoint_id);
+    }
+}
+
+#[test]
+fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
+    let f = fixture();
+    let mut a = f.producer(14, 1);
+    let mut b = f.producer(15, 1);
+    let mut gate = f.gate(&[(14, 0), (15, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    a.broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    a.emit_record(&b"a-after"[..], 0).unwrap();
+    a.flush(0);
+    b.emit_record(&b"b-before"[..], 0).unwrap();
+    b.flush(0);
+    // Channel 0 is blocked after its barrier: only b's data comes through.
+    let item = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!((item.channel, data(&item.item)), (1, framed(b"b-before")));
+    assert!(checkpointed.poll_next().unwrap().is_none());
+    assert_eq!(checkpointed.blocked_channels(), &[0]);
+    b.broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    let item = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!(event(&item.item), &barrier(1, Alignment::Aligned));
+    assert_eq!(checkpointed.pending_checkpoint(), None);
+    let item = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!((item.channel, data(&item.item)), (0, framed(b"a-after")));
+}
+
+#[test]
+fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
+    let f = fixture();
+    let mut a = f.producer(16, 1);
+    let mut b = f.producer(17, 1);
+    let mut gate = f.gate(&[(16, 0), (17, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    a.broadcast_event(&barrier(3, Alignment::Aligned), false)
+        .unwrap();
+    a.emit_record(&b"a"[..], 0).unwrap();
+    a.flush(0);
+    assert!(checkpointed.poll_next().unwrap().is_none());
+    assert_eq!(checkpointed.pending_checkpoint(), Some(3));
+    b.broadcast_event(&Event::CancelCheckpointMarker(3), false)
+        .unwrap();
+    assert_eq!(
+        event(
+            &checkpointed
+                .next_until(Some(Instant::now() + LONG))
+                .unwrap()
+                .unwrap()
+                .item
+        ),
+        &Event::CancelCheckpointMarker(3)
+    );
+    assert_eq!(checkpointed.pending_checkpoint(), None);
+    let item = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!((item.channel, data(&item.item)), (0, framed(b"a")));
+    // The late barrier of the aborted checkpoint is swallowed and its channel resumed.
+    b.broadcast_event(&barrier(3, Alignment::Aligned), false)
+        .unwrap();
+    b.emit_record(&b"b"[..], 0).unwrap();
+    b.flush(0);
+    let item = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!((item.channel, data(&item.item)), (1, framed(b"b")));
+}
+
+#[test]
+fn unaligned_checkpoints_trigger_at_the_first_barrier_and_persist_in_flight_data() {
+    let f = fixture();
+    let mut a = f.producer(18, 1);
+    let mut b = f.producer(19, 1);
+    let mut gate = f.gate(&[(18, 0), (19, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let sink = Arc::new(Sink::default());
+    let mut checkpointed =
+        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    a.emit_record(&b"a-in-flight"[..], 0).unwrap();
+    a.broadcast_event(&barrier(4, Alignment::Unaligned), true)
+        .unwrap();
+    a.emit_record(&b"a-after"[..], 0).unwrap();
+    a.flush(0);
+    b.emit_record(&b"b-in-flight"[..], 0).unwrap();
+    b.flush(0);
+    let first = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        event(&first.item),
+        &barrier(4, Alignment::Unaligned),
+        "triggered at once"
+    );
+    let mut delivered = Vec::new();
+    while let Some(item) = checkpointed.poll_next().unwrap() {
+        delivered.push(data(&item.item));
+    }
+    assert_eq!(
+        delivered.len(),
+        3,
+        "in-flight data is still delivered to the task"
+    );
+    assert!(
+        sink.complete.lock().unwrap().is_empty(),
+        "channel 1 has not sent its barrier"
+    );
+    b.broadcast_event(&barrier(4, Alignment::Unaligned), true)
+        .unwrap();
+    assert!(
+        checkpointed.poll_next().unwrap().is_none(),
+        "later barriers are not handed over"
+    );
+    let mut persisted = sink.data.lock().unwrap().clone();
+    persisted.sort();
+    assert_eq!(
+        persisted,
+        vec![
+            (4, 0, framed(b"a-in-flight")),
+            (4, 1, framed(b"b-in-flight"))
+        ]
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
+}
+
+#[test]
+fn the_record_reader_yields_records_and_events_from_every_channel() {
+    let f = fixture();
+    let mut a = f.producer(20, 1);
+    let mut b = f.producer(21, 1);
+    let mut gate = f.gate(&[(20, 0), (21, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let big = vec![7u8; 10_000]; // spans three 4 KiB segments
+    a.emit_record(&big[..], 0).unwrap();
+    a.emit_record(&b"small"[..], 0).unwrap();
+    b.emit_record(&b"other"[..], 0).unwrap();
+    a.finish().unwrap();
+    b.finish().unwrap();
+    let mut reader = RecordReader::new(gate, f.config.max_record_bytes);
+    let mut records = Vec::new();
+    let mut ends = 0;
+    while let Some(item) = reader.next_timeout(LONG).unwrap() {
+        match item {
+            ReaderItem::Record { channel, bytes } => records.push((channel, bytes.to_vec())),
+            ReaderItem::Event { event, .. } => {
+                assert_eq!(event, Event::EndOfPartition);
+                ends += 1;
+            }
+        }
+    }
+    assert_eq!(ends, 2);
+    records.sort();
+    assert_eq!(
+        records,
+        vec![
+            (0, big.clone()),
+            (0, b"small".to_vec()),
+            (1, b"other".to_vec())
+        ]
+    );
+}
+
+struct ThreadWaker(thread::Thread, AtomicUsize);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.unpark();
+    }
+}
+
+#[test]
+fn the_async_read_resolves_when_a_producer_thread_flushes() {
+    let f = fixture();
+    let mut producer = f.producer(22, 1);
+    let mut gate = f.gate(&[(22, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let waker = Waker::from(waker_state.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut read = Box::pin(gate.next_async());
+    assert!(read.as_mut().poll(&mut cx).is_pending());
+    thread::scope(|s| {
+        s.spawn(move || {
+            producer.emit_record(&b"async"[..], 0).unwrap();
+            producer.flush(0);
+            producer
+        });
+        for _ in 0..10_000 {
+            if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
+                let item = result.unwrap().unwrap();
+                assert_eq!(data(&item.item), framed(b"async"));
+                return;
+            }
+            thread::park_timeout(LONG);
+        }
+        panic!("the async read never resolved");
+    });
+    assert!(waker_state.1.load(Ordering::SeqCst) >= 1);
+}
