@@ -1,32 +1,78 @@
-//! `fluxgate bench`: until the exchange exists, the segment + record path between two threads:
-//! a producer serializes records straight into pooled segments, a consumer deserializes them
-//! and drops the buffers, which recycles the segments to the producer's pool.
+//! `fluxgate bench`: throughput and latency of an exchange.
+//!
+//! Until the network transport lands, the exchange is local: producer threads write through
+//! `RecordWriter`s into result partitions, consumer threads read through `RecordReader`s over
+//! input gates whose local channels take the producers' buffers by reference.
+//!
+//! * Throughput run: P producers × C consumers emit records as fast as they can for the
+//!   duration; reported as records/s, payload GB/s and process CPU ns per record.
+//! * Latency run: one producer, one consumer, records sent at a fixed rate with a flush after
+//!   every record (`execution.buffer-timeout` = 0). Each record carries its *scheduled* send
+//!   time, so a stalled sender shows up in the histogram (no coordinated omission).
 
-use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use fluxgate::buffer::NetworkBufferPool;
-use fluxgate::buffer::{Buffer, BufferBuilder, BufferConsumer, LocalBufferPool, LocalPoolSpec};
-use fluxgate::record::{self, RecordDeserializer, RecordError, SegmentSink};
+use fluxgate::gate::{
+    ChannelLocation, ChannelSpec, ConsumedSubpartition, ReaderItem, RecordReader, SingleInputGate,
+};
+use fluxgate::partition::{
+    BroadcastSelector, BufferTimeout, ChannelSelector, ForwardSelector, KeyHashSelector,
+    PartitionManager, RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector,
+    Selection,
+};
 use fluxgate::NetworkConfig;
+use hdrhistogram::Histogram;
 
 /// Options of `fluxgate bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Bytes per record.
+    /// Bytes per record (at least 8 for the latency run's timestamp).
     #[arg(long, default_value_t = 8)]
     record_size: usize,
-    /// Seconds to run.
-    #[arg(long, default_value_t = 3.0)]
-    duration: f64,
+    /// Producer tasks.
+    #[arg(long, default_value_t = 1)]
+    producers: usize,
+    /// Consumer tasks.
+    #[arg(long, default_value_t = 1)]
+    consumers: usize,
+    /// How records are spread over the consumers.
+    #[arg(long, value_enum, default_value_t = Partitioner::RoundRobin)]
+    partitioner: Partitioner,
     /// `taskmanager.memory.segment-size` in bytes.
     #[arg(long, default_value_t = 32 * 1024)]
     segment_size: usize,
+    /// `execution.buffer-timeout` of the throughput run in ms: -1 flush only full buffers,
+    /// 0 flush every record, N flush at most N ms after a write.
+    #[arg(long, default_value_t = 100, allow_hyphen_values = true)]
+    buffer_timeout: i64,
+    /// Seconds of the throughput run.
+    #[arg(long, default_value_t = 3.0)]
+    duration: f64,
+    /// Records per second of the latency run (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    rate: u64,
+    /// Seconds of the latency run.
+    #[arg(long, default_value_t = 2.0)]
+    latency_duration: f64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Partitioner {
+    /// Round robin (Flink's rebalance).
+    RoundRobin,
+    /// By a key hash (the record's first 8 bytes).
+    Hash,
+    /// Every record to every consumer.
+    Broadcast,
+    /// Producer i to consumer i (needs producers == consumers).
+    Forward,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -35,50 +81,29 @@ enum Format {
     Table,
     /// One `name value unit` line per figure.
     Lines,
+    /// One JSON object.
+    Json,
 }
 
-/// Builders filled by the producer, handed to the consumer thread as finished buffers.
-struct ChannelSink<'a> {
-    pool: &'a LocalBufferPool,
-    current: Option<(BufferBuilder, BufferConsumer)>,
-    out: &'a mpsc::SyncSender<Buffer>,
-    timeout: Duration,
-}
-
-impl ChannelSink<'_> {
-    fn ship(&mut self) {
-        if let Some((mut builder, mut consumer)) = self.current.take() {
-            builder.finish();
-            let buffer = consumer.build();
-            drop((builder, consumer));
-            // The consumer only goes away at the end of the run.
-            let _ = self.out.send(buffer);
-        }
-    }
-}
-
-impl SegmentSink for ChannelSink<'_> {
-    fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError> {
-        if self.current.as_ref().is_some_and(|(b, _)| b.is_full()) {
-            self.ship();
-        }
-        if self.current.is_none() {
-            let builder = self.pool.request_buffer_builder_blocking(0, self.timeout)?;
-            let consumer = builder.create_consumer_from_beginning();
-            self.current = Some((builder, consumer));
-        }
-        Ok(&mut self.current.as_mut().expect("just set").0)
-    }
-
-    fn commit(&mut self) {
-        if let Some((builder, _)) = self.current.as_mut() {
-            builder.commit();
-        }
-    }
+/// The figures of one benchmark run.
+#[derive(Debug, Default)]
+struct Figures {
+    records: u64,
+    records_per_sec: f64,
+    payload_gb_per_sec: f64,
+    cpu_ns_per_record: f64,
+    latency_us: Option<[f64; 4]>,
+    latency_samples: u64,
 }
 
 /// Runs the benchmark and prints its figures.
 pub fn run(args: &BenchArgs) -> Result<(), String> {
+    if args.producers == 0 || args.consumers == 0 {
+        return Err("--producers and --consumers must be at least 1".into());
+    }
+    if args.partitioner == Partitioner::Forward && args.producers != args.consumers {
+        return Err("--partitioner forward needs as many producers as consumers".into());
+    }
     let mut config = NetworkConfig::default();
     config
         .set(
@@ -86,75 +111,329 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
             &args.segment_size.to_string(),
         )
         .map_err(|e| e.to_string())?;
-    let network = NetworkBufferPool::new(&config).map_err(|e| e.to_string())?;
-    let pool = network
-        .create_local_pool(LocalPoolSpec::for_partition(1, &config))
+    // Room for every partition's and gate's pool.
+    let pools =
+        args.producers * (args.consumers * 2 + 8) + args.consumers * (args.producers * 2 + 9);
+    let memory = (pools * args.segment_size * 2).max(64 << 20);
+    config
+        .set("taskmanager.memory.network.max", &memory.to_string())
         .map_err(|e| e.to_string())?;
-    let record = vec![0xA5u8; args.record_size];
-    let duration = Duration::from_secs_f64(args.duration);
-    let (tx, rx) = mpsc::sync_channel::<Buffer>(config.max_buffers_per_channel);
+    let mut figures = throughput(args, &config)?;
+    if args.rate > 0 {
+        let (percentiles, samples) = latency(args, &config)?;
+        figures.latency_us = Some(percentiles);
+        figures.latency_samples = samples;
+    }
+    print(args, &figures);
+    Ok(())
+}
 
+/// One local exchange: partitions registered in a manager, gates reading them.
+struct Exchange {
+    network: NetworkBufferPool,
+    manager: Arc<PartitionManager>,
+}
+
+impl Exchange {
+    fn new(config: &NetworkConfig) -> Result<Self, String> {
+        Ok(Self {
+            network: NetworkBufferPool::new(config).map_err(|e| e.to_string())?,
+            manager: Arc::new(PartitionManager::new()),
+        })
+    }
+
+    fn partition(
+        &self,
+        producer: usize,
+        consumers: usize,
+        config: &NetworkConfig,
+    ) -> Result<ResultPartition, String> {
+        let id = ResultPartitionId {
+            partition: producer as u64,
+            producer: 0,
+        };
+        let partition = ResultPartition::new(id, consumers, &self.network, config)
+            .map_err(|e| e.to_string())?;
+        self.manager
+            .register(partition.handle())
+            .map_err(|e| e.to_string())?;
+        Ok(partition)
+    }
+
+    fn gate(
+        &self,
+        consumer: usize,
+        producers: usize,
+        config: &NetworkConfig,
+    ) -> Result<SingleInputGate, String> {
+        let specs = (0..producers)
+            .map(|producer| ChannelSpec {
+                consumed: ConsumedSubpartition {
+                    partition: ResultPartitionId {
+                        partition: producer as u64,
+                        producer: 0,
+                    },
+                    subpartition: consumer,
+                },
+                location: ChannelLocation::Local,
+            })
+            .collect();
+        let mut gate = SingleInputGate::new(specs, self.manager.clone(), &self.network, config);
+        gate.setup().map_err(|e| e.to_string())?;
+        gate.request_partitions(Instant::now())
+            .map_err(|e| e.to_string())?;
+        Ok(gate)
+    }
+}
+
+/// The selector the command line asked for, over byte records.
+enum AnySelector {
+    RoundRobin(RoundRobinSelector),
+    Hash(KeyHashSelector<fn(&[u8]) -> u64>),
+    Broadcast(BroadcastSelector),
+    /// Producer i feeds consumer i.
+    Forward(usize),
+}
+
+fn record_key(record: &[u8]) -> u64 {
+    let mut key = [0u8; 8];
+    let n = record.len().min(8);
+    key[..n].copy_from_slice(&record[..n]);
+    u64::from_le_bytes(key)
+}
+
+impl ChannelSelector<[u8]> for AnySelector {
+    #[inline]
+    fn select(&mut self, record: &[u8], channels: usize) -> Selection {
+        match self {
+            AnySelector::RoundRobin(s) => s.select(record, channels),
+            AnySelector::Hash(s) => s.select(record, channels),
+            AnySelector::Broadcast(s) => ChannelSelector::<[u8]>::select(s, record, channels),
+            AnySelector::Forward(own) => Selection::Channel(*own),
+        }
+    }
+}
+
+fn selector(partitioner: Partitioner, producer: usize) -> AnySelector {
+    match partitioner {
+        Partitioner::RoundRobin => {
+            AnySelector::RoundRobin(RoundRobinSelector::starting_at(producer))
+        }
+        Partitioner::Hash => {
+            AnySelector::Hash(KeyHashSelector::new(record_key as fn(&[u8]) -> u64, 128))
+        }
+        Partitioner::Broadcast => AnySelector::Broadcast(BroadcastSelector),
+        Partitioner::Forward => AnySelector::Forward(producer),
+    }
+}
+
+fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, String> {
+    let exchange = Exchange::new(config)?;
+    let partitions = (0..args.producers)
+        .map(|p| exchange.partition(p, args.consumers, config))
+        .collect::<Result<Vec<_>, _>>()?;
+    let gates = (0..args.consumers)
+        .map(|c| exchange.gate(c, args.producers, config))
+        .collect::<Result<Vec<_>, _>>()?;
+    let duration = Duration::from_secs_f64(args.duration);
+    let timeout = BufferTimeout::from_millis(args.buffer_timeout);
     let started = Instant::now();
     let cpu_started = cpu_time();
-    let (produced, consumed) = thread::scope(|scope| {
-        let consumer = scope.spawn(move || {
-            let mut deserializer = RecordDeserializer::new(config.max_record_bytes);
-            let mut records = 0u64;
-            while let Ok(buffer) = rx.recv() {
-                deserializer
-                    .set_next_buffer(buffer)
-                    .expect("read to the end");
-                while let Some(record) = deserializer.next_record().expect("valid stream") {
-                    std::hint::black_box(record);
-                    records += 1;
+    let consumed: Vec<Result<(u64, u64), String>> = thread::scope(|scope| {
+        for (index, partition) in partitions.into_iter().enumerate() {
+            let partitioner = args.partitioner;
+            let record_size = args.record_size;
+            scope.spawn(move || {
+                let mut writer =
+                    RecordWriter::new(partition, selector(partitioner, index), timeout);
+                let mut record = vec![0u8; record_size];
+                let mut sequence = 0u64;
+                while started.elapsed() < duration {
+                    for _ in 0..1024 {
+                        let n = record.len().min(8);
+                        record[..n].copy_from_slice(&sequence.to_le_bytes()[..n]);
+                        writer.emit(&record[..]).expect("local exchange alive");
+                        sequence += 1;
+                    }
                 }
-            }
-            records
-        });
-        let mut sink = ChannelSink {
-            pool: &pool,
-            current: None,
-            out: &tx,
-            timeout: config.buffer_request_timeout,
-        };
-        let mut produced = 0u64;
-        while started.elapsed() < duration {
-            for _ in 0..4096 {
-                record::serialize(&record[..], &mut sink, config.max_record_bytes)
-                    .expect("pool alive");
-            }
-            produced += 4096;
+                writer.finish().expect("local exchange alive");
+            });
         }
-        sink.ship();
-        drop(tx);
-        (produced, consumer.join().expect("consumer thread"))
+        let readers: Vec<_> = gates
+            .into_iter()
+            .map(|gate| {
+                let max = config.max_record_bytes;
+                scope.spawn(move || {
+                    let mut reader = RecordReader::new(gate, max);
+                    let (mut records, mut bytes) = (0u64, 0u64);
+                    loop {
+                        match reader.next_timeout(Duration::from_secs(30)) {
+                            Ok(Some(ReaderItem::Record { bytes: record, .. })) => {
+                                records += 1;
+                                bytes += record.len() as u64;
+                            }
+                            Ok(Some(ReaderItem::Event { .. })) => {}
+                            Ok(None) => return Ok((records, bytes)),
+                            Err(error) => return Err(error.to_string()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| r.join().unwrap_or_else(|_| Err("consumer panicked".into())))
+            .collect()
     });
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_time().saturating_sub(cpu_started).as_secs_f64();
-    if produced != consumed {
-        return Err(format!(
-            "lost records: produced {produced}, consumed {consumed}"
-        ));
+    let mut records = 0;
+    let mut bytes = 0;
+    for result in consumed {
+        let (r, b) = result?;
+        records += r;
+        bytes += b;
     }
-    let records_per_sec = consumed as f64 / elapsed;
-    let payload_gb = consumed as f64 * args.record_size as f64 / elapsed / 1e9;
-    let cpu_ns = cpu * 1e9 / consumed as f64;
+    if exchange.network.available_segments() != exchange.network.total_segments() {
+        return Err("segments were not returned to the pool".into());
+    }
+    Ok(Figures {
+        records,
+        records_per_sec: records as f64 / elapsed,
+        payload_gb_per_sec: bytes as f64 / elapsed / 1e9,
+        cpu_ns_per_record: cpu * 1e9 / records.max(1) as f64,
+        ..Figures::default()
+    })
+}
+
+/// Fixed-rate 1 → 1 run; returns p50, p99, p99.9 and max in µs, and the sample count.
+fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<([f64; 4], u64), String> {
+    let exchange = Exchange::new(config)?;
+    let partition = exchange.partition(0, 1, config)?;
+    let gate = exchange.gate(0, 1, config)?;
+    let epoch = Instant::now();
+    let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
+    let total = (args.rate as f64 * args.latency_duration) as u64;
+    let size = args.record_size.max(8);
+    let histogram = thread::scope(|scope| {
+        scope.spawn(move || {
+            let mut writer = RecordWriter::new(partition, ForwardSelector, BufferTimeout::Always);
+            let mut record = vec![0u8; size];
+            for i in 0..total {
+                let scheduled = interval * i as u32;
+                pace(epoch, scheduled);
+                record[..8].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
+                writer.emit(&record[..]).expect("local exchange alive");
+            }
+            writer.finish().expect("local exchange alive");
+        });
+        let reader = scope.spawn(move || -> Result<Histogram<u64>, String> {
+            let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
+                .map_err(|e| e.to_string())?;
+            let mut reader = RecordReader::new(gate, config.max_record_bytes);
+            loop {
+                match reader.next_timeout(Duration::from_secs(30)) {
+                    Ok(Some(ReaderItem::Record { bytes, .. })) => {
+                        let sent = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+                        let now = epoch.elapsed().as_nanos() as u64;
+                        histogram.saturating_record(now.saturating_sub(sent).max(1));
+                    }
+                    Ok(Some(ReaderItem::Event { .. })) => {}
+                    Ok(None) => return Ok(histogram),
+                    Err(error) => return Err(error.to_string()),
+                }
+            }
+        });
+        reader
+            .join()
+            .unwrap_or_else(|_| Err("consumer panicked".into()))
+    })?;
+    let us = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+    Ok((
+        [
+            us(0.5),
+            us(0.99),
+            us(0.999),
+            histogram.max() as f64 / 1000.0,
+        ],
+        histogram.len(),
+    ))
+}
+
+/// Waits until `scheduled` after `epoch`: sleeps while far ahead, yields when close, so the
+/// other core stays free for the consumer.
+fn pace(epoch: Instant, scheduled: Duration) {
+    // Bounded by the schedule: each pass moves closer to it.
+    loop {
+        let now = epoch.elapsed();
+        if now >= scheduled {
+            return;
+        }
+        let ahead = scheduled - now;
+        if ahead > Duration::from_micros(200) {
+            thread::sleep(ahead - Duration::from_micros(100));
+        } else {
+            thread::yield_now();
+        }
+    }
+}
+
+fn print(args: &BenchArgs, f: &Figures) {
+    let latency = f.latency_us.unwrap_or([f64::NAN; 4]);
     match args.format {
         Format::Table => {
-            println!("fluxgate bench (segment + record path, two threads, no network yet)");
-            println!("  record size        {:>12} B", args.record_size);
-            println!("  records            {consumed:>12}");
-            println!("  records/s          {records_per_sec:>12.0}");
-            println!("  payload            {payload_gb:>12.3} GB/s");
-            println!("  CPU per record     {cpu_ns:>12.1} ns");
+            println!(
+                "fluxgate bench: local exchange {}→{} ({:?}), {} B records, {} B segments",
+                args.producers,
+                args.consumers,
+                args.partitioner,
+                args.record_size,
+                args.segment_size
+            );
+            println!(
+                "  throughput ({:.1} s, buffer timeout {} ms)",
+                args.duration, args.buffer_timeout
+            );
+            println!("    records/s          {:>14.0}", f.records_per_sec);
+            println!("    payload            {:>14.3} GB/s", f.payload_gb_per_sec);
+            println!("    CPU per record     {:>14.1} ns", f.cpu_ns_per_record);
+            if f.latency_us.is_some() {
+                println!(
+                    "  latency ({} records/s, flush every record, {} samples)",
+                    args.rate, f.latency_samples
+                );
+                println!("    p50                {:>14.1} µs", latency[0]);
+                println!("    p99                {:>14.1} µs", latency[1]);
+                println!("    p99.9              {:>14.1} µs", latency[2]);
+                println!("    max                {:>14.1} µs", latency[3]);
+            }
         }
         Format::Lines => {
-            println!("records_per_sec {records_per_sec:.0} records/s");
-            println!("payload_gb_per_sec {payload_gb:.3} GB/s");
-            println!("cpu_ns_per_record {cpu_ns:.1} ns");
+            println!("records_per_sec {:.0} records/s", f.records_per_sec);
+            println!("payload_gb_per_sec {:.3} GB/s", f.payload_gb_per_sec);
+            println!("cpu_ns_per_record {:.1} ns", f.cpu_ns_per_record);
+            if f.latency_us.is_some() {
+                println!("latency_p50_us {:.1} us", latency[0]);
+                println!("latency_p99_us {:.1} us", latency[1]);
+                println!("latency_p999_us {:.1} us", latency[2]);
+                println!("latency_max_us {:.1} us", latency[3]);
+            }
+        }
+        Format::Json => {
+            let latency_fields = if f.latency_us.is_some() {
+                format!(
+                    ",\"latency_p50_us\":{:.1},\"latency_p99_us\":{:.1},\"latency_p999_us\":{:.1},\"latency_max_us\":{:.1}",
+                    latency[0], latency[1], latency[2], latency[3]
+                )
+            } else {
+                String::new()
+            };
+            println!(
+                "{{\"records\":{},\"records_per_sec\":{:.0},\"payload_gb_per_sec\":{:.3},\"cpu_ns_per_record\":{:.1}{}}}",
+                f.records, f.records_per_sec, f.payload_gb_per_sec, f.cpu_ns_per_record, latency_fields
+            );
         }
     }
-    Ok(())
 }
 
 /// CPU time of the whole process (all threads), from `/proc/self/stat` (std has no process
