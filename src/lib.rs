@@ -42,6 +42,7 @@ pub mod flusher;
 pub mod gate;
 pub mod metrics;
 pub mod partition;
+pub mod protocol;
 pub mod record;
 mod sync;
 

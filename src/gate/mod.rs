@@ -18,6 +18,7 @@ mod union;
 
 pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate};
 pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
+pub(crate) use queue::ChannelQueueHandle;
 pub use reader::{ReaderError, ReaderItem, RecordReader};
 pub use remote::{BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel};
 pub use single::{ChannelSpec, GateCloser, GateMetrics, SingleInputGate};

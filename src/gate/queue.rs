@@ -165,3 +165,42 @@ impl AvailabilityListener for ChannelNotifier {
         self.queue.enqueue(self.channel, true);
     }
 }
+
+/// The queue as another layer uses it: a deduplicated FIFO of slot numbers filled from any
+/// thread, drained by one owner, with a waker for that owner (the protocol's ready queues).
+#[derive(Clone, Debug)]
+pub(crate) struct ChannelQueueHandle(Arc<ChannelQueue>);
+
+impl ChannelQueueHandle {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self(ChannelQueue::new(capacity))
+    }
+
+    pub(crate) fn enqueue(&self, slot: u32) {
+        self.0.enqueue(slot, false);
+    }
+
+    pub(crate) fn enqueue_priority(&self, slot: u32) {
+        self.0.enqueue(slot, true);
+    }
+
+    pub(crate) fn pop(&self) -> Option<u32> {
+        self.0.pop().map(|(slot, _)| slot)
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.0.in_data.len()
+    }
+
+    pub(crate) fn register_waker(&self, waker: &Waker) -> bool {
+        self.0.register_waker(waker)
+    }
+
+    /// A listener that queues `slot` here when its source has data.
+    pub(crate) fn notifier(&self, slot: u32) -> Arc<dyn AvailabilityListener> {
+        Arc::new(ChannelNotifier {
+            queue: self.0.clone(),
+            channel: slot,
+        })
+    }
+}

@@ -34,7 +34,12 @@ struct ListenerSlot(Arc<dyn CreditListener>);
 pub struct BufferManager {
     me: Weak<BufferManager>,
     channel: usize,
-    pool: Arc<LocalBufferPool>,
+    /// The gate's pool, for floating segments. Weak on purpose: the gate owns the pool and
+    /// drops it on close, which destroys it (its free segments and guaranteed minimum go back
+    /// to the global pool). A strong reference here kept a closed gate's pool alive for as
+    /// long as anyone held the channel (the transport's `Arc<RemoteChannelShared>`, a buffer
+    /// still in flight), pinning up to its minimum of segments in the global pool.
+    pool: Weak<LocalBufferPool>,
     /// Where exclusive segments came from and go back to on release (the gate's pool).
     origin: Arc<dyn Recycler>,
     exclusive_free: FreeList,
@@ -86,7 +91,7 @@ impl BufferManager {
             BufferManager {
                 me: me.clone(),
                 channel,
-                pool,
+                pool: Arc::downgrade(&pool),
                 origin,
                 exclusive_free,
                 exclusive_total: exclusive,
@@ -132,6 +137,14 @@ impl BufferManager {
         Some(PooledSegment::new(me, segment))
     }
 
+    /// A segment for an incoming event: events need no credit, so it comes from outside the
+    /// gate's quota (an overdraft segment of the global pool), as Flink reads events into
+    /// unpooled memory.
+    pub fn event_segment(&self) -> Option<PooledSegment> {
+        // `None` once the gate closed (the pool is gone; the channel takes nothing more).
+        self.pool.upgrade()?.request_overdraft_segment()
+    }
+
     /// The sender has `backlog` buffers queued: ask the gate's pool for floating segments up to
     /// backlog + exclusive, registering as a listener when it has none.
     pub fn on_sender_backlog(&self, backlog: usize) {
@@ -162,8 +175,12 @@ impl BufferManager {
             let me: Option<Arc<dyn BufferListener>> =
                 self.me.upgrade().map(|m| m as Arc<dyn BufferListener>);
             let Some(me) = me else { break };
+            // Gone once the gate closed: no more floating segments.
+            let Some(pool) = self.pool.upgrade() else {
+                break;
+            };
             self.waiting_for_floating.store(true, Ordering::Release);
-            match self.pool.request_segment_or_listen(&me) {
+            match pool.request_segment_or_listen(&me) {
                 Ok(Some(segment)) => {
                     self.waiting_for_floating.store(false, Ordering::Release);
                     if self.floating.push(segment).is_err() {

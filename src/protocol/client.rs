@@ -1,0 +1,496 @@
+//! The consumer side of a connection.
+
+use std::fmt;
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::Instant;
+
+use super::frame::{
+    decode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, MessageId,
+    ReceiverId, BUFFER_RESPONSE_BODY, VERSION,
+};
+use super::inbound::{FrameReader, Step};
+use super::outbound::Outbound;
+use super::ProtocolError;
+use crate::buffer::BufferBuilder;
+use crate::gate::{ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared};
+use crate::partition::{PartitionError, ResultPartitionId};
+
+/// Bytes of discarded payload read per step (payloads for channels already gone).
+const DISCARD_CHUNK: usize = 4096;
+
+/// A remote channel registered on this connection.
+struct ClientChannel {
+    shared: Arc<RemoteChannelShared>,
+    partition: ResultPartitionId,
+    receiver: ReceiverId,
+}
+
+/// What the reader is doing.
+enum ReadStage {
+    /// Frame headers and control bodies.
+    Frames,
+    /// The fixed header of a BufferResponse.
+    BufferHeader {
+        frame: FrameHeader,
+        bytes: [u8; BUFFER_RESPONSE_BODY],
+        have: usize,
+    },
+    /// A BufferResponse payload, into the reserved segment (or discarded).
+    Payload {
+        header: BufferResponseHeader,
+        slot: usize,
+        builder: Option<BufferBuilder>,
+        remaining: usize,
+    },
+}
+
+/// The consumer side of one connection (Flink's `CreditBasedPartitionRequestClientHandler`
+/// plus the client's outbound queue), IO-free.
+pub struct ClientConnection {
+    node: u128,
+    channels: Vec<Option<ClientChannel>>,
+    /// Channels with something to send (credit, resume, release), fed from any thread.
+    ready: ChannelQueueHandle,
+    reader: FrameReader,
+    stage: ReadStage,
+    discard: Box<[u8; DISCARD_CHUNK]>,
+    outbound: Outbound,
+    handshake_received: bool,
+    closed: bool,
+    generation: u64,
+}
+
+impl fmt::Debug for ClientConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientConnection")
+            .field("channels", &self.channels.iter().flatten().count())
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
+/// Tells the connection that a channel has something to send.
+struct ReadyNotifier {
+    ready: ChannelQueueHandle,
+    slot: u32,
+}
+
+impl CreditListener for ReadyNotifier {
+    fn on_channel_ready(&self, _channel: usize) {
+        self.ready.enqueue(self.slot);
+    }
+}
+
+impl ClientConnection {
+    /// A connection for up to `max_channels` channels, reading payloads of at most
+    /// `segment_size` bytes; `node` identifies this process in the handshake.
+    pub fn new(node: u128, max_channels: usize, segment_size: usize) -> Self {
+        let mut outbound = Outbound::default();
+        encode(
+            &mut outbound,
+            &Message::Handshake {
+                version: VERSION,
+                node,
+            },
+        );
+        Self {
+            node,
+            channels: Vec::new(),
+            ready: ChannelQueueHandle::new(max_channels),
+            reader: FrameReader::new(segment_size),
+            stage: ReadStage::Frames,
+            discard: Box::new([0; DISCARD_CHUNK]),
+            outbound,
+            handshake_received: false,
+            closed: false,
+            generation: 0,
+        }
+    }
+
+    /// This side's node identity.
+    pub fn node(&self) -> u128 {
+        self.node
+    }
+
+    /// Registers a remote channel and queues its PartitionRequest with the initial credit.
+    /// Fails when the connection has no room for another channel.
+    pub fn register(
+        &mut self,
+        shared: Arc<RemoteChannelShared>,
+        attach: impl FnOnce(Arc<dyn CreditListener>),
+    ) -> Result<ReceiverId, ProtocolError> {
+        let slot = match self.channels.iter().position(Option::is_none) {
+            Some(slot) => slot,
+            None if self.channels.len() < self.ready.capacity() => {
+                self.channels.push(None);
+                self.channels.len() - 1
+            }
+            None => return Err(ProtocolError::Closed),
+        };
+        // Slot in the low half, a never-reused generation in the high half: a late frame for a
+        // channel that left cannot reach the channel that took its slot.
+        self.generation += 1;
+        let receiver = ReceiverId(slot as u128 | (u128::from(self.generation) << 64));
+        let consumed = shared.consumed();
+        attach(Arc::new(ReadyNotifier {
+            ready: self.ready.clone(),
+            slot: slot as u32,
+        }));
+        encode(
+            &mut self.outbound,
+            &Message::PartitionRequest {
+                partition: consumed.partition,
+                subpartition: consumed.subpartition as u32,
+                receiver,
+                credit: shared.buffers().initial_credit(),
+            },
+        );
+        self.channels[slot] = Some(ClientChannel {
+            shared,
+            partition: consumed.partition,
+            receiver,
+        });
+        Ok(receiver)
+    }
+
+    /// Sends a task event to the producer of `receiver`'s partition.
+    pub fn send_task_event(&mut self, receiver: ReceiverId, event: &crate::event::Event) {
+        let Some(channel) = self.channel(receiver) else {
+            return;
+        };
+        let mut bytes = Vec::with_capacity(event.encoded_len());
+        event.encode(&mut bytes);
+        let message = Message::TaskEventRequest {
+            partition: channel.partition,
+            receiver,
+            event: bytes,
+        };
+        encode(&mut self.outbound, &message);
+    }
+
+    /// Where the next bytes read from the socket go.
+    pub fn read_buffer(&mut self) -> &mut [u8] {
+        match &mut self.stage {
+            ReadStage::Frames => self.reader.destination(),
+            ReadStage::BufferHeader { bytes, have, .. } => &mut bytes[*have..],
+            ReadStage::Payload {
+                builder, remaining, ..
+            } => match builder {
+                Some(builder) => &mut builder.unfilled_mut()[..*remaining],
+                None => {
+                    let n = (*remaining).min(DISCARD_CHUNK);
+                    &mut self.discard[..n]
+                }
+            },
+        }
+    }
+
+    /// `n` bytes were read into [`read_buffer`](Self::read_buffer). An error closes the
+    /// connection: every channel on it fails.
+    pub fn on_read(&mut self, n: usize) -> Result<(), ProtocolError> {
+        let result = self.advance(n);
+        if let Err(error) = &result {
+            self.fail_all(error);
+        }
+        result
+    }
+
+    /// Moves what channels want sent (credit, resume, cancel) into the outbound queue.
+    pub fn poll_transmit(&mut self, _now: Instant) {
+        // Each slot is in the queue at most once: bounded by the channel count.
+        while let Some(slot) = self.ready.pop() {
+            let Some(Some(channel)) = self.channels.get(slot as usize) else {
+                continue;
+            };
+            let receiver = channel.receiver;
+            if channel.shared.is_released() {
+                encode(
+                    &mut self.outbound,
+                    &Message::CancelPartitionRequest { receiver },
+                );
+                self.channels[slot as usize] = None;
+                continue;
+            }
+            let resume = channel.shared.take_resume_request();
+            let credit = channel.shared.buffers().take_unannounced_credit();
+            if resume {
+                encode(&mut self.outbound, &Message::ResumeConsumption { receiver });
+            }
+            if credit > 0 {
+                encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
+            }
+        }
+    }
+
+    /// The ranges to write next (at most `max`), in order.
+    pub fn write_slices<'a>(&'a self, out: &mut Vec<IoSlice<'a>>, max: usize) {
+        self.outbound.slices(out, max);
+    }
+
+    /// `n` bytes of the ranges were written.
+    pub fn on_written(&mut self, n: usize) {
+        self.outbound.on_written(n);
+    }
+
+    /// True when bytes wait to be written.
+    pub fn wants_write(&self) -> bool {
+        !self.outbound.is_empty()
+    }
+
+    /// Registers the waker of the I/O thread driving this connection: woken when a channel
+    /// has something to send.
+    pub fn set_waker(&self, waker: &Waker) -> bool {
+        self.ready.register_waker(waker)
+    }
+
+    /// Queues CloseRequest; the driver closes after writing it.
+    pub fn close(&mut self) {
+        if !self.closed {
+            self.closed = true;
+            encode(&mut self.outbound, &Message::CloseRequest);
+        }
+    }
+
+    /// The connection broke (reset, EOF): every channel fails with a transport error.
+    pub fn on_connection_lost(&mut self, reason: &str) {
+        self.fail_all(&ProtocolError::Remote {
+            kind: ErrorKind::Other,
+            message: reason.to_owned(),
+        });
+    }
+
+    /// Channels registered now.
+    pub fn channel_count(&self) -> usize {
+        self.channels.iter().flatten().count()
+    }
+
+    fn channel(&self, receiver: ReceiverId) -> Option<&ClientChannel> {
+        let slot = (receiver.0 & u128::from(u64::MAX)) as usize;
+        self.channels
+            .get(slot)?
+            .as_ref()
+            .filter(|c| c.receiver == receiver)
+    }
+
+    fn slot_of(&self, receiver: ReceiverId) -> Option<usize> {
+        let slot = (receiver.0 & u128::from(u64::MAX)) as usize;
+        self.channel(receiver).map(|_| slot)
+    }
+
+    fn advance(&mut self, n: usize) -> Result<(), ProtocolError> {
+        match &mut self.stage {
+            ReadStage::Frames => match self.reader.advance(n)? {
+                Step::Incomplete => Ok(()),
+                Step::Header(frame) => {
+                    if frame.id == MessageId::BufferResponse {
+                        if !self.handshake_received {
+                            return Err(ProtocolError::Handshake("data before handshake".into()));
+                        }
+                        self.stage = ReadStage::BufferHeader {
+                            frame,
+                            bytes: [0; BUFFER_RESPONSE_BODY],
+                            have: 0,
+                        };
+                        return Ok(());
+                    }
+                    match self.reader.read_body(frame) {
+                        Some(Step::Body(frame)) => self.on_control(frame),
+                        _ => Ok(()),
+                    }
+                }
+                Step::Body(frame) => self.on_control(frame),
+            },
+            ReadStage::BufferHeader { frame, bytes, have } => {
+                *have += n;
+                if *have < BUFFER_RESPONSE_BODY {
+                    return Ok(());
+                }
+                let header = decode_buffer_response(frame, bytes)?;
+                self.begin_payload(header)
+            }
+            ReadStage::Payload {
+                builder, remaining, ..
+            } => {
+                if let Some(builder) = builder {
+                    builder.advance(n);
+                }
+                *remaining -= n;
+                if *remaining == 0 {
+                    self.finish_payload()
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// Names the payload's destination before any payload byte is read: a segment the
+    /// channel reserved when it granted credit (data), or an overdraft segment (events).
+    fn begin_payload(&mut self, header: BufferResponseHeader) -> Result<(), ProtocolError> {
+        let slot = self.slot_of(header.receiver);
+        let builder = match slot.and_then(|s| self.channels[s].as_ref()) {
+            None => {
+                // A channel already gone: discard the payload, tell the producer to stop.
+                encode(
+                    &mut self.outbound,
+                    &Message::CancelPartitionRequest {
+                        receiver: header.receiver,
+                    },
+                );
+                None
+            }
+            Some(channel) => {
+                let segment = if header.data_type.is_buffer() {
+                    channel
+                        .shared
+                        .buffers()
+                        .take_segment()
+                        .ok_or(ProtocolError::CreditExceeded(header.receiver))?
+                } else {
+                    channel
+                        .shared
+                        .buffers()
+                        .event_segment()
+                        .ok_or(ProtocolError::NoEventMemory)?
+                };
+                Some(segment.into_builder(header.data_type))
+            }
+        };
+        self.stage = ReadStage::Payload {
+            header,
+            slot: slot.unwrap_or(usize::MAX),
+            builder,
+            remaining: header.size as usize,
+        };
+        if header.size == 0 {
+            return self.finish_payload();
+        }
+        Ok(())
+    }
+
+    fn finish_payload(&mut self) -> Result<(), ProtocolError> {
+        let stage = std::mem::replace(&mut self.stage, ReadStage::Frames);
+        self.reader.expect_header();
+        let ReadStage::Payload {
+            header,
+            slot,
+            builder,
+            ..
+        } = stage
+        else {
+            unreachable!("called in the payload stage");
+        };
+        let Some(mut builder) = builder else {
+            return Ok(());
+        };
+        let mut consumer = builder.create_consumer_from_beginning();
+        builder.finish();
+        drop(builder);
+        let mut buffer = consumer.build();
+        buffer.set_compressed(header.compressed);
+        let Some(channel) = self.channels.get(slot).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        let delivered = channel.shared.on_buffer(
+            buffer,
+            header.sequence_number,
+            header.backlog as usize,
+            header.overtaken as usize,
+        );
+        if delivered.is_err() {
+            // The channel failed (reordering, overflow): the gate reports it; stop its data.
+            let receiver = channel.receiver;
+            self.channels[slot] = None;
+            encode(
+                &mut self.outbound,
+                &Message::CancelPartitionRequest { receiver },
+            );
+        }
+        Ok(())
+    }
+
+    fn on_control(&mut self, frame: FrameHeader) -> Result<(), ProtocolError> {
+        let message = Message::decode(&frame, &self.reader.body)?;
+        if !self.handshake_received && !matches!(message, Message::Handshake { .. }) {
+            return Err(ProtocolError::Handshake(format!(
+                "expected a handshake, got {:?}",
+                frame.id
+            )));
+        }
+        match message {
+            Message::Handshake { version, .. } => {
+                if version != VERSION {
+                    return Err(ProtocolError::Handshake(format!(
+                        "peer speaks version {version}, we speak {VERSION}"
+                    )));
+                }
+                self.handshake_received = true;
+            }
+            Message::BacklogAnnouncement { receiver, backlog } => {
+                if let Some(channel) = self.channel(receiver) {
+                    channel.shared.buffers().on_sender_backlog(backlog as usize);
+                }
+            }
+            Message::ErrorResponse {
+                receiver: Some(receiver),
+                kind,
+                message,
+            } => {
+                if let Some(slot) = self.slot_of(receiver) {
+                    let channel = self.channels[slot].take().expect("slot_of checked it");
+                    let error = match kind {
+                        ErrorKind::PartitionNotFound => GateError::Partition {
+                            channel: channel.shared.channel(),
+                            source: PartitionError::PartitionNotFound(channel.partition),
+                        },
+                        _ => GateError::Transport {
+                            channel: channel.shared.channel(),
+                            reason: message,
+                        },
+                    };
+                    channel.shared.fail(error);
+                }
+            }
+            Message::ErrorResponse {
+                receiver: None,
+                kind,
+                message,
+            } => return Err(ProtocolError::Remote { kind, message }),
+            _ => return Err(ProtocolError::UnexpectedMessage(frame.id)),
+        }
+        Ok(())
+    }
+
+    fn fail_all(&mut self, error: &ProtocolError) {
+        for channel in self.channels.iter_mut().filter_map(Option::take) {
+            channel.shared.fail(GateError::Transport {
+                channel: channel.shared.channel(),
+                reason: error.to_string(),
+            });
+        }
+        // Drops any payload builder: its segment goes back to the channel.
+        self.stage = ReadStage::Frames;
+        self.reader.expect_header();
+        self.outbound.clear();
+        self.closed = true;
+    }
+}
+
+impl Drop for ClientConnection {
+    fn drop(&mut self) {
+        if self.channels.iter().any(Option::is_some) {
+            self.on_connection_lost("connection dropped");
+        }
+    }
+}
+
+/// Appends one control frame to the outbound queue.
+pub(crate) fn encode(outbound: &mut Outbound, message: &Message) {
+    let bytes = outbound.control_bytes();
+    let start = bytes.len();
+    message.encode(bytes);
+    let len = bytes.len() - start;
+    outbound.push_control(len);
+}

@@ -1,0 +1,95 @@
+//! Reading frames from a byte stream in pieces: the frame header, then a control body into a
+//! bounded reused vector (the caller handles BufferResponse payloads itself).
+
+use super::frame::{decode_header, FrameHeader, FRAME_HEADER};
+use super::ProtocolError;
+
+/// Where the reader is within the current frame.
+#[derive(Debug)]
+pub(crate) enum Stage {
+    /// Gathering the frame header.
+    Header,
+    /// Gathering a control body of `frame.body_len()` bytes.
+    Body(FrameHeader),
+}
+
+/// Header and control-body reading shared by both sides of a connection.
+#[derive(Debug)]
+pub(crate) struct FrameReader {
+    header: [u8; FRAME_HEADER],
+    have: usize,
+    pub(crate) body: Vec<u8>,
+    pub(crate) stage: Stage,
+    max_payload: usize,
+}
+
+/// What a completed read step produced.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// More bytes are needed.
+    Incomplete,
+    /// A frame header arrived (the caller decides how to read the body).
+    Header(FrameHeader),
+    /// A control frame's body is complete in `body`.
+    Body(FrameHeader),
+}
+
+impl FrameReader {
+    pub(crate) fn new(max_payload: usize) -> Self {
+        Self {
+            header: [0; FRAME_HEADER],
+            have: 0,
+            body: Vec::new(),
+            stage: Stage::Header,
+            max_payload,
+        }
+    }
+
+    /// Where the next bytes go.
+    pub(crate) fn destination(&mut self) -> &mut [u8] {
+        match self.stage {
+            Stage::Header => &mut self.header[self.have..],
+            Stage::Body(_) => &mut self.body[self.have..],
+        }
+    }
+
+    /// `n` bytes arrived in [`destination`](Self::destination).
+    pub(crate) fn advance(&mut self, n: usize) -> Result<Step, ProtocolError> {
+        self.have += n;
+        match self.stage {
+            Stage::Header => {
+                if self.have < FRAME_HEADER {
+                    return Ok(Step::Incomplete);
+                }
+                self.have = 0;
+                let frame = decode_header(&self.header, self.max_payload)?;
+                Ok(Step::Header(frame))
+            }
+            Stage::Body(frame) => {
+                if self.have < frame.body_len() {
+                    return Ok(Step::Incomplete);
+                }
+                self.have = 0;
+                self.stage = Stage::Header;
+                Ok(Step::Body(frame))
+            }
+        }
+    }
+
+    /// Reads the body of `frame` into the body vector next (bounded by the header check).
+    pub(crate) fn read_body(&mut self, frame: FrameHeader) -> Option<Step> {
+        self.body.clear();
+        self.body.resize(frame.body_len(), 0);
+        if frame.body_len() == 0 {
+            return Some(Step::Body(frame));
+        }
+        self.stage = Stage::Body(frame);
+        None
+    }
+
+    /// Back to reading a frame header (after the caller read a body its own way).
+    pub(crate) fn expect_header(&mut self) {
+        self.have = 0;
+        self.stage = Stage::Header;
+    }
+}

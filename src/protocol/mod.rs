@@ -1,0 +1,71 @@
+//! The wire protocol and credit-based flow control as pure, IO-free state machines (the
+//! quinn-proto shape): a connection is fed the bytes a driver read and tells the driver which
+//! bytes to write; time is passed in. Nothing here touches a socket, a thread or the clock.
+//!
+//! * [`frame`] — the frame layout we own, encoding and validated decoding.
+//! * [`ClientConnection`] — the consumer side of one TCP connection: the remote input channels
+//!   on it, incoming BufferResponses received straight into a segment the channel reserved
+//!   when it granted the credit, sequence checks, AddCredit when unannounced credit goes from
+//!   0 to positive, resume, cancel, close.
+//! * [`ServerConnection`] — the producer side: one reader per requested subpartition view with
+//!   its credit, a fair queue of readers that can send, data only with credit and events
+//!   always, priority first, partition requests that wait for a late partition.
+//!
+//! # Driving a connection
+//!
+//! 1. Reading: [`read_buffer`](ClientConnection::read_buffer) names where the next bytes go
+//!    (the frame-header buffer, or the segment reserved for a payload); read into it and call
+//!    `on_read(n)`.
+//! 2. Writing: call `poll_transmit(now)`, then `write_slices` for the ranges to send (frame
+//!    headers and segment payloads, ready for one vectored send) and `on_written(n)`; written
+//!    segments go back to their pools.
+//! 3. Time: `poll_timeout()` says when `handle_timeout(now)` is due.
+//! 4. A returned [`ProtocolError`] means: send what is queued (an ErrorResponse), then close.
+
+mod client;
+pub mod frame;
+mod inbound;
+mod outbound;
+mod server;
+
+pub use client::ClientConnection;
+pub use frame::{DecodeError, ErrorKind, Message, MessageId, ReceiverId};
+pub use server::{ServerConfig, ServerConnection};
+
+/// Why a connection must close. Variants say whose fault it is.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// The peer sent bytes that are not a valid frame (peer's fault).
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    /// The peer sent a message that is not valid in this direction or state (peer's fault).
+    #[error("unexpected {0:?} message")]
+    UnexpectedMessage(MessageId),
+    /// The first frame was not a handshake, or its version is not ours (peer's fault).
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    /// The producer sent a data buffer the channel had no credit for (peer's fault).
+    #[error("data buffer for receiver {0:?} without credit")]
+    CreditExceeded(ReceiverId),
+    /// Credit announced beyond what a channel can hold (peer's fault).
+    #[error("credit overflow for receiver {0:?}")]
+    CreditOverflow(ReceiverId),
+    /// A partition request for a receiver id already in use (peer's fault).
+    #[error("duplicate receiver {0:?}")]
+    DuplicateReceiver(ReceiverId),
+    /// No memory to receive an event into (this side's limits).
+    #[error("no network memory for an incoming event")]
+    NoEventMemory,
+    /// The peer reported an error for the whole connection.
+    #[error("remote error ({kind:?}): {message}")]
+    Remote {
+        /// What kind.
+        kind: ErrorKind,
+        /// The peer's message.
+        message: String,
+    },
+    /// The connection was closed (by either side).
+    #[error("connection closed")]
+    Closed,
+}

@@ -1,0 +1,495 @@
+//! The producer side of a connection.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use super::client::encode;
+use super::frame::{
+    encode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, ReceiverId,
+    BUFFER_RESPONSE_HEADER, VERSION,
+};
+use super::inbound::{FrameReader, Step};
+use super::outbound::Outbound;
+use super::ProtocolError;
+use crate::buffer::HEADROOM;
+use crate::event::Event;
+use crate::gate::ChannelQueueHandle;
+use crate::partition::{PartitionError, PartitionManager, ResultPartitionId, SubpartitionView};
+
+/// Limits and timeouts of a producer-side connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// This process's node identity (sent in the handshake).
+    pub node: u128,
+    /// Payload bytes per segment (the largest BufferResponse payload).
+    pub segment_size: usize,
+    /// Most channels one connection may request (`fluxgate.network.max-channels-per-connection`).
+    pub max_channels: usize,
+    /// How long a request for a partition not registered yet waits before PartitionNotFound
+    /// (`taskmanager.network.partition-request-timeout`, 10 s).
+    pub partition_request_timeout: Duration,
+    /// How often such a request looks again.
+    pub partition_request_retry: Duration,
+    /// Bytes queued for writing after which a poll stops taking more buffers.
+    pub max_queued_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            node: 0,
+            segment_size: 32 * 1024,
+            max_channels: 4096,
+            partition_request_timeout: Duration::from_secs(10),
+            partition_request_retry: Duration::from_millis(50),
+            max_queued_bytes: 1 << 20,
+        }
+    }
+}
+
+/// One requested subpartition and its credit (Flink's
+/// `CreditBasedSequenceNumberingViewReader`).
+struct Reader {
+    receiver: ReceiverId,
+    view: SubpartitionView,
+    /// Data buffers the consumer can take now.
+    credit: u32,
+    /// A backlog announcement was sent and no credit arrived since.
+    backlog_announced: bool,
+}
+
+/// A partition request waiting for its partition to be registered.
+struct PendingRequest {
+    partition: ResultPartitionId,
+    subpartition: u32,
+    receiver: ReceiverId,
+    credit: u32,
+    deadline: Instant,
+}
+
+/// The producer side of one connection (Flink's `PartitionRequestServerHandler` and
+/// `PartitionRequestQueue`), IO-free.
+pub struct ServerConnection {
+    config: ServerConfig,
+    manager: Arc<PartitionManager>,
+    readers: Vec<Option<Reader>>,
+    by_receiver: HashMap<ReceiverId, u32>,
+    /// Readers that may be able to send, fed by their views' listeners from any thread.
+    ready: ChannelQueueHandle,
+    pending: Vec<PendingRequest>,
+    next_retry: Option<Instant>,
+    reader: FrameReader,
+    outbound: Outbound,
+    handshake_received: bool,
+    closing: bool,
+}
+
+impl fmt::Debug for ServerConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerConnection")
+            .field("readers", &self.by_receiver.len())
+            .field("pending", &self.pending.len())
+            .field("closing", &self.closing)
+            .finish()
+    }
+}
+
+impl ServerConnection {
+    /// A connection serving partitions of `manager`.
+    pub fn new(config: ServerConfig, manager: Arc<PartitionManager>) -> Self {
+        let mut outbound = Outbound::default();
+        encode(
+            &mut outbound,
+            &Message::Handshake {
+                version: VERSION,
+                node: config.node,
+            },
+        );
+        Self {
+            ready: ChannelQueueHandle::new(config.max_channels),
+            reader: FrameReader::new(config.segment_size),
+            readers: Vec::new(),
+            by_receiver: HashMap::new(),
+            pending: Vec::new(),
+            next_retry: None,
+            outbound,
+            handshake_received: false,
+            closing: false,
+            config,
+            manager,
+        }
+    }
+
+    /// Where the next bytes read from the socket go.
+    pub fn read_buffer(&mut self) -> &mut [u8] {
+        self.reader.destination()
+    }
+
+    /// `n` bytes were read into [`read_buffer`](Self::read_buffer). An error closes the
+    /// connection: an ErrorResponse is queued (write it, then close) and every view released.
+    pub fn on_read(&mut self, n: usize, now: Instant) -> Result<(), ProtocolError> {
+        let result = match self.reader.advance(n) {
+            Ok(Step::Incomplete) => Ok(()),
+            Ok(Step::Header(frame)) => match self.reader.read_body(frame) {
+                Some(Step::Body(frame)) => self.on_message(frame, now),
+                _ => Ok(()),
+            },
+            Ok(Step::Body(frame)) => self.on_message(frame, now),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = &result {
+            self.fail(error);
+        }
+        result
+    }
+
+    /// Moves what can be sent into the outbound queue: for each ready reader in turn one
+    /// buffer if it has credit, or an event regardless of credit; priority events first.
+    pub fn poll_transmit(&mut self, now: Instant) {
+        self.handle_timeout(now);
+        // Each reader is queued at most once; a reader that sent goes back to the tail.
+        let mut budget = self.readers.len() * 2 + 1;
+        while budget > 0 && self.outbound.queued_bytes() < self.config.max_queued_bytes {
+            budget -= 1;
+            let Some(slot) = self.ready.pop() else {
+                break;
+            };
+            self.send_one(slot);
+        }
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) is next due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.next_retry
+    }
+
+    /// Retries partition requests waiting for their partition; answers PartitionNotFound
+    /// to those past their deadline.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.next_retry.is_none_or(|due| now < due) {
+            return;
+        }
+        let waiting = std::mem::take(&mut self.pending);
+        for request in waiting {
+            self.request(request, now);
+        }
+        self.next_retry =
+            (!self.pending.is_empty()).then(|| now + self.config.partition_request_retry);
+    }
+
+    /// The ranges to write next (at most `max`), in order.
+    pub fn write_slices<'a>(&'a self, out: &mut Vec<IoSlice<'a>>, max: usize) {
+        self.outbound.slices(out, max);
+    }
+
+    /// `n` bytes of the ranges were written; written segments go back to their pools.
+    pub fn on_written(&mut self, n: usize) {
+        self.outbound.on_written(n);
+    }
+
+    /// True when bytes wait to be written.
+    pub fn wants_write(&self) -> bool {
+        !self.outbound.is_empty()
+    }
+
+    /// True once the peer sent CloseRequest or an error closed the connection: write what is
+    /// queued, then close the socket.
+    pub fn is_closing(&self) -> bool {
+        self.closing
+    }
+
+    /// Registers the waker of the I/O thread driving this connection: woken when a view has
+    /// data.
+    pub fn set_waker(&self, waker: &Waker) -> bool {
+        self.ready.register_waker(waker)
+    }
+
+    /// Readers (requested subpartitions) on this connection.
+    pub fn reader_count(&self) -> usize {
+        self.by_receiver.len()
+    }
+
+    /// Credit the consumer granted `receiver`, if it has a reader here.
+    pub fn credit_of(&self, receiver: ReceiverId) -> Option<u32> {
+        let slot = *self.by_receiver.get(&receiver)?;
+        self.readers[slot as usize].as_ref().map(|r| r.credit)
+    }
+
+    /// The connection broke: every view is released (its segments go back to the pool).
+    pub fn on_connection_lost(&mut self) {
+        self.release_all();
+        self.outbound.clear();
+        self.closing = true;
+    }
+
+    fn on_message(&mut self, frame: FrameHeader, now: Instant) -> Result<(), ProtocolError> {
+        let message = Message::decode(&frame, &self.reader.body)?;
+        if !self.handshake_received {
+            let Message::Handshake { version, .. } = message else {
+                return Err(ProtocolError::Handshake(format!(
+                    "expected a handshake, got {:?}",
+                    frame.id
+                )));
+            };
+            if version != VERSION {
+                return Err(ProtocolError::Handshake(format!(
+                    "peer speaks version {version}, we speak {VERSION}"
+                )));
+            }
+            self.handshake_received = true;
+            return Ok(());
+        }
+        match message {
+            Message::PartitionRequest {
+                partition,
+                subpartition,
+                receiver,
+                credit,
+            } => {
+                if self.by_receiver.contains_key(&receiver)
+                    || self.pending.iter().any(|p| p.receiver == receiver)
+                {
+                    return Err(ProtocolError::DuplicateReceiver(receiver));
+                }
+                let request = PendingRequest {
+                    partition,
+                    subpartition,
+                    receiver,
+                    credit,
+                    deadline: now + self.config.partition_request_timeout,
+                };
+                self.request(request, now);
+            }
+            Message::AddCredit { receiver, credit } => {
+                if let Some(&slot) = self.by_receiver.get(&receiver) {
+                    let reader = self.readers[slot as usize].as_mut().expect("mapped");
+                    reader.credit = reader
+                        .credit
+                        .checked_add(credit)
+                        .filter(|c| *c <= MAX_CREDIT)
+                        .ok_or(ProtocolError::CreditOverflow(receiver))?;
+                    reader.backlog_announced = false;
+                    self.ready.enqueue(slot);
+                }
+            }
+            Message::ResumeConsumption { receiver } => {
+                if let Some(&slot) = self.by_receiver.get(&receiver) {
+                    let reader = self.readers[slot as usize].as_mut().expect("mapped");
+                    reader.view.resume_consumption();
+                    self.ready.enqueue(slot);
+                }
+            }
+            Message::TaskEventRequest {
+                partition, event, ..
+            } => {
+                let event = Event::decode(&event).map_err(|_| {
+                    ProtocolError::Decode(super::DecodeError::InvalidField {
+                        field: "task event",
+                        value: event.len() as u64,
+                    })
+                })?;
+                self.manager.publish_task_event(partition, &event);
+            }
+            Message::CancelPartitionRequest { receiver } => {
+                self.pending.retain(|p| p.receiver != receiver);
+                self.remove_reader(receiver);
+            }
+            Message::CloseRequest => {
+                self.release_all();
+                self.closing = true;
+            }
+            Message::ErrorResponse {
+                receiver: None,
+                kind,
+                message,
+            } => return Err(ProtocolError::Remote { kind, message }),
+            Message::ErrorResponse {
+                receiver: Some(receiver),
+                ..
+            } => self.remove_reader(receiver),
+            Message::Handshake { .. }
+            | Message::BufferResponse(_)
+            | Message::BacklogAnnouncement { .. } => {
+                return Err(ProtocolError::UnexpectedMessage(frame.id))
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates the view for a request, or keeps the request waiting until its deadline.
+    fn request(&mut self, request: PendingRequest, now: Instant) {
+        if self.by_receiver.len() >= self.config.max_channels {
+            self.error_for(
+                request.receiver,
+                ErrorKind::Other,
+                "too many channels on this connection",
+            );
+            return;
+        }
+        let slot = match self.readers.iter().position(Option::is_none) {
+            Some(slot) => slot,
+            None => {
+                self.readers.push(None);
+                self.readers.len() - 1
+            }
+        } as u32;
+        let listener = self.ready.notifier(slot);
+        match self
+            .manager
+            .create_view(request.partition, request.subpartition as usize, listener)
+        {
+            Ok(view) => {
+                self.readers[slot as usize] = Some(Reader {
+                    receiver: request.receiver,
+                    view,
+                    credit: request.credit,
+                    backlog_announced: false,
+                });
+                self.by_receiver.insert(request.receiver, slot);
+                // Data may already be queued.
+                self.ready.enqueue(slot);
+            }
+            Err(PartitionError::PartitionNotFound(_)) if now < request.deadline => {
+                let due = now + self.config.partition_request_retry;
+                self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
+                self.pending.push(request);
+            }
+            Err(PartitionError::PartitionNotFound(_)) => {
+                self.error_for(
+                    request.receiver,
+                    ErrorKind::PartitionNotFound,
+                    "partition not found",
+                );
+            }
+            Err(other) => {
+                self.error_for(
+                    request.receiver,
+                    ErrorKind::ProducerFailed,
+                    &other.to_string(),
+                );
+            }
+        }
+    }
+
+    /// Sends at most one item of the reader in `slot`.
+    fn send_one(&mut self, slot: u32) {
+        let Some(Some(reader)) = self.readers.get_mut(slot as usize) else {
+            return;
+        };
+        let (available, backlog) = reader.view.availability_and_backlog(reader.credit > 0);
+        if !available {
+            if reader.view.is_released() {
+                let receiver = reader.receiver;
+                self.error_for(
+                    receiver,
+                    ErrorKind::ProducerFailed,
+                    "the partition was released",
+                );
+                self.remove_reader(receiver);
+            } else if reader.credit == 0 && backlog > 0 && !reader.backlog_announced {
+                // No credit to send with: tell the consumer so it can find floating buffers.
+                reader.backlog_announced = true;
+                let message = Message::BacklogAnnouncement {
+                    receiver: reader.receiver,
+                    backlog: backlog as u32,
+                };
+                encode(&mut self.outbound, &message);
+            }
+            // Requeued by the view's listener (more data) or by AddCredit.
+            return;
+        }
+        let Some(item) = reader.view.poll_next() else {
+            return;
+        };
+        let data_type = item.buffer.data_type();
+        if data_type.is_buffer() {
+            reader.credit -= 1;
+        }
+        let header = BufferResponseHeader {
+            receiver: reader.receiver,
+            sequence_number: item.sequence_number,
+            backlog: item.backlog as u32,
+            data_type,
+            compressed: item.buffer.is_compressed(),
+            size: item.buffer.len() as u32,
+            overtaken: item.overtaken as u32,
+        };
+        let more = item.next_data_type.is_event()
+            || (reader.credit > 0 && item.next_data_type != crate::buffer::DataType::None);
+        let next_priority = item.next_data_type.has_priority();
+        let mut buffer = item.buffer;
+        match buffer.headroom_mut() {
+            Some(room) => {
+                // The header goes right before the payload: one contiguous range.
+                let at: &mut [u8; BUFFER_RESPONSE_HEADER] = (&mut room
+                    [HEADROOM - BUFFER_RESPONSE_HEADER..])
+                    .try_into()
+                    .expect("the header fits the headroom");
+                encode_buffer_response(at, &header, data_type.has_priority());
+                self.outbound.push_buffer(0, buffer, BUFFER_RESPONSE_HEADER);
+            }
+            None => {
+                let mut bytes = [0u8; BUFFER_RESPONSE_HEADER];
+                encode_buffer_response(&mut bytes, &header, data_type.has_priority());
+                self.outbound.control_bytes().extend_from_slice(&bytes);
+                self.outbound.push_buffer(BUFFER_RESPONSE_HEADER, buffer, 0);
+            }
+        }
+        if next_priority {
+            self.ready.enqueue_priority(slot);
+        } else if more {
+            self.ready.enqueue(slot);
+        }
+    }
+
+    fn error_for(&mut self, receiver: ReceiverId, kind: ErrorKind, message: &str) {
+        let message = Message::ErrorResponse {
+            receiver: Some(receiver),
+            kind,
+            message: message.to_owned(),
+        };
+        encode(&mut self.outbound, &message);
+    }
+
+    fn remove_reader(&mut self, receiver: ReceiverId) {
+        if let Some(slot) = self.by_receiver.remove(&receiver) {
+            // Dropping the view releases the subpartition and its segments.
+            self.readers[slot as usize] = None;
+        }
+    }
+
+    fn release_all(&mut self) {
+        self.by_receiver.clear();
+        self.readers.clear();
+        self.pending.clear();
+        self.next_retry = None;
+    }
+
+    fn fail(&mut self, error: &ProtocolError) {
+        self.release_all();
+        self.outbound.clear();
+        let message = Message::ErrorResponse {
+            receiver: None,
+            kind: ErrorKind::Protocol,
+            message: error.to_string(),
+        };
+        encode(&mut self.outbound, &message);
+        self.closing = true;
+    }
+}
+
+/// Most credit a reader may accumulate; more is a broken or hostile consumer.
+const MAX_CREDIT: u32 = 1 << 20;
+
+impl Drop for ServerConnection {
+    fn drop(&mut self) {
+        self.release_all();
+    }
+}
+
+// A BufferResponse header must fit the headroom every segment reserves for it.
+const _: () = assert!(BUFFER_RESPONSE_HEADER <= HEADROOM);
