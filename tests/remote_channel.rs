@@ -1,0 +1,868 @@
+//! Remote input channels through the public API: credit-based flow control on the consumer
+//! side (exclusive and floating segments, unannounced credit and its announcement), the
+//! sequence check, the receive bound, release and priority events. The tests play the
+//! transport: they take a segment from the channel, write it, and hand the buffer to
+//! `RemoteChannelShared::on_buffer`, then read through the gate.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
+use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+use fluxgate::gate::{
+    ChannelLocation, ChannelSpec, ConsumedSubpartition, CreditListener, GateError, GateItem,
+    InputGate, RemoteChannelShared, SingleInputGate,
+};
+use fluxgate::partition::{PartitionManager, ResultPartitionId};
+use fluxgate::NetworkConfig;
+
+/// Bound of every blocking read and wait; never reached when the code is right.
+const LONG: Duration = Duration::from_secs(20);
+
+/// `taskmanager.network.memory.buffers-per-channel` (Flink's default, set explicitly below).
+const EXCLUSIVE: usize = 2;
+/// `taskmanager.network.memory.floating-buffers-per-gate` (Flink's default).
+const FLOATING: usize = 8;
+
+struct Fixture {
+    network: NetworkBufferPool,
+    config: NetworkConfig,
+    manager: Arc<PartitionManager>,
+}
+
+fn fixture() -> Fixture {
+    let mut config = NetworkConfig::default();
+    config
+        .set("taskmanager.memory.segment-size", "4kb")
+        .unwrap();
+    config.set("taskmanager.memory.network.max", "2mb").unwrap();
+    config.set("fluxgate.memory.arena-size", "1mb").unwrap();
+    config
+        .set(
+            "taskmanager.network.memory.buffers-per-channel",
+            &EXCLUSIVE.to_string(),
+        )
+        .unwrap();
+    config
+        .set(
+            "taskmanager.network.memory.floating-buffers-per-gate",
+            &FLOATING.to_string(),
+        )
+        .unwrap();
+    Fixture {
+        network: NetworkBufferPool::new(&config).unwrap(),
+        config,
+        manager: Arc::new(PartitionManager::new()),
+    }
+}
+
+impl Fixture {
+    /// A set-up, requested gate of `channels` remote channels (channel `i` consumes
+    /// subpartition 0 of partition `i`).
+    fn remote_gate(&self, channels: usize) -> SingleInputGate {
+        let specs = (0..channels)
+            .map(|i| ChannelSpec {
+                consumed: ConsumedSubpartition {
+                    partition: ResultPartitionId {
+                        partition: i as u64,
+                        producer: 0,
+                    },
+                    subpartition: 0,
+                },
+                location: ChannelLocation::Remote,
+            })
+            .collect();
+        let mut gate =
+            SingleInputGate::new(specs, self.manager.clone(), &self.network, &self.config);
+        gate.setup().unwrap();
+        gate.request_partitions(Instant::now()).unwrap();
+        gate
+    }
+
+    /// Segments taken out of the global pool right now.
+    fn leased(&self) -> usize {
+        self.network.total_segments() - self.network.available_segments()
+    }
+}
+
+/// Counts `on_channel_ready` calls and records the channel each was for.
+#[derive(Default)]
+struct Announcements {
+    calls: AtomicUsize,
+    channels: Mutex<Vec<usize>>,
+}
+
+impl CreditListener for Announcements {
+    fn on_channel_ready(&self, channel: usize) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.channels.lock().unwrap().push(channel);
+    }
+}
+
+impl Announcements {
+    fn count(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn channels(&self) -> Vec<usize> {
+        self.channels.lock().unwrap().clone()
+    }
+}
+
+/// Attaches a fresh counting listener to remote channel `index` and returns the channel's
+/// shared half (what the transport holds).
+fn attach(gate: &SingleInputGate, index: usize) -> (Arc<RemoteChannelShared>, Arc<Announcements>) {
+    let channel = gate.remote_channel(index).expect("a remote channel");
+    let announcements = Arc::new(Announcements::default());
+    channel.attach(announcements.clone());
+    (channel.shared().clone(), announcements)
+}
+
+/// Writes `bytes` into `segment` as the transport does when a frame arrives.
+fn fill(segment: PooledSegment, bytes: &[u8], data_type: DataType) -> Buffer {
+    let mut builder = segment.into_builder(data_type);
+    assert_eq!(builder.append_and_commit(bytes), bytes.len());
+    let mut consumer = builder.create_consumer_from_beginning();
+    let buffer = consumer.build();
+    drop(builder);
+    drop(consumer);
+    buffer
+}
+
+fn encoded(event: &Event) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    event.encode(&mut bytes);
+    bytes
+}
+
+fn barrier(id: u64) -> Event {
+    Event::CheckpointBarrier(CheckpointBarrier {
+        id,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Unaligned,
+    })
+}
+
+fn data(item: &GateItem) -> Vec<u8> {
+    match item {
+        GateItem::Buffer(buffer) => buffer.as_slice().to_vec(),
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+fn into_buffer(item: GateItem) -> Buffer {
+    match item {
+        GateItem::Buffer(buffer) => buffer,
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+/// The sender's side of one channel as the transport sees it: the credit it was granted
+/// (initial credit plus every AddCredit) and what it sent. Flink's invariant: the receiver's
+/// free segments equal the sender's credit plus the credit not announced yet.
+struct Sender {
+    shared: Arc<RemoteChannelShared>,
+    granted: usize,
+    sent: usize,
+    sequence: u64,
+}
+
+impl Sender {
+    fn new(shared: &Arc<RemoteChannelShared>) -> Self {
+        Self {
+            shared: shared.clone(),
+            granted: shared.buffers().initial_credit() as usize,
+            sent: 0,
+            sequence: 0,
+        }
+    }
+
+    /// Sends an AddCredit message with the unannounced credit; returns it.
+    fn announce(&mut self) -> usize {
+        let credit = self.shared.buffers().take_unannounced_credit() as usize;
+        self.granted += credit;
+        credit
+    }
+
+    /// The sender's remaining credit.
+    fn credit(&self) -> usize {
+        self.granted - self.sent
+    }
+
+    /// Takes a segment to receive into: uses one credit.
+    fn take(&mut self) -> PooledSegment {
+        assert!(self.credit() > 0, "the sender has no credit left");
+        let segment = self
+            .shared
+            .buffers()
+            .take_segment()
+            .expect("the receiver has a free segment for every credit");
+        self.sent += 1;
+        segment
+    }
+
+    /// Hands `bytes` written into `segment` to the channel as item `sequence`.
+    fn deliver(
+        &mut self,
+        segment: PooledSegment,
+        bytes: &[u8],
+        data_type: DataType,
+        sequence: u64,
+        backlog: usize,
+        overtaken: usize,
+    ) -> Result<(), GateError> {
+        self.sequence = sequence + 1;
+        self.shared.on_buffer(
+            fill(segment, bytes, data_type),
+            sequence,
+            backlog,
+            overtaken,
+        )
+    }
+
+    /// Receives one buffer of `data_type` carrying `bytes` with the next sequence number.
+    fn send(&mut self, bytes: &[u8], data_type: DataType, backlog: usize) -> Result<(), GateError> {
+        let sequence = self.sequence;
+        self.send_as(bytes, data_type, sequence, backlog)
+    }
+
+    /// Like `send` but with an explicit sequence number.
+    fn send_as(
+        &mut self,
+        bytes: &[u8],
+        data_type: DataType,
+        sequence: u64,
+        backlog: usize,
+    ) -> Result<(), GateError> {
+        let segment = self.take();
+        self.deliver(segment, bytes, data_type, sequence, backlog, 0)
+    }
+
+    /// Receiver's free segments == sender's credit + credit not announced yet.
+    fn assert_balanced(&self) {
+        let buffers = self.shared.buffers();
+        assert_eq!(
+            buffers.available(),
+            self.credit() + buffers.unannounced_credit() as usize,
+            "free segments vs. sender credit {} + unannounced {}",
+            self.credit(),
+            buffers.unannounced_credit()
+        );
+    }
+}
+
+#[test]
+fn exclusive_credit_is_announced_once_per_zero_to_positive_transition() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+
+    assert_eq!(buffers.initial_credit() as usize, EXCLUSIVE);
+    assert_eq!(buffers.available(), EXCLUSIVE);
+    assert_eq!(buffers.unannounced_credit(), 0);
+    assert_eq!(
+        f.leased(),
+        EXCLUSIVE,
+        "only the exclusive segments are taken"
+    );
+    assert_eq!(shared.channel(), 0);
+    assert_eq!(shared.expected_sequence(), 0);
+
+    let mut sender = Sender::new(&shared);
+    sender.send(b"zero", DataType::DataBuffer, 0).unwrap();
+    assert_eq!(buffers.available(), 1);
+    sender.send(b"one", DataType::DataBuffer, 0).unwrap();
+    assert_eq!(buffers.available(), 0);
+    assert_eq!(shared.expected_sequence(), 2);
+    assert!(
+        buffers.take_segment().is_none(),
+        "no segment beyond the credit granted"
+    );
+    sender.assert_balanced();
+
+    let first = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(first.channel, 0);
+    assert_eq!(data(&first.item), b"zero");
+    assert!(first.more_available);
+    let second = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(data(&second.item), b"one");
+    assert!(gate.poll_next().unwrap().is_none());
+    assert_eq!(
+        announcements.count(),
+        0,
+        "nothing recycled, nothing to announce"
+    );
+    let metrics = gate.channel(0).unwrap().metrics().unwrap();
+    assert_eq!(metrics.num_buffers_in.get(), 2);
+    assert_eq!(metrics.num_bytes_in.get(), 7);
+
+    // The first recycle: credit 0 -> 1, one announcement.
+    drop(first);
+    assert_eq!(buffers.available(), 1);
+    assert_eq!(buffers.unannounced_credit(), 1);
+    assert_eq!(announcements.count(), 1);
+    assert_eq!(announcements.channels(), vec![0]);
+    sender.assert_balanced();
+
+    // The second before the transport took the credit: 1 -> 2, no second announcement.
+    drop(second);
+    assert_eq!(buffers.available(), 2);
+    assert_eq!(buffers.unannounced_credit(), 2);
+    assert_eq!(announcements.count(), 1);
+    sender.assert_balanced();
+
+    assert_eq!(sender.announce(), 2);
+    assert_eq!(buffers.unannounced_credit(), 0);
+    assert_eq!(buffers.take_unannounced_credit(), 0, "taken once");
+    assert_eq!(announcements.count(), 1);
+    sender.assert_balanced();
+
+    // After the transport took it, the next recycle is announced again.
+    sender.send(b"two", DataType::DataBuffer, 0).unwrap();
+    let third = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(data(&third.item), b"two");
+    assert_eq!(announcements.count(), 1);
+    drop(third);
+    assert_eq!(buffers.unannounced_credit(), 1);
+    assert_eq!(announcements.count(), 2);
+    assert_eq!(announcements.channels(), vec![0, 0]);
+    sender.assert_balanced();
+    assert_eq!(f.leased(), EXCLUSIVE, "no floating segment was needed");
+
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn a_backlog_brings_floating_segments_bounded_by_the_gate_pool() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let pool = gate.pool().unwrap().clone();
+    assert_eq!(pool.spec().max_segments, EXCLUSIVE + FLOATING);
+    let mut sender = Sender::new(&shared);
+
+    // Backlog 5: the channel wants 5 + 2 segments; it holds 1 free exclusive after the
+    // buffer, so it borrows 6 floating ones.
+    sender.send(b"a", DataType::DataBuffer, 5).unwrap();
+    assert_eq!(buffers.available(), 5 + EXCLUSIVE);
+    assert_eq!(buffers.unannounced_credit(), 6);
+    assert_eq!(announcements.count(), 1, "one announcement for 0 -> 6");
+    assert_eq!(f.leased(), EXCLUSIVE + 6);
+    assert_eq!(pool.requested_segments(), EXCLUSIVE + 6);
+    sender.assert_balanced();
+    assert_eq!(sender.announce(), 6);
+    sender.assert_balanced();
+
+    // Backlog 20 asks for 22 segments; the pool has 2 floating left, so it stops there and
+    // the channel waits as a listener.
+    sender.send(b"b", DataType::DataBuffer, 20).unwrap();
+    assert_eq!(pool.requested_segments(), EXCLUSIVE + FLOATING);
+    assert_eq!(f.leased(), EXCLUSIVE + FLOATING, "bounded by the gate pool");
+    // 10 segments in the channel's hands: 2 in received buffers, 8 free.
+    assert_eq!(buffers.available(), EXCLUSIVE + FLOATING - 2);
+    assert_eq!(buffers.unannounced_credit(), 2);
+    assert_eq!(announcements.count(), 2);
+    sender.assert_balanced();
+    assert_eq!(sender.announce(), 2);
+
+    let a = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    let b = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    assert_eq!((a.as_slice(), b.as_slice()), (&b"a"[..], &b"b"[..]));
+
+    // "a" was written into an exclusive segment: back to the channel, announced.
+    drop(a);
+    assert_eq!(buffers.available(), EXCLUSIVE + FLOATING - 1);
+    assert_eq!(buffers.unannounced_credit(), 1);
+    assert_eq!(announcements.count(), 3);
+    sender.assert_balanced();
+
+    // "b" was written into a floating segment: back to the pool, which hands it to the
+    // waiting channel again: one more credit, no new announcement (1 -> 2).
+    drop(b);
+    assert_eq!(buffers.available(), EXCLUSIVE + FLOATING);
+    assert_eq!(buffers.unannounced_credit(), 2);
+    assert_eq!(announcements.count(), 3);
+    assert_eq!(f.leased(), EXCLUSIVE + FLOATING);
+    sender.assert_balanced();
+
+    drop(pool); // a strong handle would keep the pool from being destroyed on close
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn a_channel_waiting_for_floating_segments_gets_the_next_one_recycled() {
+    let f = fixture();
+    let mut gate = f.remote_gate(2);
+    let (shared0, announcements0) = attach(&gate, 0);
+    let (shared1, announcements1) = attach(&gate, 1);
+    let (buffers0, buffers1) = (shared0.buffers().clone(), shared1.buffers().clone());
+    let pool = gate.pool().unwrap().clone();
+    assert_eq!(pool.spec().max_segments, 2 * EXCLUSIVE + FLOATING);
+    let mut sender0 = Sender::new(&shared0);
+    let mut sender1 = Sender::new(&shared1);
+
+    // Channel 1 wants 7 + 2 and holds one free exclusive: it takes all 8 floating segments.
+    sender1.send(b"one", DataType::DataBuffer, 7).unwrap();
+    assert_eq!(buffers1.available(), 7 + EXCLUSIVE);
+    assert_eq!(buffers1.unannounced_credit(), FLOATING as u32);
+    assert_eq!(pool.requested_segments(), pool.spec().max_segments);
+    assert_eq!(f.leased(), 2 * EXCLUSIVE + FLOATING);
+    assert_eq!(sender1.announce(), FLOATING);
+    sender1.assert_balanced();
+
+    // Channel 0 wants 3 + 2 but the pool is exhausted: it registers as a listener.
+    sender0.send(b"zero", DataType::DataBuffer, 3).unwrap();
+    assert_eq!(buffers0.available(), EXCLUSIVE - 1);
+    assert_eq!(buffers0.unannounced_credit(), 0);
+    assert_eq!(announcements0.count(), 0);
+    sender0.assert_balanced();
+
+    // The transport of channel 1 gives back a floating segment unused (e.g. a cancelled
+    // read): the pool hands it to channel 0, whose credit grows by one and is announced.
+    let spare = sender1.take();
+    assert_eq!(buffers1.available(), 7 + EXCLUSIVE - 1);
+    drop(spare);
+    assert_eq!(
+        buffers1.available(),
+        7 + EXCLUSIVE - 1,
+        "a floating segment does not return to the channel that used it"
+    );
+    assert_eq!(buffers0.available(), EXCLUSIVE);
+    assert_eq!(buffers0.unannounced_credit(), 1);
+    assert_eq!(announcements0.count(), 1);
+    assert_eq!(announcements0.channels(), vec![0]);
+    assert_eq!(
+        f.leased(),
+        2 * EXCLUSIVE + FLOATING,
+        "it never left the gate"
+    );
+    sender0.assert_balanced();
+
+    // Channel 0 is still short (2 of 5) and waits again: the next recycled floating
+    // segment, a buffer read from channel 1, goes to it as well.
+    sender1.send(b"floating", DataType::DataBuffer, 0).unwrap();
+    let mut read = Vec::new();
+    while let Some(item) = gate.poll_next().unwrap() {
+        read.push((item.channel, into_buffer(item.item)));
+    }
+    let texts: Vec<(usize, &[u8])> = read.iter().map(|(c, b)| (*c, b.as_slice())).collect();
+    assert_eq!(
+        texts,
+        vec![(1, &b"one"[..]), (0, &b"zero"[..]), (1, &b"floating"[..])],
+        "channels in turn, each in order"
+    );
+    let floating = read.pop().unwrap().1;
+    drop(floating);
+    assert_eq!(buffers0.available(), EXCLUSIVE + 1);
+    assert_eq!(buffers0.unannounced_credit(), 2);
+    assert_eq!(announcements0.count(), 1, "1 -> 2 is not announced");
+    sender0.assert_balanced();
+    assert_eq!(announcements1.channels(), vec![1]);
+    drop(read);
+    sender0.assert_balanced();
+    sender1.assert_balanced();
+
+    drop(pool);
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn floating_segments_are_used_first_and_surplus_ones_go_back_to_the_pool() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let mut sender = Sender::new(&shared);
+
+    // Exclusive segment for "a"; backlog 3 wants 5 segments: 4 floating.
+    sender.send(b"a", DataType::DataBuffer, 3).unwrap();
+    assert_eq!(buffers.available(), 5);
+    assert_eq!(sender.announce(), 4);
+    assert_eq!(f.leased(), EXCLUSIVE + 4);
+    let calls = announcements.count();
+
+    // "b" goes into a floating segment although an exclusive one is free. The backlog
+    // dropped to 1: the channel now wants 3 segments and holds 4.
+    sender.send(b"b", DataType::DataBuffer, 1).unwrap();
+    assert_eq!(buffers.available(), 4);
+    let a = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    let b = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    assert_eq!(b.as_slice(), b"b");
+
+    // A floating segment leaves the gate (the pool is above its minimum): no credit.
+    drop(b);
+    assert_eq!(f.leased(), EXCLUSIVE + 3, "b's segment went back");
+    assert_eq!(buffers.available(), 4, "and not to the channel");
+    assert_eq!(buffers.unannounced_credit(), 0);
+    sender.assert_balanced();
+
+    // The exclusive segment returns while the channel holds more than it needs (5 > 3): a
+    // floating one goes back to the pool instead of adding credit.
+    assert_eq!(a.as_slice(), b"a");
+    drop(a);
+    assert_eq!(buffers.available(), 4);
+    assert_eq!(buffers.unannounced_credit(), 0);
+    assert_eq!(announcements.count(), calls, "no credit, no announcement");
+    assert_eq!(
+        f.leased(),
+        EXCLUSIVE + 2,
+        "a floating segment left the gate"
+    );
+    sender.assert_balanced();
+
+    // Both exclusive segments are free again: the next two buffers go to the 2 floating
+    // ones first, then the exclusive ones. The first floating segment leaves the gate; the
+    // second stays in the gate's pool, which keeps its minimum (2 exclusive + 1).
+    let pool = gate.pool().unwrap().clone();
+    assert_eq!(pool.spec().min_segments, EXCLUSIVE + 1);
+    for (i, leased, pooled) in [(0u8, EXCLUSIVE + 1, 0), (1, EXCLUSIVE + 1, 1)] {
+        sender.send(&[i], DataType::DataBuffer, 0).unwrap();
+        let item = gate.next_timeout(LONG).unwrap().unwrap();
+        assert_eq!(data(&item.item), [i]);
+        drop(item);
+        assert_eq!(f.leased(), leased);
+        assert_eq!(pool.available_segments(), pooled);
+    }
+    drop(pool);
+    assert_eq!(buffers.available(), EXCLUSIVE);
+    sender.send(b"x", DataType::DataBuffer, 0).unwrap();
+    let item = gate.next_timeout(LONG).unwrap().unwrap();
+    drop(item);
+    assert_eq!(
+        buffers.available(),
+        EXCLUSIVE,
+        "exclusive: back to the channel"
+    );
+    assert_eq!(buffers.unannounced_credit(), 1);
+    sender.assert_balanced();
+
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn a_sequence_gap_fails_the_channel_and_recycles_the_buffer() {
+    let f = fixture();
+    let mut gate = f.remote_gate(2);
+    let (shared, _announcements) = attach(&gate, 1);
+    let buffers = shared.buffers().clone();
+    let mut sender = Sender::new(&shared);
+
+    sender.send(b"zero", DataType::DataBuffer, 0).unwrap();
+    assert_eq!(shared.expected_sequence(), 1);
+    let error = sender
+        .send_as(b"two", DataType::DataBuffer, 2, 0)
+        .unwrap_err();
+    assert_eq!(
+        error,
+        GateError::Reordering {
+            channel: 1,
+            expected: 1,
+            actual: 2
+        }
+    );
+    assert_eq!(shared.expected_sequence(), 1, "the gap is not skipped");
+    // The rejected buffer's segment is free again (one credit), the accepted one is queued.
+    assert_eq!(buffers.available(), EXCLUSIVE - 1);
+    assert_eq!(buffers.unannounced_credit(), 1);
+    sender.assert_balanced();
+
+    // The gate's next read of the channel fails with it, before the queued buffer.
+    assert_eq!(gate.next_timeout(LONG).unwrap_err(), error);
+
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let capacity = gate.pool().unwrap().spec().max_segments;
+
+    // Data goes into the channel's own segments: once the credit is used up the transport
+    // finds no segment to receive into (Flink's "No buffer available in credit-based input
+    // channel"), so data alone cannot overflow the channel.
+    let mut sender = Sender::new(&shared);
+    for i in 0..EXCLUSIVE {
+        sender.send(&[i as u8], DataType::DataBuffer, 0).unwrap();
+    }
+    assert_eq!(sender.credit(), 0);
+    assert!(buffers.take_segment().is_none());
+
+    // Events need no credit: the transport reads them into overdraft segments of the global
+    // pool. They neither use nor grant credit, but the channel holds at most as many
+    // received items as the gate pool has segments.
+    for sequence in EXCLUSIVE..capacity {
+        let segment = buffers.event_segment().expect("overdraft memory");
+        let event = Event::Task(vec![sequence as u8]);
+        sender
+            .deliver(
+                segment,
+                &encoded(&event),
+                DataType::EventBuffer,
+                sequence as u64,
+                0,
+                0,
+            )
+            .unwrap();
+    }
+    assert_eq!(buffers.available(), 0);
+    assert_eq!(buffers.unannounced_credit(), 0);
+    assert_eq!(
+        f.leased(),
+        capacity,
+        "2 exclusive + one overdraft segment per event"
+    );
+    let leased = f.leased();
+    let segment = buffers.event_segment().unwrap();
+    let error = sender
+        .deliver(
+            segment,
+            &encoded(&Event::Task(vec![0xff])),
+            DataType::EventBuffer,
+            capacity as u64,
+            0,
+            0,
+        )
+        .unwrap_err();
+    assert_eq!(error, GateError::CreditExceeded(0));
+    assert_eq!(f.leased(), leased, "the refused event's segment went back");
+    assert_eq!(announcements.count(), 0, "overdraft segments are no credit");
+    assert_eq!(gate.next_timeout(LONG).unwrap_err(), error);
+
+    gate.close();
+    assert!(
+        buffers.event_segment().is_none(),
+        "no event memory for a closed gate"
+    );
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn closing_the_gate_returns_every_exclusive_and_floating_segment() {
+    let f = fixture();
+    let mut gate = f.remote_gate(2);
+    let (shared0, announcements0) = attach(&gate, 0);
+    let (shared1, announcements1) = attach(&gate, 1);
+    let mut sender0 = Sender::new(&shared0);
+    let mut sender1 = Sender::new(&shared1);
+
+    // Channel 0 borrows every floating segment and still waits for more (listener).
+    sender0.send(b"a0", DataType::DataBuffer, 30).unwrap();
+    assert_eq!(shared0.buffers().available(), EXCLUSIVE - 1 + FLOATING);
+    assert_eq!(sender0.announce(), FLOATING);
+    sender0.send(b"a1", DataType::DataBuffer, 30).unwrap();
+    sender0.send(b"a2", DataType::DataBuffer, 30).unwrap();
+    // Channel 1 uses both exclusive segments and waits for floating ones too.
+    sender1.send(b"b0", DataType::DataBuffer, 4).unwrap();
+    sender1.send(b"b1", DataType::DataBuffer, 4).unwrap();
+    assert_eq!(shared1.buffers().available(), 0);
+    assert_eq!(f.leased(), 2 * EXCLUSIVE + FLOATING);
+
+    // The task holds two read buffers (one exclusive, one floating), the transport one
+    // segment it is receiving into; the rest stays queued.
+    let held_a0 = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    let held_b0 = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    let held_a1 = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    assert_eq!(
+        (held_a0.as_slice(), held_b0.as_slice(), held_a1.as_slice()),
+        (&b"a0"[..], &b"b0"[..], &b"a1"[..])
+    );
+    let in_flight = shared0.buffers().take_segment().unwrap();
+    let (before0, before1) = (announcements0.count(), announcements1.count());
+
+    gate.close();
+    assert!(gate.is_closed());
+    assert!(shared0.is_released() && shared1.is_released());
+    assert_eq!(gate.poll_next().unwrap_err(), GateError::Closed);
+    assert_eq!(shared0.buffers().available(), 0);
+    assert_eq!(shared1.buffers().available(), 0);
+    assert!(shared0.buffers().take_segment().is_none());
+    // The transport hears of the release (to send CancelPartitionRequest).
+    assert!(announcements0.count() > before0);
+    assert!(announcements1.count() > before1);
+    assert_eq!(*announcements0.channels().last().unwrap(), 0);
+    assert_eq!(*announcements1.channels().last().unwrap(), 1);
+
+    // A buffer arriving after release is dropped quietly.
+    let late = shared1
+        .buffers()
+        .take_segment()
+        .or_else(|| f.network.request_segment())
+        .unwrap();
+    shared1
+        .on_buffer(fill(late, b"late", DataType::DataBuffer), 2, 0, 0)
+        .unwrap();
+
+    drop(in_flight);
+    drop(held_a0);
+    drop(held_b0);
+    drop(held_a1);
+    // The gate and the transport's handles are still alive: the memory must not wait for
+    // them.
+    assert_eq!(
+        f.network.available_segments(),
+        f.network.total_segments(),
+        "segments still out after close: {}",
+        f.leased()
+    );
+    drop((shared0, shared1));
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn a_priority_event_overtakes_received_data() {
+    let f = fixture();
+    let mut gate = f.remote_gate(2);
+    let (shared, _announcements) = attach(&gate, 1);
+    let (other, _) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    let mut other_sender = Sender::new(&other);
+
+    other_sender
+        .send(b"other", DataType::DataBuffer, 0)
+        .unwrap();
+    sender.send(b"d0", DataType::DataBuffer, 2).unwrap();
+    assert_eq!(sender.announce(), 3, "2 + 2 wanted, 1 free: 3 floating");
+    sender.send(b"d1", DataType::DataBuffer, 1).unwrap();
+    let event = barrier(7);
+    // Events come in overdraft segments: no credit used, none granted when it is recycled.
+    let segment = shared.buffers().event_segment().unwrap();
+    sender
+        .deliver(
+            segment,
+            &encoded(&event),
+            DataType::PrioritizedEventBuffer,
+            2,
+            0,
+            2,
+        )
+        .unwrap();
+    assert_eq!(shared.expected_sequence(), 3);
+
+    let first = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(first.channel, 1);
+    match &first.item {
+        GateItem::Event {
+            event: read,
+            priority,
+        } => {
+            assert_eq!(read, &event);
+            assert!(priority);
+        }
+        other => panic!("expected the priority event, got {other:?}"),
+    }
+    assert_eq!(first.overtaken, 2);
+    assert!(first.more_available);
+    let available = shared.buffers().available();
+    drop(first);
+    assert_eq!(shared.buffers().available(), available);
+    sender.assert_balanced();
+
+    let mut rest = Vec::new();
+    while let Some(item) = gate.poll_next().unwrap() {
+        rest.push((item.channel, data(&item.item)));
+    }
+    assert_eq!(
+        rest,
+        vec![
+            (0, b"other".to_vec()),
+            (1, b"d0".to_vec()),
+            (1, b"d1".to_vec())
+        ]
+    );
+
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+/// Forwards announcements to the transport thread.
+struct Wakeups(Mutex<mpsc::Sender<usize>>);
+
+impl CreditListener for Wakeups {
+    fn on_channel_ready(&self, channel: usize) {
+        let _ = self.0.lock().unwrap().send(channel);
+    }
+}
+
+#[test]
+fn a_transport_thread_sends_only_on_credit_and_everything_arrives_in_order() {
+    const ITEMS: usize = 2_000;
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (wake_tx, wake_rx) = mpsc::channel();
+    gate.remote_channel(0)
+        .unwrap()
+        .attach(Arc::new(Wakeups(Mutex::new(wake_tx))));
+    let shared = gate.remote_channel(0).unwrap().shared().clone();
+
+    let transport = thread::spawn(move || {
+        let mut sender = Sender::new(&shared);
+        let mut waits = 0;
+        for i in 0..=ITEMS {
+            while sender.credit() == 0 {
+                // Bounded: a missing announcement fails the test instead of hanging it.
+                wake_rx
+                    .recv_timeout(LONG)
+                    .expect("credit announced before the deadline");
+                sender.announce();
+                waits += 1;
+            }
+            if i == ITEMS {
+                sender
+                    .send(&encoded(&Event::EndOfPartition), DataType::EventBuffer, 0)
+                    .unwrap();
+            } else {
+                sender
+                    .send(
+                        &(i as u32).to_be_bytes(),
+                        DataType::DataBuffer,
+                        ITEMS - i - 1,
+                    )
+                    .unwrap();
+            }
+        }
+        waits
+    });
+
+    let mut next = 0u32;
+    loop {
+        let item = gate.next_timeout(LONG).unwrap().expect("until the end");
+        match item.item {
+            GateItem::Buffer(buffer) => {
+                assert_eq!(buffer.as_slice(), next.to_be_bytes());
+                next += 1;
+            }
+            GateItem::Event { event, .. } => {
+                assert_eq!(event, Event::EndOfPartition);
+                break;
+            }
+        }
+    }
+    assert_eq!(next as usize, ITEMS);
+    assert!(gate.is_finished());
+    let waits = transport.join().unwrap();
+    assert!(waits > 0, "the sender ran out of credit at least once");
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
