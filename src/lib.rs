@@ -37,9 +37,11 @@
 
 pub mod buffer;
 pub mod config;
+pub mod env;
 pub mod event;
 pub mod flusher;
 pub mod gate;
+pub mod io;
 pub mod metrics;
 pub mod partition;
 pub mod protocol;
@@ -47,3 +49,4 @@ pub mod record;
 mod sync;
 
 pub use config::NetworkConfig;
+pub use env::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};

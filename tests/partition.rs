@@ -492,3 +492,27 @@ fn a_slow_consumer_backpressures_the_producer_within_the_pool() {
     handle.release();
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+#[test]
+fn a_reader_woken_for_nothing_new_waits_again_and_hears_of_the_next_data() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition.emit_record(&b"one"[..], 0).unwrap();
+    partition.flush(0);
+    assert_eq!(signal.notifications(), 1);
+    assert!(view.poll_next().is_some());
+    // A flush with nothing new still wakes the (parked) reader...
+    partition.flush(0);
+    assert_eq!(signal.notifications(), 2);
+    // ...which finds nothing, and must wait again to hear of what comes next.
+    assert!(!view.availability_and_backlog(true).0);
+    assert!(!view.wait_for_data());
+    partition.emit_record(&b"two"[..], 0).unwrap();
+    partition.flush(0);
+    assert_eq!(signal.notifications(), 3);
+    assert_eq!(
+        records_of(&view.poll_next().unwrap()),
+        vec![b"two".to_vec()]
+    );
+}

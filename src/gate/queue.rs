@@ -95,6 +95,23 @@ impl ChannelQueue {
         Some((channel, false))
     }
 
+    /// Lane lengths and the channels whose "enqueued" flags are set (diagnostics).
+    pub(crate) fn debug_summary(&self) -> String {
+        let set = |flags: &[AtomicBool]| -> Vec<usize> {
+            (0..flags.len())
+                .filter(|&i| flags[i].load(Ordering::Relaxed))
+                .collect()
+        };
+        format!(
+            "data lane {} (flags {:?}) priority lane {} (flags {:?}) closed {}",
+            self.data.len(),
+            set(&self.in_data),
+            self.priority.len(),
+            set(&self.in_priority),
+            self.is_closed()
+        )
+    }
+
     /// True when a channel waits in either lane.
     pub(crate) fn has_channels(&self) -> bool {
         !self.priority.is_empty() || !self.data.is_empty()
@@ -190,6 +207,10 @@ impl ChannelQueueHandle {
 
     pub(crate) fn capacity(&self) -> usize {
         self.0.in_data.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        !self.0.has_channels()
     }
 
     pub(crate) fn register_waker(&self, waker: &Waker) -> bool {

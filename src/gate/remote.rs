@@ -309,6 +309,11 @@ impl RemoteChannelShared {
         &self.buffers
     }
 
+    /// Items received and not yet read by the gate.
+    pub fn queued(&self) -> usize {
+        self.received.len() + self.received_priority.len()
+    }
+
     /// The sequence number the next buffer must carry.
     pub fn expected_sequence(&self) -> u64 {
         self.expected_sequence.load(Ordering::Acquire)
@@ -366,6 +371,11 @@ impl RemoteChannelShared {
         drop(slot);
         self.failed.store(true, Ordering::SeqCst);
         self.queue.enqueue(self.channel as u32, false);
+    }
+
+    /// Attaches the transport: it hears when credit, a resume request or a release is due.
+    pub fn attach(&self, listener: Arc<dyn CreditListener>) {
+        self.buffers.set_listener(listener);
     }
 
     /// True (once) when the gate asked to resume consumption after an aligned barrier; the

@@ -239,6 +239,16 @@ impl SingleInputGate {
         }
     }
 
+    /// The channel queue's state, for diagnosing stalls.
+    pub fn debug_summary(&self) -> String {
+        format!(
+            "gate: {} finished of {}, queue [{}]",
+            self.finished_count,
+            self.specs.len(),
+            self.queue.debug_summary()
+        )
+    }
+
     /// A local channel (for inspection: its back-off and retry time).
     pub fn local_channel(&self, index: usize) -> Option<&LocalInputChannel> {
         match self.channels.get(index) {

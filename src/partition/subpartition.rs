@@ -262,6 +262,15 @@ impl SubpartitionView {
         (available, self.backlog())
     }
 
+    /// Registers for a notification when something becomes readable, after a look that found
+    /// nothing (e.g. [`availability_and_backlog`](Self::availability_and_backlog)): a reader
+    /// that was notified and found nothing new must wait again, or the next data would come
+    /// without a notification. Returns true when something became readable meanwhile (no
+    /// notification will come for it: read it now).
+    pub fn wait_for_data(&mut self) -> bool {
+        self.park()
+    }
+
     /// Unblocks the view after a blocking-upstream item (aligned barrier) was consumed.
     /// Returns whether something is readable now.
     pub fn resume_consumption(&mut self) -> bool {
@@ -285,6 +294,27 @@ impl SubpartitionView {
     /// True once the subpartition was released (by either side).
     pub fn is_released(&self) -> bool {
         self.subpartition.is_released()
+    }
+
+    /// A one-line summary of the queue state, for diagnosing stalls.
+    pub fn debug_summary(&self) -> String {
+        let sub = &self.subpartition;
+        format!(
+            "seq {} data lane {} priority lane {} backlog {} events {} waiting {} flush {} head {} blocked {}",
+            self.sequence_number,
+            sub.data.len(),
+            sub.priority.len(),
+            sub.backlog.load(Ordering::Relaxed),
+            sub.queued_events.load(Ordering::Relaxed),
+            sub.reader_waiting.load(Ordering::Relaxed),
+            sub.flush_requested.load(Ordering::Relaxed),
+            self.head.as_ref().map_or("none".to_string(), |h| format!(
+                "finished {} unread {}",
+                h.is_finished(),
+                h.unread_bytes()
+            )),
+            self.blocked,
+        )
     }
 
     /// The subpartition's index within its partition.

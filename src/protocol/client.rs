@@ -239,6 +239,16 @@ impl ClientConnection {
         !self.outbound.is_empty()
     }
 
+    /// True when a channel has something for [`poll_transmit`](Self::poll_transmit).
+    pub fn has_pending(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// True once closed (by `close` or an error).
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
     /// Registers the waker of the I/O thread driving this connection: woken when a channel
     /// has something to send.
     pub fn set_waker(&self, waker: &Waker) -> bool {

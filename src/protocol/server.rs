@@ -196,6 +196,11 @@ impl ServerConnection {
         !self.outbound.is_empty()
     }
 
+    /// True when a reader may be able to send ([`poll_transmit`](Self::poll_transmit)).
+    pub fn has_pending(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
     /// True once the peer sent CloseRequest or an error closed the connection: write what is
     /// queued, then close the socket.
     pub fn is_closing(&self) -> bool {
@@ -206,6 +211,26 @@ impl ServerConnection {
     /// data.
     pub fn set_waker(&self, waker: &Waker) -> bool {
         self.ready.register_waker(waker)
+    }
+
+    /// A summary of every reader, for diagnosing stalls.
+    pub fn debug_summary(&self) -> String {
+        let mut out = format!(
+            "server: {} readers, ready queue empty {}, outbound {} bytes\n",
+            self.by_receiver.len(),
+            self.ready.is_empty(),
+            self.outbound.queued_bytes()
+        );
+        for reader in self.readers.iter().flatten() {
+            out.push_str(&format!(
+                "  receiver {:?} credit {} announced {} view [{}]\n",
+                reader.receiver,
+                reader.credit,
+                reader.backlog_announced,
+                reader.view.debug_summary()
+            ));
+        }
+        out
     }
 
     /// Readers (requested subpartitions) on this connection.
@@ -390,16 +415,22 @@ impl ServerConnection {
                     "the partition was released",
                 );
                 self.remove_reader(receiver);
-            } else if reader.credit == 0 && backlog > 0 && !reader.backlog_announced {
-                // No credit to send with: tell the consumer so it can find floating buffers.
-                reader.backlog_announced = true;
-                let message = Message::BacklogAnnouncement {
-                    receiver: reader.receiver,
-                    backlog: backlog as u32,
-                };
-                encode(&mut self.outbound, &message);
+            } else if reader.credit == 0 {
+                if backlog > 0 && !reader.backlog_announced {
+                    // No credit to send with: tell the consumer so it can find floating
+                    // buffers. AddCredit requeues the reader.
+                    reader.backlog_announced = true;
+                    let message = Message::BacklogAnnouncement {
+                        receiver: reader.receiver,
+                        backlog: backlog as u32,
+                    };
+                    encode(&mut self.outbound, &message);
+                }
+            } else if reader.view.wait_for_data() {
+                // Woken for nothing new (a flush of nothing): wait again, unless data came
+                // in between.
+                self.ready.enqueue(slot);
             }
-            // Requeued by the view's listener (more data) or by AddCredit.
             return;
         }
         let Some(item) = reader.view.poll_next() else {

@@ -1,0 +1,259 @@
+//! `ShuffleEnvironment`: one per process. It owns the network memory, the partition manager,
+//! the I/O thread with its listening server, and the connection manager (one connection per
+//! peer and connection index, opened on the first partition request and shared by every
+//! channel between the two processes). Partitions and gates are created through it.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::buffer::{NetworkBufferPool, PoolError};
+use crate::config::NetworkConfig;
+use crate::gate::{
+    ChannelLocation, ChannelSpec, ConsumedSubpartition, GateError, InputChannel, SingleInputGate,
+};
+use crate::io::epoll::{DriverConfig, EpollDriver};
+use crate::io::{Command, Transport};
+use crate::partition::{PartitionError, PartitionManager, ResultPartition, ResultPartitionId};
+use crate::protocol::ServerConfig;
+
+/// Why the environment could not start or build something.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnvError {
+    /// Network memory could not be set up.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// Binding the server or starting the I/O thread failed.
+    #[error("starting the network failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The requested transport is not available here.
+    #[error("transport {0:?} is not available: {1}")]
+    Transport(Transport, String),
+    /// A partition could not be created or registered.
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+    /// A gate could not be set up.
+    #[error(transparent)]
+    Gate(#[from] GateError),
+}
+
+/// Settings of one process's network.
+#[derive(Clone, Debug)]
+pub struct EnvConfig {
+    /// Memory and channel options.
+    pub network: NetworkConfig,
+    /// Where the server listens (`taskmanager.data.port`; port 0 picks one).
+    pub bind: SocketAddr,
+    /// Which driver moves the bytes.
+    pub transport: Transport,
+    /// This process's identity in handshakes.
+    pub node: u128,
+    /// `taskmanager.network.max-num-tcp-connections`: connections per peer (default 1).
+    pub connections_per_peer: usize,
+    /// Most channels on one connection.
+    pub max_channels_per_connection: usize,
+    /// `taskmanager.network.partition-request-timeout` (10 s).
+    pub partition_request_timeout: Duration,
+    /// How long opening a connection may take.
+    pub connect_timeout: Duration,
+}
+
+impl Default for EnvConfig {
+    fn default() -> Self {
+        Self {
+            network: NetworkConfig::default(),
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            transport: Transport::Auto,
+            node: 0,
+            connections_per_peer: 1,
+            max_channels_per_connection: 4096,
+            partition_request_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Where a gate channel's producer is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProducerLocation {
+    /// In this process.
+    Local,
+    /// In the process listening at this address.
+    Remote(SocketAddr),
+    /// Not known yet.
+    Unknown,
+}
+
+/// One channel of a gate to create: what it consumes and from where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChannelDescriptor {
+    /// The subpartition consumed.
+    pub consumed: ConsumedSubpartition,
+    /// Where its producer runs.
+    pub location: ProducerLocation,
+}
+
+/// The network of one process (Flink's `NettyShuffleEnvironment`).
+pub struct ShuffleEnvironment {
+    config: EnvConfig,
+    network: NetworkBufferPool,
+    manager: Arc<PartitionManager>,
+    driver: EpollDriver,
+    transport: Transport,
+}
+
+impl fmt::Debug for ShuffleEnvironment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShuffleEnvironment")
+            .field("local_addr", &self.local_addr())
+            .field("transport", &self.transport)
+            .field("network", &self.network)
+            .finish()
+    }
+}
+
+impl ShuffleEnvironment {
+    /// Maps the network memory, binds the server and starts the I/O thread.
+    pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
+        let network = NetworkBufferPool::new(&config.network)?;
+        let manager = Arc::new(PartitionManager::new());
+        let transport = match config.transport {
+            Transport::Uring => {
+                return Err(EnvError::Transport(
+                    Transport::Uring,
+                    "the io_uring driver is not built yet".into(),
+                ))
+            }
+            Transport::Auto | Transport::Epoll => Transport::Epoll,
+        };
+        tracing::info!(?transport, requested = ?config.transport, "network transport chosen");
+        let driver_config = DriverConfig {
+            node: config.node,
+            segment_size: config.network.segment_size,
+            server: ServerConfig {
+                node: config.node,
+                segment_size: config.network.segment_size,
+                max_channels: config.max_channels_per_connection,
+                partition_request_timeout: config.partition_request_timeout,
+                ..ServerConfig::default()
+            },
+            max_channels_per_connection: config.max_channels_per_connection,
+            connect_timeout: config.connect_timeout,
+        };
+        let driver = EpollDriver::start(config.bind, driver_config, manager.clone())?;
+        Ok(Self {
+            config,
+            network,
+            manager,
+            driver,
+            transport,
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.driver.local_addr()
+    }
+
+    /// The driver in use.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// The network memory.
+    pub fn network(&self) -> &NetworkBufferPool {
+        &self.network
+    }
+
+    /// The registry of this process's produced partitions.
+    pub fn partition_manager(&self) -> &Arc<PartitionManager> {
+        &self.manager
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EnvConfig {
+        &self.config
+    }
+
+    /// Creates and registers a pipelined partition with `subpartitions` subpartitions.
+    pub fn create_partition(
+        &self,
+        id: ResultPartitionId,
+        subpartitions: usize,
+    ) -> Result<ResultPartition, EnvError> {
+        let partition =
+            ResultPartition::new(id, subpartitions, &self.network, &self.config.network)?;
+        self.manager.register(partition.handle())?;
+        Ok(partition)
+    }
+
+    /// Creates a gate over `channels`, sets it up, requests its partitions and connects its
+    /// remote channels (connection index = channel index modulo connections per peer).
+    pub fn create_gate(&self, channels: &[ChannelDescriptor]) -> Result<SingleInputGate, EnvError> {
+        let specs = channels
+            .iter()
+            .map(|c| ChannelSpec {
+                consumed: c.consumed,
+                location: match c.location {
+                    ProducerLocation::Local => ChannelLocation::Local,
+                    ProducerLocation::Remote(_) => ChannelLocation::Remote,
+                    ProducerLocation::Unknown => ChannelLocation::Unknown,
+                },
+            })
+            .collect();
+        let mut gate = SingleInputGate::new(
+            specs,
+            self.manager.clone(),
+            &self.network,
+            &self.config.network,
+        );
+        gate.setup()?;
+        gate.request_partitions(Instant::now())?;
+        for (index, descriptor) in channels.iter().enumerate() {
+            if let ProducerLocation::Remote(peer) = descriptor.location {
+                self.connect(&gate, index, peer);
+            }
+        }
+        Ok(gate)
+    }
+
+    /// Locates an unknown channel of `gate` (lazy scheduling): it becomes local or remote and
+    /// is requested.
+    pub fn update_channel(
+        &self,
+        gate: &mut SingleInputGate,
+        index: usize,
+        location: ProducerLocation,
+    ) -> Result<(), EnvError> {
+        let (channel_location, peer) = match location {
+            ProducerLocation::Local => (ChannelLocation::Local, None),
+            ProducerLocation::Remote(peer) => (ChannelLocation::Remote, Some(peer)),
+            ProducerLocation::Unknown => return Ok(()),
+        };
+        gate.update_channel(index, channel_location, Instant::now())?;
+        if let Some(peer) = peer {
+            self.connect(gate, index, peer);
+        }
+        Ok(())
+    }
+
+    /// Every connection's state as text (diagnostics; waits up to a second for the I/O thread).
+    pub fn debug_dump(&self) -> String {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.driver.submit(Command::Dump(tx));
+        rx.recv_timeout(Duration::from_secs(1))
+            .unwrap_or_else(|_| "the I/O thread did not answer".into())
+    }
+
+    fn connect(&self, gate: &SingleInputGate, index: usize, peer: SocketAddr) {
+        if let Some(InputChannel::Remote(channel)) = gate.channel(index) {
+            self.driver.submit(Command::Connect {
+                peer,
+                connection_index: index % self.config.connections_per_peer.max(1),
+                channel: channel.shared().clone(),
+            });
+        }
+    }
+}

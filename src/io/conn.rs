@@ -1,0 +1,149 @@
+//! One connection as a driver sees it: either side's state machine behind one interface, plus
+//! the small read-ahead area that lets one read syscall take the end of a payload and the next
+//! frame headers together.
+
+use std::io::IoSlice;
+use std::task::Waker;
+use std::time::Instant;
+
+use crate::protocol::{ClientConnection, ProtocolError, ServerConnection};
+
+/// Bytes read past the current destination in one vectored read: headers of the next frames
+/// and at most this much payload are copied once; larger payload parts are read in place.
+pub(crate) const READ_AHEAD: usize = 512;
+
+/// The protocol side of a connection.
+#[derive(Debug)]
+pub(crate) enum Side {
+    /// We consume (we opened the connection).
+    Client(ClientConnection),
+    /// We produce (the peer opened it).
+    Server(ServerConnection),
+}
+
+/// A connection's state machine and read-ahead bytes.
+#[derive(Debug)]
+pub(crate) struct Connection {
+    pub(crate) side: Side,
+    ahead: Box<[u8; READ_AHEAD]>,
+}
+
+impl Connection {
+    pub(crate) fn new(side: Side) -> Self {
+        Self {
+            side,
+            ahead: Box::new([0; READ_AHEAD]),
+        }
+    }
+
+    /// The destination of the next read and the read-ahead area after it.
+    pub(crate) fn read_targets(&mut self) -> (&mut [u8], &mut [u8]) {
+        let destination = match &mut self.side {
+            Side::Client(c) => c.read_buffer(),
+            Side::Server(s) => s.read_buffer(),
+        };
+        (destination, &mut self.ahead[..])
+    }
+
+    /// `n` bytes arrived: first into the destination, the rest into the read-ahead area,
+    /// which is then fed to the state machine piece by piece.
+    pub(crate) fn on_read(
+        &mut self,
+        n: usize,
+        destination_len: usize,
+        now: Instant,
+    ) -> Result<(), ProtocolError> {
+        let direct = n.min(destination_len);
+        self.feed(direct, now)?;
+        let mut ahead = n - direct;
+        let mut at = 0;
+        // Bounded by the read-ahead bytes: each pass consumes at least one.
+        while ahead > 0 {
+            let (destination, area) = self.read_targets();
+            let take = destination.len().min(ahead);
+            if take == 0 {
+                return Err(ProtocolError::Closed);
+            }
+            destination[..take].copy_from_slice(&area[at..at + take]);
+            self.feed(take, now)?;
+            at += take;
+            ahead -= take;
+        }
+        Ok(())
+    }
+
+    fn feed(&mut self, n: usize, now: Instant) -> Result<(), ProtocolError> {
+        if n == 0 {
+            return Ok(());
+        }
+        match &mut self.side {
+            Side::Client(c) => c.on_read(n),
+            Side::Server(s) => s.on_read(n, now),
+        }
+    }
+
+    pub(crate) fn poll_transmit(&mut self, now: Instant) {
+        match &mut self.side {
+            Side::Client(c) => c.poll_transmit(now),
+            Side::Server(s) => s.poll_transmit(now),
+        }
+    }
+
+    pub(crate) fn write_slices<'a>(&'a self, out: &mut Vec<IoSlice<'a>>, max: usize) {
+        match &self.side {
+            Side::Client(c) => c.write_slices(out, max),
+            Side::Server(s) => s.write_slices(out, max),
+        }
+    }
+
+    pub(crate) fn on_written(&mut self, n: usize) {
+        match &mut self.side {
+            Side::Client(c) => c.on_written(n),
+            Side::Server(s) => s.on_written(n),
+        }
+    }
+
+    pub(crate) fn wants_write(&self) -> bool {
+        match &self.side {
+            Side::Client(c) => c.wants_write(),
+            Side::Server(s) => s.wants_write(),
+        }
+    }
+
+    pub(crate) fn has_pending(&self) -> bool {
+        match &self.side {
+            Side::Client(c) => c.has_pending(),
+            Side::Server(s) => s.has_pending(),
+        }
+    }
+
+    pub(crate) fn set_waker(&self, waker: &Waker) -> bool {
+        match &self.side {
+            Side::Client(c) => c.set_waker(waker),
+            Side::Server(s) => s.set_waker(waker),
+        }
+    }
+
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        match &self.side {
+            Side::Client(_) => None,
+            Side::Server(s) => s.poll_timeout(),
+        }
+    }
+
+    /// True when the connection should close once its queued bytes are written.
+    pub(crate) fn is_closing(&self) -> bool {
+        match &self.side {
+            Side::Client(c) => c.is_closed(),
+            Side::Server(s) => s.is_closing(),
+        }
+    }
+
+    /// The socket failed or hit EOF: channels fail, views are released.
+    pub(crate) fn on_lost(&mut self, reason: &str) {
+        match &mut self.side {
+            Side::Client(c) => c.on_connection_lost(reason),
+            Side::Server(s) => s.on_connection_lost(),
+        }
+    }
+}

@@ -1,0 +1,435 @@
+//! The epoll driver (mio): one I/O thread, edge-triggered sockets, vectored reads (payload
+//! straight into its segment plus a small read-ahead) and vectored writes (frame headers and
+//! segment payloads in one `writev`).
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::Waker;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+
+use super::conn::{Connection, Side};
+use super::{Command, IoWaker};
+use crate::partition::PartitionManager;
+use crate::protocol::{ClientConnection, ServerConfig, ServerConnection};
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+const FIRST_CONNECTION: usize = 2;
+/// Longest the thread sleeps without an event (it then checks timeouts).
+const MAX_PARK: Duration = Duration::from_millis(100);
+/// Slices handed to one `writev`.
+const MAX_SLICES: usize = 64;
+
+/// What the I/O thread needs to know.
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// This process's node identity.
+    pub node: u128,
+    /// Payload bytes per segment.
+    pub segment_size: usize,
+    /// Producer-side connection settings.
+    pub server: ServerConfig,
+    /// Channels one outgoing connection may carry.
+    pub max_channels_per_connection: usize,
+    /// How long opening a connection may take.
+    pub connect_timeout: Duration,
+}
+
+/// A running epoll I/O thread.
+pub struct EpollDriver {
+    commands: Arc<ArrayQueue<Command>>,
+    waker: Arc<IoWaker<Box<dyn Fn() + Send + Sync>>>,
+    thread: Option<thread::JoinHandle<()>>,
+    local_addr: SocketAddr,
+}
+
+impl std::fmt::Debug for EpollDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpollDriver")
+            .field("local_addr", &self.local_addr)
+            .finish()
+    }
+}
+
+impl EpollDriver {
+    /// Binds `bind` and starts the I/O thread serving `manager`'s partitions.
+    pub fn start(
+        bind: SocketAddr,
+        config: DriverConfig,
+        manager: Arc<PartitionManager>,
+    ) -> io::Result<Self> {
+        let poll = Poll::new()?;
+        let mut listener = TcpListener::bind(bind)?;
+        let local_addr = listener.local_addr()?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let mio_waker = mio::Waker::new(poll.registry(), WAKER)?;
+        let waker: Arc<IoWaker<Box<dyn Fn() + Send + Sync>>> = Arc::new(IoWaker {
+            parked: std::sync::atomic::AtomicBool::new(false),
+            wake: Box::new(move || {
+                // A failed wake leaves the thread to its bounded park.
+                let _ = mio_waker.wake();
+            }),
+        });
+        let commands = Arc::new(ArrayQueue::new(4096));
+        let mut io_loop = Loop {
+            poll,
+            listener,
+            connections: HashMap::new(),
+            peers: HashMap::new(),
+            next_token: FIRST_CONNECTION,
+            commands: commands.clone(),
+            waker: waker.clone(),
+            std_waker: Waker::from(waker.clone()),
+            config,
+            manager,
+        };
+        let thread = thread::Builder::new()
+            .name("fluxgate-io-epoll".into())
+            .spawn(move || io_loop.run())?;
+        Ok(Self {
+            commands,
+            waker,
+            thread: Some(thread),
+            local_addr,
+        })
+    }
+
+    /// The address the server listens on (port 0 resolved).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
+    pub(crate) fn submit(&self, mut command: Command) {
+        // Bounded: the I/O thread drains the queue every loop turn.
+        for _ in 0..10_000 {
+            match self.commands.push(command) {
+                Ok(()) => break,
+                Err(back) => {
+                    command = back;
+                    self.wake();
+                    thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        self.wake();
+    }
+
+    fn wake(&self) {
+        (self.waker.wake)();
+    }
+}
+
+impl Drop for EpollDriver {
+    fn drop(&mut self) {
+        self.submit(Command::Shutdown);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    connection: Connection,
+    peer: Option<(SocketAddr, usize)>,
+}
+
+struct Loop {
+    poll: Poll,
+    listener: TcpListener,
+    connections: HashMap<Token, Conn>,
+    /// Outgoing connections by (peer, connection index).
+    peers: HashMap<(SocketAddr, usize), Token>,
+    next_token: usize,
+    commands: Arc<ArrayQueue<Command>>,
+    waker: Arc<IoWaker<Box<dyn Fn() + Send + Sync>>>,
+    std_waker: Waker,
+    config: DriverConfig,
+    manager: Arc<PartitionManager>,
+}
+
+impl Loop {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(256);
+        loop {
+            if !self.drain_commands() {
+                break;
+            }
+            let now = Instant::now();
+            let tokens: Vec<Token> = self.connections.keys().copied().collect();
+            for token in &tokens {
+                self.transmit(*token, now);
+            }
+            // Park: announce it, then look once more for work that raced the announcement.
+            self.waker.parked.store(true, Ordering::SeqCst);
+            let mut busy = !self.commands.is_empty();
+            for conn in self.connections.values() {
+                busy |= conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
+            }
+            let timeout = if busy {
+                Duration::ZERO
+            } else {
+                self.next_timeout(now)
+            };
+            let polled = self.poll.poll(&mut events, Some(timeout));
+            self.waker.parked.store(false, Ordering::SeqCst);
+            if let Err(error) = polled {
+                if error.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(%error, "epoll wait failed; the I/O thread stops");
+                    break;
+                }
+            }
+            let now = Instant::now();
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept(),
+                    WAKER => {}
+                    token => {
+                        if event.is_readable() || event.is_read_closed() || event.is_error() {
+                            self.read(token, now);
+                        }
+                        if event.is_writable() {
+                            self.transmit(token, now);
+                        }
+                    }
+                }
+            }
+        }
+        // Shutdown: dropping the connections fails their channels and releases their views.
+        self.connections.clear();
+    }
+
+    fn next_timeout(&self, now: Instant) -> Duration {
+        self.connections
+            .values()
+            .filter_map(|c| c.connection.poll_timeout())
+            .min()
+            .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
+            .min(MAX_PARK)
+    }
+
+    /// Returns false on shutdown.
+    fn drain_commands(&mut self) -> bool {
+        while let Some(command) = self.commands.pop() {
+            match command {
+                Command::Shutdown => return false,
+                Command::Dump(reply) => {
+                    let mut out = String::new();
+                    for (token, conn) in &self.connections {
+                        out.push_str(&format!(
+                            "connection {token:?} wants write {} pending {}\n",
+                            conn.connection.wants_write(),
+                            conn.connection.has_pending()
+                        ));
+                        if let Side::Server(server) = &conn.connection.side {
+                            out.push_str(&server.debug_summary());
+                        }
+                    }
+                    let _ = reply.send(out);
+                }
+                Command::Connect {
+                    peer,
+                    connection_index,
+                    channel,
+                } => self.connect_channel(peer, connection_index, channel),
+            }
+        }
+        true
+    }
+
+    fn connect_channel(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        channel: Arc<crate::gate::RemoteChannelShared>,
+    ) {
+        let token = match self.peers.get(&(peer, index)) {
+            Some(token) if self.connections.contains_key(token) => *token,
+            _ => match self.open(peer, index) {
+                Ok(token) => token,
+                Err(error) => {
+                    channel.fail(crate::gate::GateError::Transport {
+                        channel: channel.channel(),
+                        reason: format!("connecting to {peer} failed: {error}"),
+                    });
+                    return;
+                }
+            },
+        };
+        let conn = self.connections.get_mut(&token).expect("just looked up");
+        let Side::Client(client) = &mut conn.connection.side else {
+            unreachable!("peer map holds client connections only");
+        };
+        let attach = |listener| channel.attach(listener);
+        if let Err(error) = client.register(channel.clone(), attach) {
+            channel.fail(crate::gate::GateError::Transport {
+                channel: channel.channel(),
+                reason: format!("connection to {peer} has no room: {error}"),
+            });
+        }
+    }
+
+    fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<Token> {
+        let stream = std::net::TcpStream::connect_timeout(&peer, self.config.connect_timeout)?;
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        let client = ClientConnection::new(
+            self.config.node,
+            self.config.max_channels_per_connection,
+            self.config.segment_size,
+        );
+        let token = self.add(
+            TcpStream::from_std(stream),
+            Side::Client(client),
+            Some((peer, index)),
+        )?;
+        self.peers.insert((peer, index), token);
+        tracing::debug!(%peer, index, "connection opened");
+        Ok(token)
+    }
+
+    fn accept(&mut self) {
+        // Edge-triggered: accept until WouldBlock. Bounded by the backlog.
+        for _ in 0..1024 {
+            match self.listener.accept() {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    let server =
+                        ServerConnection::new(self.config.server.clone(), self.manager.clone());
+                    if let Err(error) = self.add(stream, Side::Server(server), None) {
+                        tracing::warn!(%peer, %error, "registering an accepted connection failed");
+                    }
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn add(
+        &mut self,
+        mut stream: TcpStream,
+        side: Side,
+        peer: Option<(SocketAddr, usize)>,
+    ) -> io::Result<Token> {
+        let token = Token(self.next_token);
+        self.next_token += 1;
+        self.poll.registry().register(
+            &mut stream,
+            token,
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        self.connections.insert(
+            token,
+            Conn {
+                stream,
+                connection: Connection::new(side),
+                peer,
+            },
+        );
+        Ok(token)
+    }
+
+    fn read(&mut self, token: Token, now: Instant) {
+        let Some(conn) = self.connections.get_mut(&token) else {
+            return;
+        };
+        // Edge-triggered: read until WouldBlock. Bounded per turn so one busy connection
+        // cannot starve the others; the rest is read on the next readiness or turn.
+        for _ in 0..256 {
+            let (destination, ahead) = conn.connection.read_targets();
+            let destination_len = destination.len();
+            let mut slices = [IoSliceMut::new(destination), IoSliceMut::new(ahead)];
+            match conn.stream.read_vectored(&mut slices) {
+                Ok(0) => {
+                    self.lose(token, "connection closed by the peer");
+                    return;
+                }
+                Ok(n) => {
+                    if let Err(error) = conn.connection.on_read(n, destination_len, now) {
+                        tracing::warn!(%error, "protocol error; closing the connection");
+                        // Send the queued ErrorResponse if the socket takes it, then close.
+                        self.transmit(token, now);
+                        self.close(token);
+                        return;
+                    }
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => {
+                    self.lose(token, &format!("read failed: {error}"));
+                    return;
+                }
+            }
+        }
+        // More may be waiting: edge-triggered epoll will not tell again.
+        let _ = self.poll.registry().reregister(
+            &mut self.connections.get_mut(&token).expect("present").stream,
+            token,
+            Interest::READABLE | Interest::WRITABLE,
+        );
+    }
+
+    fn transmit(&mut self, token: Token, now: Instant) {
+        let Some(conn) = self.connections.get_mut(&token) else {
+            return;
+        };
+        conn.connection.poll_transmit(now);
+        // Bounded: each pass writes something or stops.
+        for _ in 0..1024 {
+            if !conn.connection.wants_write() {
+                break;
+            }
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_SLICES);
+            conn.connection.write_slices(&mut slices, MAX_SLICES);
+            match conn.stream.write_vectored(&slices) {
+                Ok(0) => break,
+                Ok(n) => {
+                    drop(slices);
+                    conn.connection.on_written(n);
+                    conn.connection.poll_transmit(now);
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => {
+                    drop(slices);
+                    self.lose(token, &format!("write failed: {error}"));
+                    return;
+                }
+            }
+        }
+        if conn.connection.is_closing() && !conn.connection.wants_write() {
+            self.close(token);
+        }
+    }
+
+    fn lose(&mut self, token: Token, reason: &str) {
+        if let Some(conn) = self.connections.get_mut(&token) {
+            conn.connection.on_lost(reason);
+        }
+        self.close(token);
+    }
+
+    fn close(&mut self, token: Token) {
+        if let Some(mut conn) = self.connections.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut conn.stream);
+            if let Some(peer) = conn.peer {
+                self.peers.remove(&peer);
+            }
+            conn.connection.on_lost("connection closed");
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Drivers: the only place that touches sockets. Each I/O thread owns a set of connections
+//! for their whole life and pumps their protocol state machines (`protocol/`); task threads
+//! never touch a socket. Two drivers over the same segments and the same state machines:
+//!
+//! * [`epoll`] — mio (epoll), vectored reads and writes; works everywhere.
+//! * `uring` — io_uring (see [`Transport`]).
+//!
+//! Hand-off from task threads: commands go through a bounded queue; a parked I/O thread is
+//! woken through the poller's waker only when its "parked" flag is set, so the busy path makes
+//! no syscall.
+
+mod conn;
+pub mod epoll;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::Wake;
+
+use crate::gate::RemoteChannelShared;
+
+/// Which driver moves the bytes (`fluxgate.network.transport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Transport {
+    /// io_uring where the kernel allows it, else epoll.
+    #[default]
+    Auto,
+    /// io_uring only.
+    Uring,
+    /// epoll (mio).
+    Epoll,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Transport::Auto),
+            "uring" | "io_uring" => Ok(Transport::Uring),
+            "epoll" => Ok(Transport::Epoll),
+            other => Err(format!(
+                "unknown transport `{other}` (auto | uring | epoll)"
+            )),
+        }
+    }
+}
+
+/// Work handed to an I/O thread.
+pub(crate) enum Command {
+    /// Register a remote channel on the connection to `peer` (opened on first use).
+    Connect {
+        peer: SocketAddr,
+        connection_index: usize,
+        channel: Arc<RemoteChannelShared>,
+    },
+    /// Report every connection's state (diagnostics).
+    Dump(std::sync::mpsc::Sender<String>),
+    /// Close every connection and end the thread.
+    Shutdown,
+}
+
+impl fmt::Debug for Command {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Command::Connect { peer, .. } => write!(f, "Connect({peer})"),
+            Command::Dump(_) => f.write_str("Dump"),
+            Command::Shutdown => f.write_str("Shutdown"),
+        }
+    }
+}
+
+/// Wakes a parked I/O thread; a no-op (no syscall) while it runs.
+pub(crate) struct IoWaker<W: Fn() + Send + Sync> {
+    pub(crate) parked: AtomicBool,
+    pub(crate) wake: W,
+}
+
+impl<W: Fn() + Send + Sync> Wake for IoWaker<W> {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        // Pairs with the SeqCst store of `parked` before the thread's last look for work.
+        if self.parked.load(Ordering::SeqCst) {
+            (self.wake)();
+        }
+    }
+}

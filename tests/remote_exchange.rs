@@ -1,0 +1,401 @@
+//! Remote exchanges over loopback TCP between two shuffle environments in one process.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+use fluxgate::gate::{
+    ConsumedSubpartition, GateError, GateItem, InputGate, ReaderError, ReaderItem, RecordReader,
+};
+use fluxgate::io::Transport;
+use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
+use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
+
+const LONG: Duration = Duration::from_secs(20);
+
+fn env(node: u128, transport: Transport) -> ShuffleEnvironment {
+    let mut network = NetworkConfig::default();
+    network
+        .set("taskmanager.memory.segment-size", "8kb")
+        .unwrap();
+    network
+        .set("taskmanager.memory.network.max", "16mb")
+        .unwrap();
+    network.set("fluxgate.memory.arena-size", "4mb").unwrap();
+    ShuffleEnvironment::start(EnvConfig {
+        network,
+        node,
+        transport,
+        ..EnvConfig::default()
+    })
+    .unwrap()
+}
+
+fn pid(producer: usize) -> ResultPartitionId {
+    ResultPartitionId {
+        partition: producer as u64,
+        producer: 9,
+    }
+}
+
+fn record(producer: usize, seq: u64) -> Vec<u8> {
+    let len =
+        (seq.wrapping_mul(2654435761) % 600) as usize + if seq % 97 == 0 { 20_000 } else { 0 };
+    let mut bytes = Vec::with_capacity(16 + len);
+    bytes.extend_from_slice(&(producer as u64).to_be_bytes());
+    bytes.extend_from_slice(&seq.to_be_bytes());
+    bytes.resize(16 + len, (seq % 251) as u8);
+    bytes
+}
+
+/// Waits until both pools are full again (segments in flight on the way back).
+fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
+    let deadline = Instant::now() + LONG;
+    loop {
+        if envs
+            .iter()
+            .all(|e| e.network().available_segments() == e.network().total_segments())
+        {
+            return true;
+        }
+        if Instant::now() > deadline {
+            for e in envs {
+                eprintln!(
+                    "{}: {} of {} segments free",
+                    e.local_addr(),
+                    e.network().available_segments(),
+                    e.network().total_segments()
+                );
+            }
+            return false;
+        }
+        thread::yield_now();
+    }
+}
+
+/// P producers on one environment, C consumers on another; every record checked.
+fn exchange(producers: usize, consumers: usize, records: u64, transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    let peer = producer_env.local_addr();
+    let partitions: Vec<_> = (0..producers)
+        .map(|p| producer_env.create_partition(pid(p), consumers).unwrap())
+        .collect();
+    let gates: Vec<_> = (0..consumers)
+        .map(|c| {
+            let channels: Vec<_> = (0..producers)
+                .map(|p| ChannelDescriptor {
+                    consumed: ConsumedSubpartition {
+                        partition: pid(p),
+                        subpartition: c,
+                    },
+                    location: ProducerLocation::Remote(peer),
+                })
+                .collect();
+            consumer_env.create_gate(&channels).unwrap()
+        })
+        .collect();
+    thread::scope(|s| {
+        for (p, partition) in partitions.into_iter().enumerate() {
+            s.spawn(move || {
+                let mut writer = RecordWriter::new(
+                    partition,
+                    RoundRobinSelector::default(),
+                    BufferTimeout::from_millis(5),
+                );
+                for seq in 0..records {
+                    writer.emit(&record(p, seq)[..]).unwrap();
+                }
+                writer.finish().unwrap();
+            });
+        }
+        let readers: Vec<_> = gates
+            .into_iter()
+            .enumerate()
+            .map(|(c, gate)| {
+                let producer_env = &producer_env;
+                s.spawn(move || {
+                    let mut reader = RecordReader::new(gate, 1 << 20);
+                    let mut next = vec![None::<u64>; producers];
+                    let mut count = 0u64;
+                    let mut ends = 0;
+                    let mut failure = None;
+                    loop {
+                        let item = match reader.next_timeout(LONG) {
+                            Ok(item) => item,
+                            Err(error) => {
+                                failure = Some(error);
+                                break;
+                            }
+                        };
+                        match item {
+                            Some(ReaderItem::Record { channel, bytes }) => {
+                                let producer =
+                                    u64::from_be_bytes(bytes[..8].try_into().unwrap()) as usize;
+                                let seq = u64::from_be_bytes(bytes[8..16].try_into().unwrap());
+                                assert_eq!(producer, channel);
+                                assert_eq!(bytes, &record(producer, seq)[..], "payload intact");
+                                // Round robin from 0: producer p's record s goes to s % C.
+                                assert_eq!(seq as usize % consumers, c);
+                                if let Some(previous) = next[producer] {
+                                    assert_eq!(
+                                        seq,
+                                        previous + consumers as u64,
+                                        "in order, none lost"
+                                    );
+                                }
+                                next[producer] = Some(seq);
+                                count += 1;
+                            }
+                            Some(ReaderItem::Event { event, .. }) => {
+                                assert_eq!(event, Event::EndOfPartition);
+                                ends += 1;
+                            }
+                            None => break,
+                        }
+                    }
+                    if let Some(error) = failure {
+                        let gate = reader.gate();
+                        for i in 0..producers {
+                            let ch = gate.remote_channel(i).unwrap().shared();
+                            eprintln!(
+                                "consumer {c} channel {i}: next seq {} queued {} available {} unannounced {} pool usage {:.2}",
+                                ch.expected_sequence(),
+                                ch.queued(),
+                                ch.buffers().available(),
+                                ch.buffers().unannounced_credit(),
+                                gate.pool_usage()
+                            );
+                        }
+                        eprintln!("{}", gate.debug_summary());
+                        eprintln!("{}", producer_env.debug_dump());
+                        panic!("consumer {c}: {error}");
+                    }
+                    assert_eq!(ends, producers);
+                    count
+                })
+            })
+            .collect();
+        let total: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+        assert_eq!(total, records * producers as u64);
+    });
+    assert!(
+        pools_full(&[&producer_env, &consumer_env]),
+        "segments leaked"
+    );
+}
+
+#[test]
+fn one_to_one_over_loopback() {
+    exchange(1, 1, 20_000, Transport::Epoll);
+}
+
+#[test]
+fn four_to_four_over_one_connection() {
+    exchange(4, 4, 5_000, Transport::Epoll);
+}
+
+#[test]
+fn sixteen_to_sixteen_multiplexed() {
+    exchange(16, 16, 500, Transport::Epoll);
+}
+
+#[test]
+fn a_slow_consumer_keeps_the_producer_within_its_pool() {
+    let producer_env = env(1, Transport::Epoll);
+    let consumer_env = env(2, Transport::Epoll);
+    let partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let max = partition.pool().spec().max_segments;
+    let gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer_env.local_addr()),
+        }])
+        .unwrap();
+    let records = 3_000u64;
+    thread::scope(|s| {
+        let producer = s.spawn(move || {
+            let mut writer = RecordWriter::new(
+                partition,
+                RoundRobinSelector::default(),
+                BufferTimeout::Never,
+            );
+            let mut peak = 0;
+            for seq in 0..records {
+                writer.emit(&[7u8; 1000][..]).unwrap();
+                peak = peak.max(writer.partition().pool().in_use_segments());
+                let _ = seq;
+            }
+            writer.finish().unwrap();
+            peak
+        });
+        let mut reader = RecordReader::new(gate, 1 << 20);
+        let mut count = 0;
+        let mut peak_gate = 0.0f64;
+        loop {
+            // The consumer is slow: it yields between records so the producer runs ahead.
+            thread::yield_now();
+            match reader.next_timeout(LONG).unwrap() {
+                Some(ReaderItem::Record { .. }) => count += 1,
+                Some(ReaderItem::Event { .. }) => {}
+                None => break,
+            }
+            peak_gate = peak_gate.max(reader.gate().pool_usage());
+        }
+        assert_eq!(count, records);
+        let peak = producer.join().unwrap();
+        assert!(peak <= max, "producer used {peak} segments, pool max {max}");
+        assert!(peak_gate <= 1.0);
+    });
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+
+#[test]
+fn barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking() {
+    let producer_env = env(1, Transport::Epoll);
+    let consumer_env = env(2, Transport::Epoll);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let mut gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer_env.local_addr()),
+        }])
+        .unwrap();
+    let barrier = |id, alignment| {
+        Event::CheckpointBarrier(CheckpointBarrier {
+            id,
+            timestamp: 0,
+            kind: CheckpointKind::Checkpoint,
+            alignment,
+        })
+    };
+    partition.emit_record(&b"before"[..], 0).unwrap();
+    partition.flush(0);
+    partition
+        .broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    partition.flush(0);
+    let first = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(first.item, GateItem::Buffer(_)));
+    let second = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(
+        second.item,
+        GateItem::Event {
+            event: Event::CheckpointBarrier(_),
+            ..
+        }
+    ));
+    // Blocked: the producer does not send "after" before ResumeConsumption.
+    assert_eq!(
+        gate.next_timeout(Duration::from_millis(200)).unwrap_err(),
+        GateError::TimedOut
+    );
+    gate.resume_consumption(0).unwrap();
+    let third = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(third.item, GateItem::Buffer(_)));
+    // Unaligned: a priority barrier overtakes data the producer still holds.
+    for _ in 0..3 {
+        partition.emit_record(&[1u8; 8000][..], 0).unwrap();
+    }
+    partition
+        .broadcast_event(&barrier(2, Alignment::Unaligned), true)
+        .unwrap();
+    let mut saw_barrier_at = None;
+    for i in 0..6 {
+        let item = gate.next_timeout(LONG).unwrap().unwrap();
+        if let GateItem::Event {
+            event: Event::CheckpointBarrier(b),
+            priority,
+        } = item.item
+        {
+            assert_eq!(b.id, 2);
+            assert!(priority);
+            saw_barrier_at = Some(i);
+            break;
+        }
+    }
+    assert!(
+        saw_barrier_at.is_some_and(|i| i < 3),
+        "the barrier overtook queued data"
+    );
+    drop((first, third));
+    drop(gate);
+    drop(partition);
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+
+#[test]
+fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error() {
+    let producer_env = env(1, Transport::Epoll);
+    let consumer_env = env(2, Transport::Epoll);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer_env.local_addr()),
+        }])
+        .unwrap();
+    partition.emit_record(&b"last words"[..], 0).unwrap();
+    partition.flush(0);
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    assert!(matches!(
+        reader.next_timeout(LONG).unwrap(),
+        Some(ReaderItem::Record { .. })
+    ));
+    // The producer's process goes away: its I/O thread and sockets close.
+    drop(partition);
+    drop(producer_env);
+    let error = loop {
+        match reader.next_timeout(LONG) {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the gate ended normally"),
+            Err(error) => break error,
+        }
+    };
+    assert!(
+        matches!(
+            error,
+            ReaderError::Gate(GateError::Transport { channel: 0, .. })
+        ),
+        "got {error:?}"
+    );
+    drop(reader);
+    assert!(pools_full(&[&consumer_env]));
+}
+
+#[test]
+fn a_partition_registered_late_is_found_within_the_request_timeout() {
+    let producer_env = env(1, Transport::Epoll);
+    let consumer_env = env(2, Transport::Epoll);
+    let gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(3),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer_env.local_addr()),
+        }])
+        .unwrap();
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    assert!(matches!(
+        reader.next_timeout(Duration::from_millis(100)),
+        Err(ReaderError::Gate(GateError::TimedOut))
+    ));
+    let mut partition = producer_env.create_partition(pid(3), 1).unwrap();
+    partition.emit_record(&b"late"[..], 0).unwrap();
+    partition.finish().unwrap();
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"late"),
+        other => panic!("expected the record, got {other:?}"),
+    }
+}
