@@ -238,6 +238,37 @@ impl SegmentMemory {
     }
 }
 
+/// Copies `n` bytes; records of a few bytes (length prefixes, 8-byte keys) are copied with
+/// plain loads and stores instead of a call into `memcpy`.
+///
+/// # Safety
+///
+/// As for `ptr::copy_nonoverlapping`: `src` readable and `dst` writable for `n` bytes, not
+/// overlapping.
+#[inline(always)]
+unsafe fn copy_small(src: *const u8, dst: *mut u8, n: usize) {
+    // SAFETY: the caller's contract; each access below stays within the `n` bytes.
+    unsafe {
+        match n {
+            4 => dst
+                .cast::<u32>()
+                .write_unaligned(src.cast::<u32>().read_unaligned()),
+            8 => dst
+                .cast::<u64>()
+                .write_unaligned(src.cast::<u64>().read_unaligned()),
+            1..=16 if n >= 8 => {
+                dst.cast::<u64>()
+                    .write_unaligned(src.cast::<u64>().read_unaligned());
+                let tail = n - 8;
+                dst.add(tail)
+                    .cast::<u64>()
+                    .write_unaligned(src.add(tail).cast::<u64>().read_unaligned());
+            }
+            _ => std::ptr::copy_nonoverlapping(src, dst, n),
+        }
+    }
+}
+
 /// Where a segment goes when its last lease drops: a local pool, a channel's exclusive set, or
 /// the global pool.
 pub trait Recycler: Send + Sync + 'static {
@@ -248,8 +279,9 @@ pub trait Recycler: Send + Sync + 'static {
 }
 
 /// Drops one lease of `index`; the last one hands the segment back.
-fn release(recycler: &Arc<dyn Recycler>, index: u32) {
-    let state = recycler.memory().state(index);
+fn release(recycler: &Arc<dyn Recycler>, state: NonNull<SegmentState>, index: u32) {
+    // SAFETY: `state` points into the segment states of the memory `recycler` keeps alive.
+    let state = unsafe { state.as_ref() };
     if state.refs.fetch_sub(1, Ordering::Release) == 1 {
         // Pairs with the releases of the other leases: their reads of the segment happen before
         // the next owner's writes.
@@ -258,13 +290,12 @@ fn release(recycler: &Arc<dyn Recycler>, index: u32) {
     }
 }
 
-fn retain(recycler: &Arc<dyn Recycler>, index: u32) {
+fn retain(state: NonNull<SegmentState>) {
+    // SAFETY: `state` points into the segment states of memory that the caller's lease keeps
+    // alive.
+    let state = unsafe { state.as_ref() };
     // Relaxed is enough for an increment made by a holder of an existing lease (as in `Arc`).
-    let previous = recycler
-        .memory()
-        .state(index)
-        .refs
-        .fetch_add(1, Ordering::Relaxed);
+    let previous = state.refs.fetch_add(1, Ordering::Relaxed);
     assert!(
         previous > 0 && previous < u32::MAX / 2,
         "lease count broken"
@@ -337,6 +368,7 @@ impl Drop for PooledSegment {
 pub struct BufferBuilder {
     recycler: Arc<dyn Recycler>,
     payload: NonNull<u8>,
+    state: NonNull<SegmentState>,
     index: u32,
     position: u32,
     committed: u32,
@@ -372,8 +404,10 @@ impl BufferBuilder {
         state.marker.store(0, Ordering::Relaxed);
         let capacity = memory.segment_size;
         let payload = memory.payload(segment.index);
+        let state = NonNull::from(state);
         Self {
             payload,
+            state,
             index: segment.index,
             position: 0,
             committed: 0,
@@ -395,11 +429,11 @@ impl BufferBuilder {
             // (`n <= capacity - position`), no reader reads at or above the committed position
             // (`committed <= position`), and this builder is the segment's only writer.
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                copy_small(
                     bytes.as_ptr(),
                     self.payload.as_ptr().add(self.position as usize),
                     n,
-                );
+                )
             }
             self.position += n as u32;
         }
@@ -472,10 +506,11 @@ impl BufferBuilder {
     }
 
     fn consumer_at(&self, read: u32) -> BufferConsumer {
-        retain(&self.recycler, self.index);
+        retain(self.state);
         BufferConsumer {
             recycler: self.recycler.clone(),
             payload: self.payload,
+            state: self.state,
             index: self.index,
             read,
             data_type: self.data_type,
@@ -523,10 +558,13 @@ impl BufferBuilder {
         self.index
     }
 
+    #[inline]
     fn state(&self) -> &SegmentState {
-        self.recycler.memory().state(self.index)
+        // SAFETY: the states live as long as the memory, which `recycler` keeps alive.
+        unsafe { self.state.as_ref() }
     }
 
+    #[inline(always)]
     fn assert_writable(&self) {
         assert!(!self.finished, "write to a finished BufferBuilder");
     }
@@ -536,7 +574,7 @@ impl Drop for BufferBuilder {
     fn drop(&mut self) {
         // Consumers must be able to tell that no more bytes will come.
         self.finish();
-        release(&self.recycler, self.index);
+        release(&self.recycler, self.state, self.index);
     }
 }
 
@@ -544,6 +582,7 @@ impl Drop for BufferBuilder {
 pub struct BufferConsumer {
     recycler: Arc<dyn Recycler>,
     payload: NonNull<u8>,
+    state: NonNull<SegmentState>,
     index: u32,
     read: u32,
     data_type: DataType,
@@ -570,10 +609,11 @@ impl BufferConsumer {
         let end = self.marker() & !FINISHED;
         let start = self.read;
         self.read = end;
-        retain(&self.recycler, self.index);
+        retain(self.state);
         Buffer {
             recycler: self.recycler.clone(),
             payload: self.payload,
+            state: self.state,
             index: self.index,
             offset: start,
             len: end - start,
@@ -584,10 +624,11 @@ impl BufferConsumer {
 
     /// A second reader at the same position (broadcast: one segment, many subpartitions).
     pub fn copy(&self) -> BufferConsumer {
-        retain(&self.recycler, self.index);
+        retain(self.state);
         BufferConsumer {
             recycler: self.recycler.clone(),
             payload: self.payload,
+            state: self.state,
             index: self.index,
             read: self.read,
             data_type: self.data_type,
@@ -619,10 +660,10 @@ impl BufferConsumer {
         self.data_type
     }
 
+    #[inline]
     fn marker(&self) -> u32 {
-        self.recycler
-            .memory()
-            .state(self.index)
+        // SAFETY: the states live as long as the memory, which `recycler` keeps alive.
+        unsafe { self.state.as_ref() }
             .marker
             .load(Ordering::Acquire)
     }
@@ -630,7 +671,7 @@ impl BufferConsumer {
 
 impl Drop for BufferConsumer {
     fn drop(&mut self) {
-        release(&self.recycler, self.index);
+        release(&self.recycler, self.state, self.index);
     }
 }
 
@@ -639,6 +680,7 @@ impl Drop for BufferConsumer {
 pub struct Buffer {
     recycler: Arc<dyn Recycler>,
     payload: NonNull<u8>,
+    state: NonNull<SegmentState>,
     index: u32,
     offset: u32,
     len: u32,
@@ -724,10 +766,11 @@ impl Buffer {
             start <= self.len() && len <= self.len() - start,
             "slice out of range"
         );
-        retain(&self.recycler, self.index);
+        retain(self.state);
         Buffer {
             recycler: self.recycler.clone(),
             payload: self.payload,
+            state: self.state,
             index: self.index,
             offset: self.offset + start as u32,
             len: len as u32,
@@ -789,10 +832,11 @@ impl AsRef<[u8]> for Buffer {
 
 impl Clone for Buffer {
     fn clone(&self) -> Self {
-        retain(&self.recycler, self.index);
+        retain(self.state);
         Buffer {
             recycler: self.recycler.clone(),
             payload: self.payload,
+            state: self.state,
             index: self.index,
             offset: self.offset,
             len: self.len,
@@ -804,6 +848,6 @@ impl Clone for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        release(&self.recycler, self.index);
+        release(&self.recycler, self.state, self.index);
     }
 }

@@ -27,6 +27,14 @@ pub enum ReaderItem<'a> {
     },
 }
 
+/// How a read may wait.
+#[derive(Clone, Copy, Debug)]
+enum Wait {
+    Poll,
+    Forever,
+    For(Duration),
+}
+
 /// Why the reader stopped.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -78,7 +86,7 @@ impl<G: InputGate> RecordReader<G> {
     // A blocking, fallible read (Flink's `getNext`), not an iterator: items borrow the reader.
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
-        self.read(Some(None))
+        self.read(Wait::Forever)
     }
 
     /// [`next`](Self::next) giving up after `timeout` with [`GateError::TimedOut`].
@@ -86,12 +94,12 @@ impl<G: InputGate> RecordReader<G> {
         &mut self,
         timeout: Duration,
     ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
-        self.read(Some(Some(Instant::now() + timeout)))
+        self.read(Wait::For(timeout))
     }
 
     /// The next record or event if one is readable now.
     pub fn poll_next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
-        self.read(None)
+        self.read(Wait::Poll)
     }
 
     /// The gate read from.
@@ -104,11 +112,8 @@ impl<G: InputGate> RecordReader<G> {
         &mut self.gate
     }
 
-    /// `wait`: `None` polls; `Some(deadline)` blocks until the deadline (`Some(None)`: forever).
-    fn read(
-        &mut self,
-        wait: Option<Option<Instant>>,
-    ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+    /// Reads the next item; blocking as `wait` says.
+    fn read(&mut self, wait: Wait) -> Result<Option<ReaderItem<'_>>, ReaderError> {
         loop {
             if let Some(channel) = self.current {
                 let found = self.deserializers[channel]
@@ -122,9 +127,14 @@ impl<G: InputGate> RecordReader<G> {
                 }
                 self.current = None;
             }
-            let next = match wait {
-                Some(deadline) => self.gate.next_until(deadline)?,
-                None => self.gate.poll_next()?,
+            // Only a read that would block reads the clock (not one per record or buffer).
+            let next = match (self.gate.poll_next()?, wait) {
+                (Some(item), _) => Some(item),
+                (None, Wait::Poll) => None,
+                (None, Wait::Forever) => self.gate.next_until(None)?,
+                (None, Wait::For(timeout)) => {
+                    self.gate.next_until(Some(Instant::now() + timeout))?
+                }
             };
             let Some(item) = next else {
                 return Ok(None);

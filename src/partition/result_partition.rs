@@ -282,11 +282,14 @@ impl ResultPartition {
         self.pool.destroy();
     }
 
+    /// Per record, so only what is cheap: a subpartition released by its reader is noticed
+    /// when its next buffer is queued.
+    #[inline]
     fn check_writable(&self) -> Result<(), PartitionError> {
         if self.finished {
             return Err(PartitionError::Finished);
         }
-        if self.pool.is_destroyed() || self.handle.is_released() {
+        if self.pool.is_destroyed() {
             return Err(PartitionError::Released);
         }
         Ok(())
@@ -413,6 +416,11 @@ struct PartitionSink<'a> {
 }
 
 impl SegmentSink for PartitionSink<'_> {
+    #[inline]
+    fn current_with_room(&mut self, bytes: usize) -> Option<&mut BufferBuilder> {
+        self.slot.as_mut().filter(|b| b.remaining() >= bytes)
+    }
+
     #[inline]
     fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError> {
         if self.slot.as_ref().is_some_and(|b| b.is_full()) {

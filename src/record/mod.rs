@@ -57,6 +57,27 @@ pub trait SegmentSink {
 
     /// The record is complete: publish it to consumers.
     fn commit(&mut self);
+
+    /// The current builder if it has room for `bytes` more (the fast path: a record that fits
+    /// is written without asking for a builder per piece).
+    fn current_with_room(&mut self, _bytes: usize) -> Option<&mut BufferBuilder> {
+        None
+    }
+}
+
+/// A sink that is one builder known to have room for the whole record.
+struct RoomyBuilder<'a>(&'a mut BufferBuilder);
+
+impl SegmentSink for RoomyBuilder<'_> {
+    #[inline]
+    fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError> {
+        Ok(self.0)
+    }
+
+    #[inline]
+    fn commit(&mut self) {
+        self.0.commit();
+    }
 }
 
 /// A value that can write itself as record bytes.
@@ -114,6 +135,20 @@ where
             max: max_record_bytes,
         });
     }
+    if let Some(builder) = sink.current_with_room(LENGTH_PREFIX + len) {
+        return write_record(record, len, &mut RoomyBuilder(builder));
+    }
+    write_record(record, len, sink)
+}
+
+/// Writes the prefix and the record's bytes through `sink`, keeping the framing intact when
+/// the record's `encode` misbehaves.
+#[inline]
+fn write_record<R, S>(record: &R, len: usize, sink: &mut S) -> Result<(), RecordError>
+where
+    R: Record + ?Sized,
+    S: SegmentSink,
+{
     let mut out = RecordOutput {
         sink,
         remaining: LENGTH_PREFIX + len,
