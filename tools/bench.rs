@@ -10,21 +10,19 @@
 //!   every record (`execution.buffer-timeout` = 0). Each record carries its *scheduled* send
 //!   time, so a stalled sender shows up in the histogram (no coordinated omission).
 
-use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use fluxgate::buffer::NetworkBufferPool;
-use fluxgate::gate::{
-    ChannelLocation, ChannelSpec, ConsumedSubpartition, ReaderItem, RecordReader, SingleInputGate,
-};
+use fluxgate::gate::{ConsumedSubpartition, ReaderItem, RecordReader, SingleInputGate};
+use fluxgate::io::Transport;
 use fluxgate::partition::{
     BroadcastSelector, BufferTimeout, ChannelSelector, ForwardSelector, KeyHashSelector,
-    PartitionManager, RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector,
-    Selection,
+    RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector, Selection,
 };
-use fluxgate::NetworkConfig;
+use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
+
+use crate::baseline;
 use hdrhistogram::Histogram;
 
 /// Options of `fluxgate bench`.
@@ -61,6 +59,18 @@ pub struct BenchArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
+    /// One process, local channels (no network).
+    #[arg(long)]
+    local: bool,
+    /// The driver of the remote exchange: auto | uring | epoll.
+    #[arg(long, default_value = "auto")]
+    transport: Transport,
+    /// Run the raw-TCP baseline beside the engine (the default).
+    #[arg(long, overrides_with = "no_baseline")]
+    baseline: bool,
+    /// Skip the raw-TCP baseline.
+    #[arg(long)]
+    no_baseline: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -85,13 +95,14 @@ enum Format {
     Json,
 }
 
-/// The figures of one benchmark run.
-#[derive(Debug, Default)]
+/// The figures of one benchmark run (engine or baseline).
+#[derive(Debug, Default, Clone, Copy)]
 struct Figures {
     records: u64,
     records_per_sec: f64,
     payload_gb_per_sec: f64,
     cpu_ns_per_record: f64,
+    /// p50, p99, p99.9, max in µs.
     latency_us: Option<[f64; 4]>,
     latency_samples: u64,
 }
@@ -118,56 +129,100 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     config
         .set("taskmanager.memory.network.max", &memory.to_string())
         .map_err(|e| e.to_string())?;
-    let mut figures = throughput(args, &config)?;
+    let mut engine = throughput(args, &config)?;
     if args.rate > 0 {
         let (percentiles, samples) = latency(args, &config)?;
-        figures.latency_us = Some(percentiles);
-        figures.latency_samples = samples;
+        engine.latency_us = Some(percentiles);
+        engine.latency_samples = samples;
     }
-    print(args, &figures);
+    let baseline = if args.no_baseline {
+        None
+    } else {
+        Some(baseline_figures(args)?)
+    };
+    print(args, &engine, baseline.as_ref());
     Ok(())
 }
 
-/// One local exchange: partitions registered in a manager, gates reading them.
+fn baseline_figures(args: &BenchArgs) -> Result<Figures, String> {
+    let cpu_started = cpu_time();
+    let moved = baseline::throughput(args.record_size, Duration::from_secs_f64(args.duration))
+        .map_err(|e| format!("baseline: {e}"))?;
+    let cpu = cpu_time().saturating_sub(cpu_started).as_secs_f64();
+    let elapsed = moved.elapsed.as_secs_f64();
+    let mut figures = Figures {
+        records: moved.records,
+        records_per_sec: moved.records as f64 / elapsed,
+        payload_gb_per_sec: moved.payload_bytes as f64 / elapsed / 1e9,
+        cpu_ns_per_record: cpu * 1e9 / moved.records.max(1) as f64,
+        ..Figures::default()
+    };
+    if args.rate > 0 {
+        let histogram = baseline::latency(
+            args.record_size,
+            args.rate,
+            Duration::from_secs_f64(args.latency_duration),
+        )
+        .map_err(|e| format!("baseline latency: {e}"))?;
+        figures.latency_us = Some(percentiles(&histogram));
+        figures.latency_samples = histogram.len();
+    }
+    Ok(figures)
+}
+
+fn percentiles(histogram: &Histogram<u64>) -> [f64; 4] {
+    let us = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+    [
+        us(0.5),
+        us(0.99),
+        us(0.999),
+        histogram.max() as f64 / 1000.0,
+    ]
+}
+
+/// One exchange: producers in one shuffle environment, consumers in another one reached over
+/// loopback TCP (remote), or in the same one through local channels (`--local`).
 struct Exchange {
-    network: NetworkBufferPool,
-    manager: Arc<PartitionManager>,
+    producers: ShuffleEnvironment,
+    consumers: Option<ShuffleEnvironment>,
 }
 
 impl Exchange {
-    fn new(config: &NetworkConfig) -> Result<Self, String> {
+    fn new(args: &BenchArgs, config: &NetworkConfig) -> Result<Self, String> {
+        let start = |node| {
+            ShuffleEnvironment::start(EnvConfig {
+                network: config.clone(),
+                transport: args.transport,
+                node,
+                ..EnvConfig::default()
+            })
+            .map_err(|e| e.to_string())
+        };
+        let producers = start(1)?;
+        let consumers = if args.local { None } else { Some(start(2)?) };
         Ok(Self {
-            network: NetworkBufferPool::new(config).map_err(|e| e.to_string())?,
-            manager: Arc::new(PartitionManager::new()),
+            producers,
+            consumers,
         })
     }
 
-    fn partition(
-        &self,
-        producer: usize,
-        consumers: usize,
-        config: &NetworkConfig,
-    ) -> Result<ResultPartition, String> {
+    fn partition(&self, producer: usize, consumers: usize) -> Result<ResultPartition, String> {
         let id = ResultPartitionId {
             partition: producer as u64,
             producer: 0,
         };
-        let partition = ResultPartition::new(id, consumers, &self.network, config)
-            .map_err(|e| e.to_string())?;
-        self.manager
-            .register(partition.handle())
-            .map_err(|e| e.to_string())?;
-        Ok(partition)
+        self.producers
+            .create_partition(id, consumers)
+            .map_err(|e| e.to_string())
     }
 
-    fn gate(
-        &self,
-        consumer: usize,
-        producers: usize,
-        config: &NetworkConfig,
-    ) -> Result<SingleInputGate, String> {
-        let specs = (0..producers)
-            .map(|producer| ChannelSpec {
+    fn gate(&self, consumer: usize, producers: usize) -> Result<SingleInputGate, String> {
+        let (env, location) = match &self.consumers {
+            Some(env) => (env, ProducerLocation::Remote(self.producers.local_addr())),
+            None => (&self.producers, ProducerLocation::Local),
+        };
+        let channels: Vec<_> = (0..producers)
+            .map(|producer| ChannelDescriptor {
                 consumed: ConsumedSubpartition {
                     partition: ResultPartitionId {
                         partition: producer as u64,
@@ -175,14 +230,26 @@ impl Exchange {
                     },
                     subpartition: consumer,
                 },
-                location: ChannelLocation::Local,
+                location: location.clone(),
             })
             .collect();
-        let mut gate = SingleInputGate::new(specs, self.manager.clone(), &self.network, config);
-        gate.setup().map_err(|e| e.to_string())?;
-        gate.request_partitions(Instant::now())
-            .map_err(|e| e.to_string())?;
-        Ok(gate)
+        env.create_gate(&channels).map_err(|e| e.to_string())
+    }
+
+    /// True once every segment of both environments is back in its pool.
+    fn pools_full(&self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let full = |env: &ShuffleEnvironment| {
+            env.network().available_segments() == env.network().total_segments()
+        };
+        // Bounded: segments on their way back arrive within the deadline or it is a leak.
+        while Instant::now() < deadline {
+            if full(&self.producers) && self.consumers.as_ref().is_none_or(full) {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        false
     }
 }
 
@@ -228,12 +295,12 @@ fn selector(partitioner: Partitioner, producer: usize) -> AnySelector {
 }
 
 fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, String> {
-    let exchange = Exchange::new(config)?;
+    let exchange = Exchange::new(args, config)?;
     let partitions = (0..args.producers)
-        .map(|p| exchange.partition(p, args.consumers, config))
+        .map(|p| exchange.partition(p, args.consumers))
         .collect::<Result<Vec<_>, _>>()?;
     let gates = (0..args.consumers)
-        .map(|c| exchange.gate(c, args.producers, config))
+        .map(|c| exchange.gate(c, args.producers))
         .collect::<Result<Vec<_>, _>>()?;
     let duration = Duration::from_secs_f64(args.duration);
     let timeout = BufferTimeout::from_millis(args.buffer_timeout);
@@ -294,8 +361,8 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, Strin
         records += r;
         bytes += b;
     }
-    if exchange.network.available_segments() != exchange.network.total_segments() {
-        return Err("segments were not returned to the pool".into());
+    if !exchange.pools_full() {
+        return Err("segments were not returned to their pools".into());
     }
     Ok(Figures {
         records,
@@ -308,9 +375,9 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, Strin
 
 /// Fixed-rate 1 → 1 run; returns p50, p99, p99.9 and max in µs, and the sample count.
 fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<([f64; 4], u64), String> {
-    let exchange = Exchange::new(config)?;
-    let partition = exchange.partition(0, 1, config)?;
-    let gate = exchange.gate(0, 1, config)?;
+    let exchange = Exchange::new(args, config)?;
+    let partition = exchange.partition(0, 1)?;
+    let gate = exchange.gate(0, 1)?;
     let epoch = Instant::now();
     let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let total = (args.rate as f64 * args.latency_duration) as u64;
@@ -362,7 +429,7 @@ fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<([f64; 4], u64), 
 
 /// Waits until `scheduled` after `epoch`: sleeps while far ahead, yields when close, so the
 /// other core stays free for the consumer.
-fn pace(epoch: Instant, scheduled: Duration) {
+pub(crate) fn pace(epoch: Instant, scheduled: Duration) {
     // Bounded by the schedule: each pass moves closer to it.
     loop {
         let now = epoch.elapsed();
@@ -378,12 +445,30 @@ fn pace(epoch: Instant, scheduled: Duration) {
     }
 }
 
-fn print(args: &BenchArgs, f: &Figures) {
-    let latency = f.latency_us.unwrap_or([f64::NAN; 4]);
+fn print(args: &BenchArgs, engine: &Figures, baseline: Option<&Figures>) {
+    let mode = if args.local {
+        "local exchange (one process)".to_string()
+    } else {
+        format!(
+            "remote exchange over loopback TCP ({:?} driver)",
+            args.transport
+        )
+    };
+    // (name, unit, value of a figure set, lower is better)
+    type Metric = (&'static str, &'static str, fn(&Figures) -> Option<f64>);
+    let metrics: [Metric; 7] = [
+        ("records_per_sec", "records/s", |f| Some(f.records_per_sec)),
+        ("payload_gb_per_sec", "GB/s", |f| Some(f.payload_gb_per_sec)),
+        ("cpu_ns_per_record", "ns", |f| Some(f.cpu_ns_per_record)),
+        ("latency_p50_us", "us", |f| f.latency_us.map(|l| l[0])),
+        ("latency_p99_us", "us", |f| f.latency_us.map(|l| l[1])),
+        ("latency_p999_us", "us", |f| f.latency_us.map(|l| l[2])),
+        ("latency_max_us", "us", |f| f.latency_us.map(|l| l[3])),
+    ];
     match args.format {
         Format::Table => {
             println!(
-                "fluxgate bench: local exchange {}→{} ({:?}), {} B records, {} B segments",
+                "fluxgate bench: {mode}, {}→{} ({:?}), {} B records, {} B segments",
                 args.producers,
                 args.consumers,
                 args.partitioner,
@@ -391,47 +476,47 @@ fn print(args: &BenchArgs, f: &Figures) {
                 args.segment_size
             );
             println!(
-                "  throughput ({:.1} s, buffer timeout {} ms)",
-                args.duration, args.buffer_timeout
+                "  throughput {:.1} s (buffer timeout {} ms); latency {} records/s for {:.1} s, flush every record",
+                args.duration, args.buffer_timeout, args.rate, args.latency_duration
             );
-            println!("    records/s          {:>14.0}", f.records_per_sec);
-            println!("    payload            {:>14.3} GB/s", f.payload_gb_per_sec);
-            println!("    CPU per record     {:>14.1} ns", f.cpu_ns_per_record);
-            if f.latency_us.is_some() {
+            println!(
+                "  {:<20} {:>14} {:>14} {:>8}",
+                "figure", "fluxgate", "raw TCP", "ratio"
+            );
+            for (name, unit, get) in metrics {
+                let Some(value) = get(engine) else { continue };
+                let base = baseline.and_then(get);
+                let base_text = base.map_or("-".to_string(), |b| format!("{b:.2}"));
+                let ratio = base
+                    .filter(|b| *b > 0.0)
+                    .map_or("-".to_string(), |b| format!("{:.2}", value / b));
                 println!(
-                    "  latency ({} records/s, flush every record, {} samples)",
-                    args.rate, f.latency_samples
+                    "  {:<20} {:>14.2} {:>14} {:>8}   {unit}",
+                    name, value, base_text, ratio
                 );
-                println!("    p50                {:>14.1} µs", latency[0]);
-                println!("    p99                {:>14.1} µs", latency[1]);
-                println!("    p99.9              {:>14.1} µs", latency[2]);
-                println!("    max                {:>14.1} µs", latency[3]);
             }
         }
         Format::Lines => {
-            println!("records_per_sec {:.0} records/s", f.records_per_sec);
-            println!("payload_gb_per_sec {:.3} GB/s", f.payload_gb_per_sec);
-            println!("cpu_ns_per_record {:.1} ns", f.cpu_ns_per_record);
-            if f.latency_us.is_some() {
-                println!("latency_p50_us {:.1} us", latency[0]);
-                println!("latency_p99_us {:.1} us", latency[1]);
-                println!("latency_p999_us {:.1} us", latency[2]);
-                println!("latency_max_us {:.1} us", latency[3]);
+            for (name, unit, get) in metrics {
+                if let Some(value) = get(engine) {
+                    println!("{name} {value:.3} {unit}");
+                }
+                if let Some(value) = baseline.and_then(get) {
+                    println!("baseline_{name} {value:.3} {unit}");
+                }
             }
         }
         Format::Json => {
-            let latency_fields = if f.latency_us.is_some() {
-                format!(
-                    ",\"latency_p50_us\":{:.1},\"latency_p99_us\":{:.1},\"latency_p999_us\":{:.1},\"latency_max_us\":{:.1}",
-                    latency[0], latency[1], latency[2], latency[3]
-                )
-            } else {
-                String::new()
-            };
-            println!(
-                "{{\"records\":{},\"records_per_sec\":{:.0},\"payload_gb_per_sec\":{:.3},\"cpu_ns_per_record\":{:.1}{}}}",
-                f.records, f.records_per_sec, f.payload_gb_per_sec, f.cpu_ns_per_record, latency_fields
-            );
+            let mut fields = Vec::new();
+            for (name, _, get) in metrics {
+                if let Some(value) = get(engine) {
+                    fields.push(format!("\"{name}\":{value:.3}"));
+                }
+                if let Some(value) = baseline.and_then(get) {
+                    fields.push(format!("\"baseline_{name}\":{value:.3}"));
+                }
+            }
+            println!("{{\"records\":{},{}}}", engine.records, fields.join(","));
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `fluxgate`: benchmarks and tools on top of the library.
 
+mod baseline;
 mod bench;
 
 use clap::{Parser, Subcommand};
