@@ -296,6 +296,7 @@ impl LocalBufferPool {
     }
 
     /// True once destroyed.
+    #[inline]
     pub fn is_destroyed(&self) -> bool {
         self.shared.destroyed.load(Ordering::SeqCst)
     }

@@ -40,7 +40,8 @@ impl RoundRobinSelector {
 impl<R: ?Sized> ChannelSelector<R> for RoundRobinSelector {
     #[inline]
     fn select(&mut self, _record: &R, channels: usize) -> Selection {
-        let channel = self.next % channels;
+        // A compare instead of `%`: an integer division per record is measurable.
+        let channel = if self.next >= channels { 0 } else { self.next };
         self.next = channel + 1;
         Selection::Channel(channel)
     }
