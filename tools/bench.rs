@@ -71,6 +71,10 @@ pub struct BenchArgs {
     /// Skip the raw-TCP baseline.
     #[arg(long)]
     no_baseline: bool,
+    /// Write the engine's latency distribution (µs) in HdrHistogram's `.hgrm` text format,
+    /// which HdrHistogram's plotter reads.
+    #[arg(long, value_name = "FILE")]
+    hgrm: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -131,9 +135,13 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let mut engine = throughput(args, &config)?;
     if args.rate > 0 {
-        let (percentiles, samples) = latency(args, &config)?;
-        engine.latency_us = Some(percentiles);
-        engine.latency_samples = samples;
+        let histogram = latency(args, &config)?;
+        engine.latency_us = Some(percentiles(&histogram));
+        engine.latency_samples = histogram.len();
+        if let Some(path) = &args.hgrm {
+            std::fs::write(path, hgrm(&histogram))
+                .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        }
     }
     let baseline = if args.no_baseline {
         None
@@ -168,6 +176,54 @@ fn baseline_figures(args: &BenchArgs) -> Result<Figures, String> {
         figures.latency_samples = histogram.len();
     }
     Ok(figures)
+}
+
+/// The percentile distribution as Java HdrHistogram's `outputPercentileDistribution` prints
+/// it (values in µs, 5 ticks per half distance), the format the HdrHistogram plotter parses.
+fn hgrm(histogram: &Histogram<u64>) -> String {
+    use std::fmt::Write as _;
+    const SCALE: f64 = 1000.0; // ns → µs
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:>12} {:>14} {:>10} {:>14}\n",
+        "Value", "Percentile", "TotalCount", "1/(1-Percentile)"
+    );
+    let mut total = 0u64;
+    for step in histogram.iter_quantiles(5) {
+        total += step.count_since_last_iteration();
+        let quantile = step.quantile_iterated_to();
+        let value = step.value_iterated_to() as f64 / SCALE;
+        if quantile < 1.0 {
+            let _ = writeln!(
+                out,
+                "{value:>12.3} {quantile:>2.12} {total:>10} {:>14.2}",
+                1.0 / (1.0 - quantile)
+            );
+        } else {
+            let _ = writeln!(out, "{value:>12.3} {quantile:>2.12} {total:>10}");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "#[Mean    = {:>12.3}, StdDeviation   = {:>12.3}]",
+        histogram.mean() / SCALE,
+        histogram.stdev() / SCALE
+    );
+    let _ = writeln!(
+        out,
+        "#[Max     = {:>12.3}, Total count    = {:>12}]",
+        histogram.max() as f64 / SCALE,
+        histogram.len()
+    );
+    let _ = writeln!(
+        out,
+        "#[Buckets = {:>12}, SubBuckets     = {:>12}]",
+        histogram.buckets(),
+        // Java's subBucketCount: the power of two covering 2 × 10^significant digits.
+        (2 * 10u64.pow(u32::from(histogram.sigfig()))).next_power_of_two()
+    );
+    out
 }
 
 fn percentiles(histogram: &Histogram<u64>) -> [f64; 4] {
@@ -374,7 +430,7 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, Strin
 }
 
 /// Fixed-rate 1 → 1 run; returns p50, p99, p99.9 and max in µs, and the sample count.
-fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<([f64; 4], u64), String> {
+fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<Histogram<u64>, String> {
     let exchange = Exchange::new(args, config)?;
     let partition = exchange.partition(0, 1)?;
     let gate = exchange.gate(0, 1)?;
@@ -415,16 +471,7 @@ fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<([f64; 4], u64), 
             .join()
             .unwrap_or_else(|_| Err("consumer panicked".into()))
     })?;
-    let us = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
-    Ok((
-        [
-            us(0.5),
-            us(0.99),
-            us(0.999),
-            histogram.max() as f64 / 1000.0,
-        ],
-        histogram.len(),
-    ))
+    Ok(histogram)
 }
 
 /// Waits until `scheduled` after `epoch`: sleeps while far ahead, yields when close, so the
