@@ -261,7 +261,8 @@ pub struct FrameHeader {
 impl FrameHeader {
     /// Body bytes after the header.
     pub fn body_len(&self) -> usize {
-        self.length as usize - FRAME_HEADER
+        // `decode_header` never yields a shorter frame; a hand-built header must not panic.
+        (self.length as usize).saturating_sub(FRAME_HEADER)
     }
 }
 
