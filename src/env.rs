@@ -13,8 +13,9 @@ use crate::config::NetworkConfig;
 use crate::gate::{
     ChannelLocation, ChannelSpec, ConsumedSubpartition, GateError, InputChannel, SingleInputGate,
 };
-use crate::io::epoll::{DriverConfig, EpollDriver};
-use crate::io::{Command, Transport};
+use crate::io::epoll::EpollDriver;
+use crate::io::uring::{self, UringDriver};
+use crate::io::{Command, DriverConfig, Transport};
 use crate::partition::{PartitionError, PartitionManager, ResultPartition, ResultPartitionId};
 use crate::protocol::ServerConfig;
 
@@ -95,12 +96,35 @@ pub struct ChannelDescriptor {
     pub location: ProducerLocation,
 }
 
+/// The I/O thread, whichever driver runs it.
+#[derive(Debug)]
+enum Driver {
+    Epoll(EpollDriver),
+    Uring(UringDriver),
+}
+
+impl Driver {
+    fn local_addr(&self) -> SocketAddr {
+        match self {
+            Driver::Epoll(d) => d.local_addr(),
+            Driver::Uring(d) => d.local_addr(),
+        }
+    }
+
+    fn submit(&self, command: Command) {
+        match self {
+            Driver::Epoll(d) => d.submit(command),
+            Driver::Uring(d) => d.submit(command),
+        }
+    }
+}
+
 /// The network of one process (Flink's `NettyShuffleEnvironment`).
 pub struct ShuffleEnvironment {
     config: EnvConfig,
     network: NetworkBufferPool,
     manager: Arc<PartitionManager>,
-    driver: EpollDriver,
+    driver: Driver,
     transport: Transport,
 }
 
@@ -119,16 +143,6 @@ impl ShuffleEnvironment {
     pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
-        let transport = match config.transport {
-            Transport::Uring => {
-                return Err(EnvError::Transport(
-                    Transport::Uring,
-                    "the io_uring driver is not built yet".into(),
-                ))
-            }
-            Transport::Auto | Transport::Epoll => Transport::Epoll,
-        };
-        tracing::info!(?transport, requested = ?config.transport, "network transport chosen");
         let driver_config = DriverConfig {
             node: config.node,
             segment_size: config.network.segment_size,
@@ -141,8 +155,52 @@ impl ShuffleEnvironment {
             },
             max_channels_per_connection: config.max_channels_per_connection,
             connect_timeout: config.connect_timeout,
+            network: Some(network.clone()),
         };
-        let driver = EpollDriver::start(config.bind, driver_config, manager.clone())?;
+        let (driver, transport) = match config.transport {
+            Transport::Epoll => {
+                tracing::info!(transport = ?Transport::Epoll, "network transport chosen: requested");
+                let driver = EpollDriver::start(config.bind, driver_config, manager.clone())?;
+                (Driver::Epoll(driver), Transport::Epoll)
+            }
+            Transport::Uring => {
+                uring::probe().map_err(|reason| EnvError::Transport(Transport::Uring, reason))?;
+                let driver = UringDriver::start(config.bind, driver_config, manager.clone())
+                    .map_err(|error| {
+                        EnvError::Transport(
+                            Transport::Uring,
+                            format!("starting the io_uring driver failed: {error}"),
+                        )
+                    })?;
+                tracing::info!(transport = ?Transport::Uring, "network transport chosen: requested");
+                (Driver::Uring(driver), Transport::Uring)
+            }
+            Transport::Auto => {
+                let started = uring::probe().and_then(|()| {
+                    UringDriver::start(config.bind, driver_config.clone(), manager.clone())
+                        .map_err(|error| format!("starting the io_uring driver failed: {error}"))
+                });
+                match started {
+                    Ok(driver) => {
+                        tracing::info!(
+                            transport = ?Transport::Uring,
+                            "network transport chosen: auto, io_uring is available"
+                        );
+                        (Driver::Uring(driver), Transport::Uring)
+                    }
+                    Err(reason) => {
+                        tracing::info!(
+                            transport = ?Transport::Epoll,
+                            %reason,
+                            "network transport chosen: auto, io_uring is not usable"
+                        );
+                        let driver =
+                            EpollDriver::start(config.bind, driver_config, manager.clone())?;
+                        (Driver::Epoll(driver), Transport::Epoll)
+                    }
+                }
+            }
+        };
         Ok(Self {
             config,
             network,

@@ -13,7 +13,7 @@ use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     ChannelLocation, ChannelSpec, ConsumedSubpartition, CreditListener, GateError, GateItem,
-    InputGate, RemoteChannelShared, SingleInputGate,
+    InputGate, RemoteChannelShared, SingleInputGate, UNCREDITED_EVENTS,
 };
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
@@ -607,8 +607,9 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
 
     // Events need no credit: the transport reads them into overdraft segments of the global
     // pool. They neither use nor grant credit, but the channel holds at most as many
-    // received items as the gate pool has segments.
-    for sequence in EXCLUSIVE..capacity {
+    // received items as the gate pool has segments plus a few uncredited events.
+    let bound = capacity + UNCREDITED_EVENTS;
+    for sequence in EXCLUSIVE..bound {
         let segment = buffers.event_segment().expect("overdraft memory");
         let event = Event::Task(vec![sequence as u8]);
         sender
@@ -626,7 +627,7 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
     assert_eq!(buffers.unannounced_credit(), 0);
     assert_eq!(
         f.leased(),
-        capacity,
+        bound,
         "2 exclusive + one overdraft segment per event"
     );
     let leased = f.leased();
@@ -636,7 +637,7 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
             segment,
             &encoded(&Event::Task(vec![0xff])),
             DataType::EventBuffer,
-            capacity as u64,
+            bound as u64,
             0,
             0,
         )

@@ -1,4 +1,6 @@
-//! Remote exchanges over loopback TCP between two shuffle environments in one process.
+//! Remote exchanges over loopback TCP between two shuffle environments in one process, each
+//! on both drivers (`_epoll`, `_uring`; the io_uring variants skip loudly where the kernel
+//! refuses io_uring).
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -14,6 +16,11 @@ use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, Sh
 const LONG: Duration = Duration::from_secs(20);
 
 fn env(node: u128, transport: Transport) -> ShuffleEnvironment {
+    env_with(node, transport, &[])
+}
+
+/// An environment with some options changed.
+fn env_with(node: u128, transport: Transport, options: &[(&str, &str)]) -> ShuffleEnvironment {
     let mut network = NetworkConfig::default();
     network
         .set("taskmanager.memory.segment-size", "8kb")
@@ -22,13 +29,44 @@ fn env(node: u128, transport: Transport) -> ShuffleEnvironment {
         .set("taskmanager.memory.network.max", "16mb")
         .unwrap();
     network.set("fluxgate.memory.arena-size", "4mb").unwrap();
-    ShuffleEnvironment::start(EnvConfig {
+    for (key, value) in options {
+        network.set(key, value).unwrap();
+    }
+    let env = ShuffleEnvironment::start(EnvConfig {
         network,
         node,
         transport,
         ..EnvConfig::default()
     })
-    .unwrap()
+    .unwrap();
+    assert_eq!(env.transport(), transport, "the requested driver runs");
+    env
+}
+
+/// Runs `test` on `transport`; on io_uring only where the kernel allows it.
+fn on(transport: Transport, test: impl FnOnce(Transport)) {
+    if transport == Transport::Uring {
+        if let Err(reason) = fluxgate::io::uring::probe() {
+            eprintln!("SKIPPED: io_uring unavailable: {reason}");
+            return;
+        }
+    }
+    test(transport);
+}
+
+/// One test per driver.
+macro_rules! on_both_drivers {
+    ($test:ident, $epoll:ident, $uring:ident) => {
+        #[test]
+        fn $epoll() {
+            on(Transport::Epoll, $test);
+        }
+
+        #[test]
+        fn $uring() {
+            on(Transport::Uring, $test);
+        }
+    };
 }
 
 fn pid(producer: usize) -> ResultPartitionId {
@@ -185,25 +223,36 @@ fn exchange(producers: usize, consumers: usize, records: u64, transport: Transpo
     );
 }
 
-#[test]
-fn one_to_one_over_loopback() {
-    exchange(1, 1, 20_000, Transport::Epoll);
+fn one_to_one_over_loopback(transport: Transport) {
+    exchange(1, 1, 20_000, transport);
 }
+on_both_drivers!(
+    one_to_one_over_loopback,
+    one_to_one_over_loopback_epoll,
+    one_to_one_over_loopback_uring
+);
 
-#[test]
-fn four_to_four_over_one_connection() {
-    exchange(4, 4, 5_000, Transport::Epoll);
+fn four_to_four_over_one_connection(transport: Transport) {
+    exchange(4, 4, 5_000, transport);
 }
+on_both_drivers!(
+    four_to_four_over_one_connection,
+    four_to_four_over_one_connection_epoll,
+    four_to_four_over_one_connection_uring
+);
 
-#[test]
-fn sixteen_to_sixteen_multiplexed() {
-    exchange(16, 16, 500, Transport::Epoll);
+fn sixteen_to_sixteen_multiplexed(transport: Transport) {
+    exchange(16, 16, 500, transport);
 }
+on_both_drivers!(
+    sixteen_to_sixteen_multiplexed,
+    sixteen_to_sixteen_multiplexed_epoll,
+    sixteen_to_sixteen_multiplexed_uring
+);
 
-#[test]
-fn a_slow_consumer_keeps_the_producer_within_its_pool() {
-    let producer_env = env(1, Transport::Epoll);
-    let consumer_env = env(2, Transport::Epoll);
+fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
     let partition = producer_env.create_partition(pid(0), 1).unwrap();
     let max = partition.pool().spec().max_segments;
     let gate = consumer_env
@@ -252,11 +301,22 @@ fn a_slow_consumer_keeps_the_producer_within_its_pool() {
     });
     assert!(pools_full(&[&producer_env, &consumer_env]));
 }
+on_both_drivers!(
+    a_slow_consumer_keeps_the_producer_within_its_pool,
+    a_slow_consumer_keeps_the_producer_within_its_pool_epoll,
+    a_slow_consumer_keeps_the_producer_within_its_pool_uring
+);
 
-#[test]
-fn barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking() {
-    let producer_env = env(1, Transport::Epoll);
-    let consumer_env = env(2, Transport::Epoll);
+fn barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking(transport: Transport) {
+    let producer_env = env(1, transport);
+    // Little credit, so the producer still holds data when the unaligned barrier comes: with
+    // no floating buffers the gate's pool has one segment beyond the two exclusive ones, and
+    // the test keeps two received buffers until the end.
+    let consumer_env = env_with(
+        2,
+        transport,
+        &[("taskmanager.network.memory.floating-buffers-per-gate", "0")],
+    );
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
     let mut gate = consumer_env
         .create_gate(&[ChannelDescriptor {
@@ -323,18 +383,22 @@ fn barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking() {
     }
     assert!(
         saw_barrier_at.is_some_and(|i| i < 3),
-        "the barrier overtook queued data"
+        "the barrier overtook queued data (seen at {saw_barrier_at:?})"
     );
     drop((first, third));
     drop(gate);
     drop(partition);
     assert!(pools_full(&[&producer_env, &consumer_env]));
 }
+on_both_drivers!(
+    barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking,
+    barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking_epoll,
+    barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking_uring
+);
 
-#[test]
-fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error() {
-    let producer_env = env(1, Transport::Epoll);
-    let consumer_env = env(2, Transport::Epoll);
+fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
     let gate = consumer_env
         .create_gate(&[ChannelDescriptor {
@@ -372,11 +436,15 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error() {
     drop(reader);
     assert!(pools_full(&[&consumer_env]));
 }
+on_both_drivers!(
+    a_producer_that_disappears_fails_the_consumer_with_a_typed_error,
+    a_producer_that_disappears_fails_the_consumer_with_a_typed_error_epoll,
+    a_producer_that_disappears_fails_the_consumer_with_a_typed_error_uring
+);
 
-#[test]
-fn a_partition_registered_late_is_found_within_the_request_timeout() {
-    let producer_env = env(1, Transport::Epoll);
-    let consumer_env = env(2, Transport::Epoll);
+fn a_partition_registered_late_is_found_within_the_request_timeout(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
     let gate = consumer_env
         .create_gate(&[ChannelDescriptor {
             consumed: ConsumedSubpartition {
@@ -398,4 +466,84 @@ fn a_partition_registered_late_is_found_within_the_request_timeout() {
         Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"late"),
         other => panic!("expected the record, got {other:?}"),
     }
+    // Both drivers answer the diagnostics dump.
+    let dump = producer_env.debug_dump();
+    assert!(
+        dump.contains("connection") && dump.contains("server:"),
+        "{dump}"
+    );
+    assert!(matches!(
+        reader.next_timeout(LONG).unwrap(),
+        Some(ReaderItem::Event {
+            event: Event::EndOfPartition,
+            ..
+        })
+    ));
+    drop(reader);
+    drop(partition);
+    assert!(pools_full(&[&producer_env, &consumer_env]));
 }
+on_both_drivers!(
+    a_partition_registered_late_is_found_within_the_request_timeout,
+    a_partition_registered_late_is_found_within_the_request_timeout_epoll,
+    a_partition_registered_late_is_found_within_the_request_timeout_uring
+);
+
+#[test]
+fn auto_picks_io_uring_where_available() {
+    let env = ShuffleEnvironment::start(EnvConfig {
+        transport: Transport::Auto,
+        ..EnvConfig::default()
+    })
+    .unwrap();
+    match fluxgate::io::uring::probe() {
+        Ok(()) => assert_eq!(env.transport(), Transport::Uring),
+        Err(reason) => {
+            eprintln!("io_uring unavailable ({reason}): auto must pick epoll");
+            assert_eq!(env.transport(), Transport::Epoll);
+        }
+    }
+}
+
+fn a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected(transport: Transport) {
+    use std::io::{Read, Write};
+    let producer_env = env(1, transport);
+    let mut socket = std::net::TcpStream::connect(producer_env.local_addr()).unwrap();
+    socket.set_read_timeout(Some(LONG)).unwrap();
+    socket.write_all(&[0xFF; 64]).unwrap();
+    let mut answer = Vec::new();
+    socket
+        .read_to_end(&mut answer)
+        .expect("the server closes the connection");
+    assert!(
+        !answer.is_empty(),
+        "an error response came before the close"
+    );
+    // The server is still serving: a well-behaved consumer gets its data.
+    let consumer_env = env(2, transport);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer_env.local_addr()),
+        }])
+        .unwrap();
+    partition.emit_record(&b"still here"[..], 0).unwrap();
+    partition.finish().unwrap();
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"still here"),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    drop(reader);
+    drop(partition);
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected,
+    a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected_epoll,
+    a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected_uring
+);

@@ -20,7 +20,9 @@ pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate};
 pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
 pub(crate) use queue::ChannelQueueHandle;
 pub use reader::{ReaderError, ReaderItem, RecordReader};
-pub use remote::{BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel};
+pub use remote::{
+    BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel, UNCREDITED_EVENTS,
+};
 pub use single::{ChannelSpec, GateCloser, GateMetrics, SingleInputGate};
 pub use union::UnionInputGate;
 

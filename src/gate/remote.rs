@@ -261,6 +261,12 @@ impl BufferListener for BufferManager {
     }
 }
 
+/// Received items a remote channel queues beyond the segments of its gate's pool: events (end
+/// of partition, barriers) are sent without credit, so a channel whose every credited segment
+/// waits in its queue must still take them. More than this many fail the channel with
+/// [`GateError::CreditExceeded`] (a sender flooding events).
+pub const UNCREDITED_EVENTS: usize = 16;
+
 /// A received item with its sequence number checked.
 struct Received {
     buffer: Buffer,
@@ -419,8 +425,9 @@ impl RemoteInputChannel {
                 consumed,
                 queue,
                 buffers,
-                received: ArrayQueue::new(max_received.max(1)),
-                received_priority: ArrayQueue::new(max_received.max(1)),
+                // Credit bounds the buffers; events arrive without credit and need room too.
+                received: ArrayQueue::new(max_received.max(1) + UNCREDITED_EVENTS),
+                received_priority: ArrayQueue::new(max_received.max(1) + UNCREDITED_EVENTS),
                 expected_sequence: AtomicU64::new(0),
                 error: Mutex::new(None),
                 failed: AtomicBool::new(false),

@@ -103,6 +103,15 @@ impl Connection {
         }
     }
 
+    /// An asynchronous write of the current [`write_slices`](Self::write_slices) was
+    /// submitted: their segments stay alive until the next [`on_written`](Self::on_written).
+    pub(crate) fn begin_write(&mut self) {
+        match &mut self.side {
+            Side::Client(c) => c.begin_write(),
+            Side::Server(s) => s.begin_write(),
+        }
+    }
+
     pub(crate) fn wants_write(&self) -> bool {
         match &self.side {
             Side::Client(c) => c.wants_write(),
@@ -136,6 +145,18 @@ impl Connection {
         match &self.side {
             Side::Client(c) => c.is_closed(),
             Side::Server(s) => s.is_closing(),
+        }
+    }
+
+    /// Appends this connection's state to a diagnostics dump (both drivers' `Dump`).
+    pub(crate) fn describe(&self, label: &dyn std::fmt::Debug, out: &mut String) {
+        out.push_str(&format!(
+            "connection {label:?} wants write {} pending {}\n",
+            self.wants_write(),
+            self.has_pending()
+        ));
+        if let Side::Server(server) = &self.side {
+            out.push_str(&server.debug_summary());
         }
     }
 

@@ -16,9 +16,10 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::conn::{Connection, Side};
+pub use super::DriverConfig;
 use super::{Command, IoWaker};
 use crate::partition::PartitionManager;
-use crate::protocol::{ClientConnection, ServerConfig, ServerConnection};
+use crate::protocol::{ClientConnection, ServerConnection};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -27,21 +28,6 @@ const FIRST_CONNECTION: usize = 2;
 const MAX_PARK: Duration = Duration::from_millis(100);
 /// Slices handed to one `writev`.
 const MAX_SLICES: usize = 64;
-
-/// What the I/O thread needs to know.
-#[derive(Clone, Debug)]
-pub struct DriverConfig {
-    /// This process's node identity.
-    pub node: u128,
-    /// Payload bytes per segment.
-    pub segment_size: usize,
-    /// Producer-side connection settings.
-    pub server: ServerConfig,
-    /// Channels one outgoing connection may carry.
-    pub max_channels_per_connection: usize,
-    /// How long opening a connection may take.
-    pub connect_timeout: Duration,
-}
 
 /// A running epoll I/O thread.
 pub struct EpollDriver {
@@ -226,14 +212,7 @@ impl Loop {
                 Command::Dump(reply) => {
                     let mut out = String::new();
                     for (token, conn) in &self.connections {
-                        out.push_str(&format!(
-                            "connection {token:?} wants write {} pending {}\n",
-                            conn.connection.wants_write(),
-                            conn.connection.has_pending()
-                        ));
-                        if let Side::Server(server) = &conn.connection.side {
-                            out.push_str(&server.debug_summary());
-                        }
+                        conn.connection.describe(token, &mut out);
                     }
                     let _ = reply.send(out);
                 }

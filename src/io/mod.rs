@@ -3,7 +3,8 @@
 //! never touch a socket. Two drivers over the same segments and the same state machines:
 //!
 //! * [`epoll`] — mio (epoll), vectored reads and writes; works everywhere.
-//! * `uring` — io_uring (see [`Transport`]).
+//! * [`uring`] — io_uring: one ring per I/O thread, one read and at most one write chain in
+//!   flight per connection, every submission of a loop turn in one `io_uring_enter`.
 //!
 //! Hand-off from task threads: commands go through a bounded queue; a parked I/O thread is
 //! woken through the poller's waker only when its "parked" flag is set, so the busy path makes
@@ -11,14 +12,37 @@
 
 mod conn;
 pub mod epoll;
+pub mod uring;
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Wake;
+use std::time::Duration;
 
+use crate::buffer::NetworkBufferPool;
 use crate::gate::RemoteChannelShared;
+use crate::protocol::ServerConfig;
+
+/// What an I/O thread needs to know (either driver).
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// This process's node identity.
+    pub node: u128,
+    /// Payload bytes per segment.
+    pub segment_size: usize,
+    /// Producer-side connection settings.
+    pub server: ServerConfig,
+    /// Channels one outgoing connection may carry.
+    pub max_channels_per_connection: usize,
+    /// How long opening a connection may take.
+    pub connect_timeout: Duration,
+    /// The network memory the segments come from. The io_uring driver registers its arenas
+    /// as fixed buffers and writes segment bytes in place; without it every byte it writes is
+    /// copied first. The epoll driver ignores it.
+    pub network: Option<NetworkBufferPool>,
+}
 
 /// Which driver moves the bytes (`fluxgate.network.transport`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]

@@ -234,6 +234,14 @@ impl ClientConnection {
         self.outbound.on_written(n);
     }
 
+    /// An asynchronous write of the current [`write_slices`](Self::write_slices) was
+    /// submitted: the segments they point into stay alive until the next
+    /// [`on_written`](Self::on_written), even if the connection fails meanwhile. Control bytes
+    /// may move; copy them before submitting.
+    pub(crate) fn begin_write(&mut self) {
+        self.outbound.begin_write();
+    }
+
     /// True when bytes wait to be written.
     pub fn wants_write(&self) -> bool {
         !self.outbound.is_empty()

@@ -38,6 +38,12 @@ impl OutFrame {
 }
 
 /// Frames queued for writing, and how far the first one was written.
+///
+/// Asynchronous writes (io_uring): between [`begin_write`](Self::begin_write) and the next
+/// [`on_written`](Self::on_written) the kernel may read the buffers' segments the slices
+/// pointed to, so those frames are not dropped before then, not even by
+/// [`clear`](Self::clear). The control vector gives no such promise (appending may move it):
+/// a driver keeping a write in flight copies control bytes first.
 #[derive(Debug, Default)]
 pub(crate) struct Outbound {
     frames: VecDeque<OutFrame>,
@@ -47,6 +53,12 @@ pub(crate) struct Outbound {
     /// Bytes of the first frame already written.
     written_in_first: usize,
     queued_bytes: usize,
+    /// A write of the current slices is in flight.
+    write_in_flight: bool,
+    /// `clear` ran while a write was in flight: its result no longer counts, and `retired`
+    /// holds the frames it may still read until it completes.
+    cleared_in_flight: bool,
+    retired: VecDeque<OutFrame>,
 }
 
 impl Outbound {
@@ -120,9 +132,22 @@ impl Outbound {
         }
     }
 
+    /// A driver submitted an asynchronous write of the current [`slices`](Self::slices): the
+    /// segments stay alive until the next [`on_written`](Self::on_written) (with 0 when the
+    /// write failed).
+    pub(crate) fn begin_write(&mut self) {
+        self.write_in_flight = true;
+    }
+
     /// `n` more bytes were written: frames written completely are dropped (their segments
-    /// go back to their pools).
+    /// go back to their pools). Ends an in-flight write.
     pub(crate) fn on_written(&mut self, mut n: usize) {
+        if std::mem::take(&mut self.write_in_flight) && std::mem::take(&mut self.cleared_in_flight)
+        {
+            // The write was of frames `clear` dropped since: they may go now.
+            self.retired.clear();
+            return;
+        }
         self.queued_bytes -= n.min(self.queued_bytes);
         while n > 0 {
             let Some(first) = self.frames.front() else {
@@ -151,8 +176,13 @@ impl Outbound {
         }
     }
 
-    /// Drops everything queued (connection closed): segments go back to their pools.
+    /// Drops everything queued (connection closed): segments go back to their pools, those an
+    /// in-flight write may still read once it completes.
     pub(crate) fn clear(&mut self) {
+        if self.write_in_flight && !self.cleared_in_flight {
+            self.cleared_in_flight = true;
+            self.retired = std::mem::take(&mut self.frames);
+        }
         self.frames.clear();
         self.control.clear();
         self.control_read = 0;
@@ -169,4 +199,81 @@ fn push_from<'a>(out: &mut Vec<IoSlice<'a>>, bytes: &'a [u8], skip: &mut usize) 
     }
     out.push(IoSlice::new(&bytes[*skip..]));
     *skip = 0;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::buffer::{DataType, NetworkBufferPool};
+    use crate::config::NetworkConfig;
+
+    fn pool() -> NetworkBufferPool {
+        let mut config = NetworkConfig::default();
+        config
+            .set("taskmanager.memory.segment-size", "4kb")
+            .unwrap();
+        config
+            .set("taskmanager.memory.network.max", "64kb")
+            .unwrap();
+        NetworkBufferPool::new(&config).unwrap()
+    }
+
+    fn queue_buffer(outbound: &mut Outbound, pool: &NetworkBufferPool, bytes: &[u8]) {
+        let mut builder = pool
+            .request_segment()
+            .unwrap()
+            .into_builder(DataType::DataBuffer);
+        let mut consumer = builder.create_consumer();
+        builder.append(bytes);
+        drop(builder);
+        let header = outbound.control_bytes();
+        header.extend_from_slice(b"HDR");
+        outbound.push_buffer(3, consumer.build(), 0);
+    }
+
+    #[test]
+    fn a_clear_during_an_async_write_keeps_its_segments_until_it_completes() {
+        let pool = pool();
+        let total = pool.total_segments();
+        let mut outbound = Outbound::default();
+        queue_buffer(&mut outbound, &pool, b"payload");
+        outbound.begin_write();
+        // The connection fails while the write is in flight.
+        outbound.clear();
+        assert!(outbound.is_empty());
+        assert_eq!(pool.available_segments(), total - 1, "still leased");
+        // An error response queued meanwhile is not taken for written by the old write.
+        let bytes = outbound.control_bytes();
+        bytes.extend_from_slice(b"ERROR");
+        outbound.push_control(5);
+        outbound.on_written(10);
+        assert_eq!(pool.available_segments(), total, "released on completion");
+        let mut slices = Vec::new();
+        outbound.slices(&mut slices, 8);
+        assert_eq!(slices.len(), 1);
+        assert_eq!(&*slices[0], b"ERROR");
+    }
+
+    #[test]
+    fn an_async_write_completes_like_a_synchronous_one() {
+        let pool = pool();
+        let total = pool.total_segments();
+        let mut outbound = Outbound::default();
+        queue_buffer(&mut outbound, &pool, b"payload");
+        outbound.begin_write();
+        outbound.on_written(5);
+        assert_eq!(pool.available_segments(), total - 1);
+        let mut slices = Vec::new();
+        outbound.slices(&mut slices, 8);
+        assert_eq!(&*slices[0], b"yload");
+        drop(slices);
+        outbound.begin_write();
+        outbound.on_written(5);
+        assert!(outbound.is_empty());
+        assert_eq!(pool.available_segments(), total);
+        // Without `begin_write` (the epoll driver) a clear drops at once.
+        queue_buffer(&mut outbound, &pool, b"x");
+        outbound.clear();
+        assert_eq!(pool.available_segments(), total);
+    }
 }

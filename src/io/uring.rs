@@ -1,0 +1,1150 @@
+//! The io_uring driver: one I/O thread owning one ring, with the same behaviour as the
+//! [`epoll`](super::epoll) driver over the same connection state machines.
+//!
+//! Per connection exactly one read is in flight (a `Readv` of `[destination, read-ahead]`, as
+//! the epoll driver reads) and at most one write (a `Writev` of the frame bytes, segment
+//! payloads in place, control bytes copied into a per-connection staging area first); short
+//! writes continue with the next write. The listener keeps one `Accept` armed and an eventfd
+//! keeps one `Read` armed for wake-ups. Every submission of a loop turn goes to the kernel in
+//! the turn's single `io_uring_enter`, which also waits (bounded) for the next completion.
+//!
+//! Memory the kernel may touch stays put until its completion arrives:
+//!
+//! * Each connection lives in a `Box` that is neither moved nor dropped while one of its
+//!   operations is in flight; the iovec arrays, the staging area and the read-ahead area live
+//!   there (allocated once per connection, reused by every operation).
+//! * A read's destination is the state machine's current read buffer; the state machine only
+//!   moves on (or drops a payload segment) in `on_read` / `on_lost`, which this driver calls
+//!   only once no read is in flight.
+//! * A write's segments are held by the state machine's outbound queue, which keeps them past
+//!   a failure until `on_written` ([`Connection::begin_write`]).
+//! * A connection that fails or closes gets its operations cancelled; `on_lost` runs and the
+//!   socket closes when their completions are in. On shutdown everything in flight is
+//!   cancelled and drained; what does not drain in time is leaked, never freed.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, IoSlice, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, OnceLock};
+use std::task::Waker;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use io_uring::{opcode, squeue, types, IoUring, Probe};
+
+use super::conn::{Connection, Side};
+use super::{Command, DriverConfig, IoWaker};
+use crate::partition::PartitionManager;
+use crate::protocol::{ClientConnection, ServerConnection};
+
+/// Submission queue entries of a ring.
+const SQ_ENTRIES: u32 = 256;
+/// Completion queue entries (room for every operation the connections may have in flight).
+const CQ_ENTRIES: u32 = 1024;
+/// Longest the thread sleeps without a completion (it then checks timeouts).
+const MAX_PARK: Duration = Duration::from_millis(100);
+/// Slices handed to one `Writev`.
+const MAX_SLICES: usize = 64;
+/// Bytes of control frames (and of anything outside the network memory) copied per write.
+const STAGING: usize = 16 * 1024;
+/// How long shutdown waits for cancelled operations to complete.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
+/// Pause before re-arming the accept after an error other than a transient one.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+
+/// Operation kinds in the low bits of a submission's user data; the slot and the slot's
+/// generation are above them.
+const KIND_BITS: u32 = 3;
+const ACCEPT: u64 = 0;
+const WAKE: u64 = 1;
+const READ: u64 = 2;
+const WRITE: u64 = 3;
+const CANCEL: u64 = 4;
+/// The slot of operations that belong to no connection.
+const NO_SLOT: usize = (1 << (32 - KIND_BITS)) - 1;
+
+/// Opcodes the driver needs; [`probe`] checks them.
+const REQUIRED: [(&str, u8); 5] = [
+    ("READV", opcode::Readv::CODE),
+    ("WRITEV", opcode::Writev::CODE),
+    ("ACCEPT", opcode::Accept::CODE),
+    ("READ", opcode::Read::CODE),
+    ("ASYNC_CANCEL", opcode::AsyncCancel::CODE),
+];
+
+static TUNED_SETUP_REFUSED: AtomicBool = AtomicBool::new(false);
+static FIXED_BUFFERS_REFUSED: AtomicBool = AtomicBool::new(false);
+
+fn user_data(kind: u64, slot: usize, generation: u32) -> u64 {
+    debug_assert!(slot <= NO_SLOT);
+    kind | (((slot as u64) << KIND_BITS) & 0xFFFF_FFFF) | (u64::from(generation) << 32)
+}
+
+fn split_user_data(data: u64) -> (u64, usize, u32) {
+    (
+        data & ((1 << KIND_BITS) - 1),
+        ((data & 0xFFFF_FFFF) >> KIND_BITS) as usize,
+        (data >> 32) as u32,
+    )
+}
+
+/// Whether this process can run the io_uring driver: `kernel.io_uring_disabled` is not 2, a
+/// ring can be created, it supports the wait timeout (`IORING_FEAT_EXT_ARG`, Linux 5.11) and
+/// every opcode the driver uses. The error says what is missing. Probed once per process.
+pub fn probe() -> Result<(), String> {
+    static PROBED: OnceLock<Result<(), String>> = OnceLock::new();
+    PROBED.get_or_init(probe_now).clone()
+}
+
+fn probe_now() -> Result<(), String> {
+    let sysctl = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .ok()
+        .map(|s| s.trim().to_owned());
+    if sysctl.as_deref() == Some("2") {
+        return Err("kernel.io_uring_disabled = 2 (io_uring is off for every process)".into());
+    }
+    let ring = IoUring::new(8).map_err(|error| {
+        let hint = match (error.raw_os_error(), sysctl.as_deref()) {
+            (Some(libc::EPERM), Some("1")) => {
+                " (kernel.io_uring_disabled = 1: only privileged processes or kernel.io_uring_group)"
+            }
+            (Some(libc::EPERM), _) => " (blocked, e.g. by a seccomp profile)",
+            (Some(libc::ENOSYS), _) => " (kernel without io_uring, or a sandbox hiding it)",
+            (Some(libc::ENOMEM), _) => " (locked-memory limit)",
+            _ => "",
+        };
+        format!("creating a ring failed: {error}{hint}")
+    })?;
+    if !ring.params().is_feature_ext_arg() {
+        return Err("the kernel lacks IORING_FEAT_EXT_ARG (wait timeouts, Linux 5.11)".into());
+    }
+    let mut probe = Probe::new();
+    ring.submitter()
+        .register_probe(&mut probe)
+        .map_err(|error| format!("probing opcodes failed: {error}"))?;
+    let missing: Vec<&str> = REQUIRED
+        .iter()
+        .filter(|(_, code)| !probe.is_supported(*code))
+        .map(|(name, _)| *name)
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!("unsupported opcodes: {}", missing.join(", ")));
+    }
+    Ok(())
+}
+
+/// A ring with SINGLE_ISSUER and DEFER_TASKRUN when the kernel takes them, else a plain one.
+/// Must be built on the thread that submits (SINGLE_ISSUER binds the ring to it).
+fn build_ring() -> io::Result<IoUring> {
+    let tuned = IoUring::builder()
+        .setup_cqsize(CQ_ENTRIES)
+        .setup_submit_all()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(SQ_ENTRIES);
+    match tuned {
+        Ok(ring) => Ok(ring),
+        Err(error) => {
+            if !TUNED_SETUP_REFUSED.swap(true, Ordering::Relaxed) {
+                tracing::info!(
+                    %error,
+                    "io_uring: SINGLE_ISSUER/DEFER_TASKRUN ring setup refused; using plain setup"
+                );
+            }
+            IoUring::builder()
+                .setup_cqsize(CQ_ENTRIES)
+                .build(SQ_ENTRIES)
+                .or_else(|_| IoUring::new(SQ_ENTRIES))
+        }
+    }
+}
+
+/// A blocking eventfd (a read armed on it waits in the ring, never spins on EAGAIN).
+fn eventfd() -> io::Result<File> {
+    // SAFETY: plain FFI call without pointer arguments.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by eventfd(2), is open, and nothing else owns it.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+type WakeFn = Box<dyn Fn() + Send + Sync>;
+
+/// A running io_uring I/O thread.
+pub struct UringDriver {
+    commands: Arc<ArrayQueue<Command>>,
+    waker: Arc<IoWaker<WakeFn>>,
+    thread: Option<thread::JoinHandle<()>>,
+    local_addr: SocketAddr,
+}
+
+impl std::fmt::Debug for UringDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringDriver")
+            .field("local_addr", &self.local_addr)
+            .finish()
+    }
+}
+
+impl UringDriver {
+    /// Binds `bind`, creates the ring on a new I/O thread and serves `manager`'s partitions.
+    /// Fails when the listener or the ring cannot be set up.
+    pub fn start(
+        bind: SocketAddr,
+        config: DriverConfig,
+        manager: Arc<PartitionManager>,
+    ) -> io::Result<Self> {
+        let listener = TcpListener::bind(bind)?;
+        let local_addr = listener.local_addr()?;
+        let wake_file = Arc::new(eventfd()?);
+        let writer = wake_file.clone();
+        let waker: Arc<IoWaker<WakeFn>> = Arc::new(IoWaker {
+            parked: AtomicBool::new(false),
+            wake: Box::new(move || {
+                // A failed wake leaves the thread to its bounded park.
+                let _ = (&*writer).write(&1u64.to_ne_bytes());
+            }),
+        });
+        let commands = Arc::new(ArrayQueue::new(4096));
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let thread = {
+            let commands = commands.clone();
+            let waker = waker.clone();
+            thread::Builder::new()
+                .name("fluxgate-io-uring".into())
+                .spawn(move || {
+                    let ring = match build_ring() {
+                        Ok(ring) => ring,
+                        Err(error) => {
+                            let _ = ready_tx.send(Err(error));
+                            return;
+                        }
+                    };
+                    let mut io_loop =
+                        Loop::new(ring, listener, wake_file, commands, waker, config, manager);
+                    io_loop.register_arenas();
+                    let _ = ready_tx.send(Ok(()));
+                    io_loop.run();
+                })?
+        };
+        let started = ready_rx
+            .recv()
+            .unwrap_or_else(|_| Err(io::Error::other("the io_uring thread ended while starting")));
+        if let Err(error) = started {
+            let _ = thread.join();
+            return Err(error);
+        }
+        Ok(Self {
+            commands,
+            waker,
+            thread: Some(thread),
+            local_addr,
+        })
+    }
+
+    /// The address the server listens on (port 0 resolved).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
+    pub(crate) fn submit(&self, mut command: Command) {
+        // Bounded: the I/O thread drains the queue every loop turn.
+        for _ in 0..10_000 {
+            match self.commands.push(command) {
+                Ok(()) => break,
+                Err(back) => {
+                    command = back;
+                    self.wake();
+                    thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        self.wake();
+    }
+
+    fn wake(&self) {
+        (self.waker.wake)();
+    }
+}
+
+impl Drop for UringDriver {
+    fn drop(&mut self) {
+        self.submit(Command::Shutdown);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A connection and everything its in-flight operations point into. Boxed: never moves.
+struct Conn {
+    stream: TcpStream,
+    connection: Connection,
+    peer: Option<(SocketAddr, usize)>,
+    generation: u32,
+    /// A read is in flight into `read_iov`.
+    reading: bool,
+    read_iov: [libc::iovec; 2],
+    read_destination_len: usize,
+    /// A write is in flight from `write_iov`.
+    writing: bool,
+    write_iov: Vec<libc::iovec>,
+    /// Bytes the write in flight asked for.
+    write_len: usize,
+    /// Copies of the bytes of the write in flight that are not in the network memory.
+    staging: Vec<u8>,
+    /// No more reads (the state machine failed or the connection closes).
+    stop_reading: bool,
+    /// A protocol error: close once the queued error response is written (one attempt).
+    close_after_write: bool,
+    /// Closing: `on_lost(reason)` and the socket's close wait for the operations in flight.
+    closing: Option<String>,
+    cancelled: bool,
+}
+
+impl Conn {
+    fn idle(&self) -> bool {
+        !self.reading && !self.writing
+    }
+}
+
+struct Loop {
+    // Dropped first: the kernel lets go of the registered arenas before `config.network`
+    // (which keeps them mapped) may unmap them.
+    ring: IoUring,
+    listener: TcpListener,
+    accept_armed: bool,
+    accept_paused_until: Option<Instant>,
+    wake_file: Arc<File>,
+    /// Where the armed eventfd read puts the counter (never read by us).
+    wake_buf: Box<[u8; 8]>,
+    wake_armed: bool,
+    conns: Vec<Option<Box<Conn>>>,
+    free_slots: Vec<usize>,
+    next_generation: u32,
+    /// Outgoing connections by (peer, connection index).
+    peers: HashMap<(SocketAddr, usize), usize>,
+    /// Reads, writes, the accept and the eventfd read submitted and not completed.
+    in_flight: usize,
+    commands: Arc<ArrayQueue<Command>>,
+    waker: Arc<IoWaker<WakeFn>>,
+    std_waker: Waker,
+    config: DriverConfig,
+    manager: Arc<PartitionManager>,
+    /// The network memory's arenas as (start address, length); a slice inside one is segment
+    /// bytes held by the outbound queue, written in place.
+    arenas: Vec<(usize, usize)>,
+    /// The arenas (of `config.network`) are registered as fixed buffers (buffer index =
+    /// arena index).
+    fixed: bool,
+    /// Reused storage for `write_slices` (empty between uses).
+    slice_scratch: Vec<IoSlice<'static>>,
+    /// Reused storage for reaped completions.
+    cqe_scratch: Vec<(u64, i32)>,
+    shutting_down: bool,
+    stats: Stats,
+}
+
+/// Operation counts of one loop, logged at shutdown (debug).
+#[derive(Debug, Default)]
+struct Stats {
+    enters: u64,
+    reads: u64,
+    writes: u64,
+    fixed_writes: u64,
+    short_writes: u64,
+    copied_bytes: u64,
+}
+
+impl Drop for Loop {
+    /// After a panic (or an undrained shutdown) operations may still be in flight: their
+    /// memory is leaked rather than freed under the kernel. The ring (dropped right after)
+    /// cancels them.
+    fn drop(&mut self) {
+        if self.in_flight == 0 {
+            return;
+        }
+        for conn in self.conns.iter_mut() {
+            if conn.as_ref().is_some_and(|c| !c.idle()) {
+                std::mem::forget(conn.take());
+            }
+        }
+        if self.wake_armed {
+            std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new([0; 8])));
+        }
+    }
+}
+
+impl Loop {
+    fn new(
+        ring: IoUring,
+        listener: TcpListener,
+        wake_file: Arc<File>,
+        commands: Arc<ArrayQueue<Command>>,
+        waker: Arc<IoWaker<WakeFn>>,
+        config: DriverConfig,
+        manager: Arc<PartitionManager>,
+    ) -> Self {
+        let arenas = config
+            .network
+            .as_ref()
+            .map(|n| {
+                n.arenas()
+                    .iter()
+                    .map(|a| (a.base as usize, a.len))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            ring,
+            listener,
+            accept_armed: false,
+            accept_paused_until: None,
+            wake_file,
+            wake_buf: Box::new([0; 8]),
+            wake_armed: false,
+            conns: Vec::new(),
+            free_slots: Vec::new(),
+            next_generation: 0,
+            peers: HashMap::new(),
+            in_flight: 0,
+            commands,
+            std_waker: Waker::from(waker.clone()),
+            waker,
+            config,
+            manager,
+            arenas,
+            fixed: false,
+            slice_scratch: Vec::with_capacity(MAX_SLICES),
+            cqe_scratch: Vec::with_capacity(CQ_ENTRIES as usize),
+            shutting_down: false,
+            stats: Stats::default(),
+        }
+    }
+
+    /// Registers the network memory's arenas as fixed buffers (single-slice writes from a
+    /// segment then use `WriteFixed`). Failure (e.g. the locked-memory limit) is logged once
+    /// per process and changes nothing else.
+    fn register_arenas(&mut self) {
+        if self.arenas.is_empty() || self.arenas.len() > usize::from(u16::MAX) {
+            return;
+        }
+        let mut probe = Probe::new();
+        if self.ring.submitter().register_probe(&mut probe).is_err()
+            || !probe.is_supported(opcode::WriteFixed::CODE)
+        {
+            return;
+        }
+        let iovecs: Vec<libc::iovec> = self
+            .arenas
+            .iter()
+            .map(|&(base, len)| libc::iovec {
+                iov_base: base as *mut libc::c_void,
+                iov_len: len,
+            })
+            .collect();
+        // SAFETY: the arenas are mappings of `self.config.network`, which this loop holds until
+        // after the ring is dropped (field order), so they stay valid while registered.
+        match unsafe { self.ring.submitter().register_buffers(&iovecs) } {
+            Ok(()) => {
+                self.fixed = true;
+                tracing::debug!(arenas = iovecs.len(), "io_uring: network memory registered");
+            }
+            Err(error) => {
+                if !FIXED_BUFFERS_REFUSED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        %error,
+                        "io_uring: registering the network memory as fixed buffers failed; \
+                         using non-fixed writes"
+                    );
+                }
+            }
+        }
+    }
+
+    fn run(&mut self) {
+        loop {
+            if !self.drain_commands() {
+                break;
+            }
+            let now = Instant::now();
+            for slot in 0..self.conns.len() {
+                self.pump(slot, now);
+            }
+            self.arm_listener_and_wake(now);
+            // Park: announce it, then look once more for work that raced the announcement.
+            self.waker.parked.store(true, Ordering::SeqCst);
+            let mut busy = !self.commands.is_empty();
+            for conn in self.conns.iter().flatten() {
+                if conn.closing.is_none() {
+                    busy |=
+                        conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
+                }
+            }
+            let timeout = if busy {
+                Duration::ZERO
+            } else {
+                self.next_timeout(now)
+            };
+            let entered = self.enter(timeout);
+            self.waker.parked.store(false, Ordering::SeqCst);
+            if let Err(error) = entered {
+                tracing::error!(%error, "io_uring_enter failed; the I/O thread stops");
+                break;
+            }
+            self.reap(Instant::now());
+        }
+        self.shutdown();
+    }
+
+    /// Submits everything queued and waits up to `timeout` for a completion.
+    fn enter(&mut self, timeout: Duration) -> io::Result<()> {
+        self.stats.enters += 1;
+        let timespec = types::Timespec::from(timeout);
+        let args = types::SubmitArgs::new().timespec(&timespec);
+        match self.ring.submitter().submit_with_args(1, &args) {
+            Ok(_) => Ok(()),
+            Err(error)
+                if matches!(
+                    error.raw_os_error(),
+                    Some(libc::ETIME | libc::EINTR | libc::EBUSY | libc::EAGAIN)
+                ) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    fn reap(&mut self, now: Instant) {
+        let mut cqes = std::mem::take(&mut self.cqe_scratch);
+        cqes.extend(
+            self.ring
+                .completion()
+                .map(|cqe| (cqe.user_data(), cqe.result())),
+        );
+        for &(data, result) in &cqes {
+            self.complete(data, result, now);
+        }
+        cqes.clear();
+        self.cqe_scratch = cqes;
+    }
+
+    fn next_timeout(&self, now: Instant) -> Duration {
+        self.conns
+            .iter()
+            .flatten()
+            .filter(|c| c.closing.is_none())
+            .filter_map(|c| c.connection.poll_timeout())
+            .chain(self.accept_paused_until)
+            .min()
+            .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
+            .min(MAX_PARK)
+    }
+
+    /// Queues a submission; flushes the queue to the kernel when it is full. False when the
+    /// entry could not be queued (it is then not in flight).
+    ///
+    /// # Safety
+    ///
+    /// Every buffer and iovec `entry` points to must stay valid (and not be accessed through
+    /// Rust references in a conflicting way) until its completion has been reaped.
+    unsafe fn push(&mut self, entry: &squeue::Entry) -> bool {
+        for _ in 0..2 {
+            // SAFETY: forwarded to the caller.
+            if unsafe { self.ring.submission().push(entry) }.is_ok() {
+                return true;
+            }
+            if let Err(error) = self.ring.submit() {
+                tracing::warn!(%error, "io_uring: flushing a full submission queue failed");
+                return false;
+            }
+        }
+        false
+    }
+
+    fn arm_listener_and_wake(&mut self, now: Instant) {
+        if !self.accept_armed && self.accept_paused_until.is_none_or(|until| now >= until) {
+            self.accept_paused_until = None;
+            let entry = opcode::Accept::new(
+                types::Fd(self.listener.as_raw_fd()),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+            .flags(libc::SOCK_CLOEXEC)
+            .build()
+            .user_data(user_data(ACCEPT, NO_SLOT, 0));
+            // SAFETY: no address buffer is passed; the listener stays open while the loop
+            // lives, and shutdown cancels this accept and waits for it.
+            if unsafe { self.push(&entry) } {
+                self.accept_armed = true;
+                self.in_flight += 1;
+            }
+        }
+        if !self.wake_armed {
+            let entry = opcode::Read::new(
+                types::Fd(self.wake_file.as_raw_fd()),
+                self.wake_buf.as_mut_ptr(),
+                8,
+            )
+            .build()
+            .user_data(user_data(WAKE, NO_SLOT, 0));
+            // SAFETY: `wake_buf` is a box owned by the loop and never read or written by Rust
+            // code; shutdown cancels this read and waits for it (or leaks the box).
+            if unsafe { self.push(&entry) } {
+                self.wake_armed = true;
+                self.in_flight += 1;
+            }
+        }
+    }
+
+    /// Returns false on shutdown.
+    fn drain_commands(&mut self) -> bool {
+        while let Some(command) = self.commands.pop() {
+            match command {
+                Command::Shutdown => return false,
+                Command::Dump(reply) => {
+                    let mut out = String::new();
+                    for (slot, conn) in self.conns.iter().enumerate() {
+                        if let Some(conn) = conn {
+                            conn.connection.describe(&slot, &mut out);
+                        }
+                    }
+                    let _ = reply.send(out);
+                }
+                Command::Connect {
+                    peer,
+                    connection_index,
+                    channel,
+                } => self.connect_channel(peer, connection_index, channel),
+            }
+        }
+        true
+    }
+
+    fn live(&self, slot: usize) -> Option<&Conn> {
+        self.conns
+            .get(slot)?
+            .as_deref()
+            .filter(|c| c.closing.is_none())
+    }
+
+    fn connect_channel(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        channel: Arc<crate::gate::RemoteChannelShared>,
+    ) {
+        let slot = match self.peers.get(&(peer, index)) {
+            Some(&slot) if self.live(slot).is_some() => slot,
+            _ => match self.open(peer, index) {
+                Ok(slot) => slot,
+                Err(error) => {
+                    channel.fail(crate::gate::GateError::Transport {
+                        channel: channel.channel(),
+                        reason: format!("connecting to {peer} failed: {error}"),
+                    });
+                    return;
+                }
+            },
+        };
+        let conn = self.conns[slot].as_mut().expect("just looked up");
+        let Side::Client(client) = &mut conn.connection.side else {
+            unreachable!("peer map holds client connections only");
+        };
+        let attach = |listener| channel.attach(listener);
+        if let Err(error) = client.register(channel.clone(), attach) {
+            channel.fail(crate::gate::GateError::Transport {
+                channel: channel.channel(),
+                reason: format!("connection to {peer} has no room: {error}"),
+            });
+        }
+    }
+
+    fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<usize> {
+        // Blocking socket: io_uring polls it itself.
+        let stream = TcpStream::connect_timeout(&peer, self.config.connect_timeout)?;
+        stream.set_nodelay(true)?;
+        let client = ClientConnection::new(
+            self.config.node,
+            self.config.max_channels_per_connection,
+            self.config.segment_size,
+        );
+        let slot = self.add(stream, Side::Client(client), Some((peer, index)));
+        self.peers.insert((peer, index), slot);
+        tracing::debug!(%peer, index, "connection opened");
+        Ok(slot)
+    }
+
+    fn add(&mut self, stream: TcpStream, side: Side, peer: Option<(SocketAddr, usize)>) -> usize {
+        // Generation 0 is never a connection's.
+        self.next_generation = self.next_generation.wrapping_add(1).max(1);
+        let conn = Box::new(Conn {
+            stream,
+            connection: Connection::new(side),
+            peer,
+            generation: self.next_generation,
+            reading: false,
+            read_iov: [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 2],
+            read_destination_len: 0,
+            writing: false,
+            write_iov: Vec::with_capacity(MAX_SLICES),
+            write_len: 0,
+            staging: Vec::with_capacity(STAGING),
+            stop_reading: false,
+            close_after_write: false,
+            closing: None,
+            cancelled: false,
+        });
+        match self.free_slots.pop() {
+            Some(slot) => {
+                self.conns[slot] = Some(conn);
+                slot
+            }
+            None => {
+                self.conns.push(Some(conn));
+                self.conns.len() - 1
+            }
+        }
+    }
+
+    /// One connection's turn: collect what to send, keep a write and a read in flight, close
+    /// when done.
+    fn pump(&mut self, slot: usize, now: Instant) {
+        let Some(conn) = self.conns.get_mut(slot).and_then(|c| c.as_deref_mut()) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            self.cancel(slot);
+            self.finish_close(slot);
+            return;
+        }
+        if !conn.close_after_write {
+            conn.connection.poll_transmit(now);
+        }
+        if !conn.writing && conn.connection.wants_write() {
+            self.submit_write(slot);
+        }
+        let conn = self.conns[slot].as_deref_mut().expect("present");
+        if !conn.reading && !conn.stop_reading {
+            self.submit_read(slot);
+        }
+        let conn = self.conns[slot].as_deref_mut().expect("present");
+        if !conn.writing
+            && !conn.connection.wants_write()
+            && (conn.close_after_write || conn.connection.is_closing())
+        {
+            self.begin_close(slot, "connection closed".into());
+        }
+    }
+
+    fn submit_read(&mut self, slot: usize) {
+        let conn = self.conns[slot].as_deref_mut().expect("present");
+        let (destination, ahead) = conn.connection.read_targets();
+        conn.read_destination_len = destination.len();
+        conn.read_iov = [
+            libc::iovec {
+                iov_base: destination.as_mut_ptr().cast(),
+                iov_len: destination.len(),
+            },
+            libc::iovec {
+                iov_base: ahead.as_mut_ptr().cast(),
+                iov_len: ahead.len(),
+            },
+        ];
+        let entry = opcode::Readv::new(
+            types::Fd(conn.stream.as_raw_fd()),
+            conn.read_iov.as_ptr(),
+            2,
+        )
+        .build()
+        .user_data(user_data(READ, slot, conn.generation));
+        // SAFETY: `read_iov` lives in the boxed `Conn`, which is neither moved nor dropped
+        // before this read's completion (`finish_close` and shutdown wait for `reading` to
+        // clear). The iovecs point at the state machine's read buffer and read-ahead area;
+        // the state machine changes or frees them only in `on_read` / `on_lost` (and drop),
+        // which run only after the completion, and nothing reads or writes those bytes
+        // meanwhile. The socket stays open until then too.
+        if unsafe { self.push(&entry) } {
+            let conn = self.conns[slot].as_deref_mut().expect("present");
+            conn.reading = true;
+            self.in_flight += 1;
+            self.stats.reads += 1;
+        }
+    }
+
+    fn submit_write(&mut self, slot: usize) {
+        let arenas = &self.arenas;
+        let fixed = self.fixed;
+        let conn = self.conns[slot].as_deref_mut().expect("present");
+        let Conn {
+            stream,
+            connection,
+            write_iov,
+            staging,
+            generation,
+            ..
+        } = conn;
+        write_iov.clear();
+        staging.clear();
+        // Reuse the scratch allocation for this borrow's slices (an empty vector's storage
+        // carries over: same element layout, collected in place).
+        let mut slices: Vec<IoSlice<'_>> = std::mem::take(&mut self.slice_scratch)
+            .into_iter()
+            .map(|_| unreachable!("the scratch is empty"))
+            .collect();
+        connection.write_slices(&mut slices, MAX_SLICES);
+        let mut fixed_index = None;
+        for slice in &slices {
+            let start = slice.as_ptr() as usize;
+            let arena = arenas
+                .iter()
+                .position(|&(base, len)| start >= base && start + slice.len() <= base + len);
+            if arena.is_some() {
+                // Segment bytes: held by the outbound queue until `on_written`.
+                write_iov.push(libc::iovec {
+                    iov_base: slice.as_ptr() as *mut libc::c_void,
+                    iov_len: slice.len(),
+                });
+                fixed_index = arena;
+                continue;
+            }
+            // Control bytes (or memory we cannot vouch for): copy; the staging area never
+            // grows past its capacity, so earlier copies do not move.
+            let take = slice.len().min(STAGING - staging.len());
+            if take == 0 {
+                break;
+            }
+            let at = staging.len();
+            staging.extend_from_slice(&slice[..take]);
+            write_iov.push(libc::iovec {
+                iov_base: staging.as_ptr().wrapping_add(at) as *mut libc::c_void,
+                iov_len: take,
+            });
+            if take < slice.len() {
+                break;
+            }
+        }
+        slices.clear();
+        self.slice_scratch = slices
+            .into_iter()
+            .map(|_| unreachable!("cleared"))
+            .collect();
+        if write_iov.is_empty() {
+            return;
+        }
+        let requested: usize = write_iov.iter().map(|v| v.iov_len).sum();
+        let fd = types::Fd(stream.as_raw_fd());
+        let data = user_data(WRITE, slot, *generation);
+        self.stats.copied_bytes += staging.len() as u64;
+        let use_fixed = fixed && fixed_index.is_some() && write_iov.len() == 1;
+        self.stats.fixed_writes += u64::from(use_fixed);
+        let entry = match (fixed, fixed_index, write_iov.as_slice()) {
+            (true, Some(index), [only]) => opcode::WriteFixed::new(
+                fd,
+                only.iov_base as *const u8,
+                only.iov_len as u32,
+                index as u16,
+            )
+            .build(),
+            _ => opcode::Writev::new(fd, write_iov.as_ptr(), write_iov.len() as u32).build(),
+        }
+        .user_data(data);
+        connection.begin_write();
+        // SAFETY: `write_iov` and `staging` live in the boxed `Conn` (never moved or dropped
+        // before this write's completion) and are not touched until then; `staging` was
+        // reserved with STAGING bytes and never grows beyond, so no pointer into it moves.
+        // The other iovecs point into segments of the network memory held by the outbound
+        // queue, which keeps them (even across a failure) until `on_written`, called only
+        // after the completion; those bytes are never written while leased. A fixed write's
+        // range lies inside registered arena `index`.
+        if unsafe { self.push(&entry) } {
+            let conn = self.conns[slot].as_deref_mut().expect("present");
+            conn.writing = true;
+            conn.write_len = requested;
+            self.in_flight += 1;
+            self.stats.writes += 1;
+        } else {
+            // Not submitted: end the write the outbound queue was told about.
+            let conn = self.conns[slot].as_deref_mut().expect("present");
+            conn.connection.on_written(0);
+        }
+    }
+
+    fn complete(&mut self, data: u64, result: i32, now: Instant) {
+        let (kind, slot, generation) = split_user_data(data);
+        match kind {
+            ACCEPT => self.on_accept(result, now),
+            WAKE => {
+                self.wake_armed = false;
+                self.in_flight -= 1;
+                if result < 0 && !matches!(-result, libc::EINTR | libc::ECANCELED) {
+                    tracing::warn!(
+                        error = %io::Error::from_raw_os_error(-result),
+                        "io_uring: eventfd read failed"
+                    );
+                }
+            }
+            CANCEL => {
+                // The target is running and cannot be cancelled: shut the socket down so it
+                // ends promptly.
+                if result == -libc::EALREADY {
+                    if let Some(conn) = self.slot_of(slot, generation) {
+                        let _ = conn.stream.shutdown(Shutdown::Both);
+                    }
+                }
+            }
+            READ => {
+                if self.slot_of(slot, generation).is_none() {
+                    tracing::error!(slot, "io_uring: read completion for a gone connection");
+                    return;
+                }
+                self.in_flight -= 1;
+                self.on_read(slot, result, now);
+            }
+            WRITE => {
+                if self.slot_of(slot, generation).is_none() {
+                    tracing::error!(slot, "io_uring: write completion for a gone connection");
+                    return;
+                }
+                self.in_flight -= 1;
+                self.on_write(slot, result);
+            }
+            _ => unreachable!("unknown operation kind {kind}"),
+        }
+    }
+
+    fn slot_of(&mut self, slot: usize, generation: u32) -> Option<&mut Conn> {
+        self.conns
+            .get_mut(slot)?
+            .as_deref_mut()
+            .filter(|c| c.generation == generation)
+    }
+
+    fn on_accept(&mut self, result: i32, now: Instant) {
+        self.accept_armed = false;
+        self.in_flight -= 1;
+        if result >= 0 {
+            // SAFETY: the accept returned a new descriptor that nothing else owns.
+            let stream = unsafe { TcpStream::from_raw_fd(result as RawFd) };
+            if self.shutting_down {
+                return;
+            }
+            let _ = stream.set_nodelay(true);
+            let server = ServerConnection::new(self.config.server.clone(), self.manager.clone());
+            self.add(stream, Side::Server(server), None);
+            return;
+        }
+        match -result {
+            libc::EINTR | libc::EAGAIN | libc::ECONNABORTED | libc::ECANCELED => {}
+            errno => {
+                tracing::warn!(error = %io::Error::from_raw_os_error(errno), "accept failed");
+                self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
+            }
+        }
+    }
+
+    fn on_read(&mut self, slot: usize, result: i32, now: Instant) {
+        let shutting_down = self.shutting_down;
+        let conn = self.conns[slot].as_deref_mut().expect("checked");
+        conn.reading = false;
+        if shutting_down {
+            return;
+        }
+        if conn.closing.is_some() {
+            // Whatever arrived goes with the connection.
+            self.finish_close(slot);
+            return;
+        }
+        match result {
+            0 => self.begin_close(slot, "connection closed by the peer".into()),
+            n if n > 0 => {
+                let destination_len = conn.read_destination_len;
+                if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
+                    tracing::warn!(%error, "protocol error; closing the connection");
+                    // Send the queued ErrorResponse if the socket takes it, then close.
+                    conn.stop_reading = true;
+                    conn.close_after_write = true;
+                }
+            }
+            _ => match -result {
+                libc::EINTR | libc::EAGAIN | libc::ECANCELED => {}
+                errno => self.begin_close(
+                    slot,
+                    format!("read failed: {}", io::Error::from_raw_os_error(errno)),
+                ),
+            },
+        }
+    }
+
+    fn on_write(&mut self, slot: usize, result: i32) {
+        let shutting_down = self.shutting_down;
+        let conn = self.conns[slot].as_deref_mut().expect("checked");
+        conn.writing = false;
+        conn.connection.on_written(result.max(0) as usize);
+        if shutting_down {
+            return;
+        }
+        if conn.closing.is_some() {
+            self.finish_close(slot);
+            return;
+        }
+        if conn.close_after_write {
+            self.begin_close(slot, "connection closed".into());
+            return;
+        }
+        match result {
+            0 => self.begin_close(slot, "write failed: nothing written".into()),
+            n if n > 0 => {
+                // The rest goes with the next write (pump).
+                self.stats.short_writes += u64::from((n as usize) < conn.write_len);
+            }
+            _ => match -result {
+                libc::EINTR | libc::EAGAIN | libc::ECANCELED => {}
+                errno => self.begin_close(
+                    slot,
+                    format!("write failed: {}", io::Error::from_raw_os_error(errno)),
+                ),
+            },
+        }
+    }
+
+    /// Starts closing: no new operations, those in flight are cancelled; `finish_close` ends
+    /// it once they completed.
+    fn begin_close(&mut self, slot: usize, reason: String) {
+        let Some(conn) = self.conns[slot].as_deref_mut() else {
+            return;
+        };
+        if conn.closing.is_some() {
+            return;
+        }
+        conn.closing = Some(reason);
+        conn.stop_reading = true;
+        if let Some(peer) = conn.peer {
+            if self.peers.get(&peer) == Some(&slot) {
+                self.peers.remove(&peer);
+            }
+        }
+        self.cancel(slot);
+        self.finish_close(slot);
+    }
+
+    /// Asks the kernel to cancel the connection's operations in flight (once).
+    fn cancel(&mut self, slot: usize) {
+        let conn = self.conns[slot].as_deref_mut().expect("present");
+        if conn.cancelled || conn.idle() {
+            return;
+        }
+        let generation = conn.generation;
+        let targets = [
+            (conn.reading, user_data(READ, slot, generation)),
+            (conn.writing, user_data(WRITE, slot, generation)),
+        ];
+        let mut all = true;
+        for (in_flight, target) in targets {
+            if in_flight {
+                let entry = opcode::AsyncCancel::new(target)
+                    .build()
+                    .user_data(user_data(CANCEL, slot, generation));
+                // SAFETY: a cancellation references no memory.
+                all &= unsafe { self.push(&entry) };
+            }
+        }
+        // Not queued: `pump` tries again next turn.
+        self.conns[slot].as_deref_mut().expect("present").cancelled = all;
+    }
+
+    /// Ends a closing connection once nothing is in flight: channels fail, views are released,
+    /// the socket closes.
+    fn finish_close(&mut self, slot: usize) {
+        let ready = self.conns[slot]
+            .as_deref()
+            .is_some_and(|c| c.closing.is_some() && c.idle());
+        if !ready {
+            return;
+        }
+        let mut conn = self.conns[slot].take().expect("present");
+        self.free_slots.push(slot);
+        let reason = conn.closing.take().unwrap_or_default();
+        conn.connection.on_lost(&reason);
+        tracing::debug!(slot, %reason, "connection closed");
+        // Dropping closes the socket.
+    }
+
+    /// Cancels everything in flight, waits (bounded) for the completions, then drops the
+    /// connections (their channels fail, their views are released).
+    fn shutdown(&mut self) {
+        self.shutting_down = true;
+        for slot in 0..self.conns.len() {
+            if self.conns[slot].is_some() {
+                self.cancel(slot);
+            }
+        }
+        for (armed, target) in [
+            (self.accept_armed, user_data(ACCEPT, NO_SLOT, 0)),
+            (self.wake_armed, user_data(WAKE, NO_SLOT, 0)),
+        ] {
+            if armed {
+                let entry = opcode::AsyncCancel::new(target)
+                    .build()
+                    .user_data(user_data(CANCEL, NO_SLOT, 0));
+                // SAFETY: a cancellation references no memory.
+                unsafe { self.push(&entry) };
+            }
+        }
+        let deadline = Instant::now() + SHUTDOWN_DRAIN;
+        while self.in_flight > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            if let Err(error) = self.enter((deadline - now).min(MAX_PARK)) {
+                tracing::error!(%error, "io_uring_enter failed during shutdown");
+                break;
+            }
+            self.reap(Instant::now());
+        }
+        if self.in_flight > 0 {
+            tracing::error!(
+                in_flight = self.in_flight,
+                "io_uring operations did not complete on shutdown; leaking their memory"
+            );
+            // `Drop` leaks what is still in flight.
+            return;
+        }
+        tracing::debug!(stats = ?self.stats, "io_uring I/O thread ends");
+        // Shutdown: dropping the connections fails their channels and releases their views.
+        self.conns.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_data_carries_kind_slot_and_generation() {
+        for (kind, slot, generation) in [
+            (ACCEPT, NO_SLOT, 0),
+            (READ, 0, 1),
+            (WRITE, 12345, u32::MAX),
+            (CANCEL, NO_SLOT - 1, 7),
+        ] {
+            assert_eq!(
+                split_user_data(user_data(kind, slot, generation)),
+                (kind, slot, generation)
+            );
+        }
+    }
+}
