@@ -347,7 +347,18 @@ impl ClientConnection {
     /// Names the payload's destination before any payload byte is read: a segment the
     /// channel reserved when it granted credit (data), or an overdraft segment (events).
     fn begin_payload(&mut self, header: BufferResponseHeader) -> Result<(), ProtocolError> {
-        let slot = self.slot_of(header.receiver);
+        let mut slot = self.slot_of(header.receiver);
+        // A channel whose gate was released may still receive what was in flight: it leaves
+        // now, and the payload is discarded like one for a channel already gone, without
+        // failing the connection's other channels.
+        if let Some(released) = slot.filter(|&s| {
+            self.channels[s]
+                .as_ref()
+                .is_some_and(|c| c.shared.is_released())
+        }) {
+            self.channels[released] = None;
+            slot = None;
+        }
         let builder = match slot.and_then(|s| self.channels[s].as_ref()) {
             None => {
                 // A channel already gone: discard the payload, tell the producer to stop.

@@ -191,6 +191,30 @@ impl Outbound {
     }
 }
 
+impl Outbound {
+    /// Like [`clear`](Self::clear), but a frame already partly written stays, so the stream
+    /// stays framed for whatever is queued after it (an ErrorResponse before closing).
+    pub(crate) fn clear_keeping_partial(&mut self) {
+        if self.write_in_flight || self.written_in_first == 0 {
+            self.clear();
+            return;
+        }
+        let first = self.frames.pop_front().expect("a partly written frame");
+        let control_len = match &first {
+            OutFrame::Control { len } => *len,
+            OutFrame::Buffer { header_len, .. } => *header_len,
+        };
+        let control: Vec<u8> =
+            self.control[self.control_read..self.control_read + control_len].to_vec();
+        let written = self.written_in_first;
+        self.clear();
+        self.control = control;
+        self.written_in_first = written;
+        self.queued_bytes = first.len() - written;
+        self.frames.push_back(first);
+    }
+}
+
 /// Pushes `bytes` minus what `skip` says was already written.
 fn push_from<'a>(out: &mut Vec<IoSlice<'a>>, bytes: &'a [u8], skip: &mut usize) {
     if *skip >= bytes.len() {

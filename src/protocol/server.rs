@@ -510,7 +510,7 @@ impl ServerConnection {
 
     fn fail(&mut self, error: &ProtocolError) {
         self.release_all();
-        self.outbound.clear();
+        self.outbound.clear_keeping_partial();
         let message = Message::ErrorResponse {
             receiver: None,
             kind: ErrorKind::Protocol,
