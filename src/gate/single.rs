@@ -239,6 +239,12 @@ impl SingleInputGate {
         }
     }
 
+    /// The priority-availability signal: a priority event (an unaligned barrier) is waiting;
+    /// the next read returns it ahead of any data.
+    pub fn priority_available(&self) -> bool {
+        self.queue.has_priority()
+    }
+
     /// The channel queue's state, for diagnosing stalls.
     pub fn debug_summary(&self) -> String {
         format!(
