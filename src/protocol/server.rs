@@ -204,9 +204,10 @@ impl ServerConnection {
         !self.outbound.is_empty()
     }
 
-    /// True when a reader may be able to send ([`poll_transmit`](Self::poll_transmit)).
+    /// True when a reader may be able to send ([`poll_transmit`](Self::poll_transmit)) and
+    /// the outbound queue has room for it; a full queue waits for the socket, not a busy loop.
     pub fn has_pending(&self) -> bool {
-        !self.ready.is_empty()
+        !self.ready.is_empty() && self.outbound.queued_bytes() < self.config.max_queued_bytes
     }
 
     /// True once the peer sent CloseRequest or an error closed the connection: write what is
