@@ -107,6 +107,8 @@ pub(crate) struct LocalPoolShared {
     starved: AtomicBool,
     /// Blocked threads plus pending async requests; recyclers wake only when non-zero.
     waiting: AtomicUsize,
+    /// A wake-up was sent and no waiter has looked since.
+    notified: AtomicBool,
     /// Total nanoseconds blocking requests waited (the writer's back-pressured time).
     blocked_nanos: AtomicU64,
     wait_lock: Mutex<()>,
@@ -137,6 +139,7 @@ impl LocalBufferPool {
             listeners: ArrayQueue::new(spec.max_listeners.max(1)),
             starved: AtomicBool::new(false),
             waiting: AtomicUsize::new(0),
+            notified: AtomicBool::new(false),
             blocked_nanos: AtomicU64::new(0),
             wait_lock: Mutex::new(()),
             wait_cond: Condvar::new(),
@@ -190,6 +193,7 @@ impl LocalBufferPool {
         loop {
             // Checked with the lock held: a recycler that pushes after this check must take
             // the lock to notify, so it cannot slip between the check and the wait.
+            shared.notified.store(false, Ordering::SeqCst);
             if let Some(builder) = self.try_builder(subpartition)? {
                 return Ok(builder);
             }
@@ -363,6 +367,7 @@ impl Future for RequestBuilder<'_> {
         }
         let shared = &self.pool.shared;
         shared.waker.register(cx.waker());
+        shared.notified.store(false, Ordering::SeqCst);
         if !self.registered {
             self.registered = true;
             shared.waiting.fetch_add(1, Ordering::SeqCst);
@@ -499,7 +504,9 @@ impl LocalPoolShared {
     }
 
     fn wake_waiters(&self) {
-        if self.waiting.load(Ordering::SeqCst) > 0 {
+        // One wake-up per wait: a burst of recycles (a whole `writev` of buffers) makes one
+        // futex call, not one each. A waiter clears `notified` before it looks again.
+        if self.waiting.load(Ordering::SeqCst) > 0 && !self.notified.swap(true, Ordering::SeqCst) {
             drop(self.wait_lock.lock().expect("not poisoned"));
             self.wait_cond.notify_all();
             self.waker.wake();

@@ -107,8 +107,9 @@ impl<W: Fn() + Send + Sync> Wake for IoWaker<W> {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        // Pairs with the SeqCst store of `parked` before the thread's last look for work.
-        if self.parked.load(Ordering::SeqCst) {
+        // Pairs with the SeqCst store of `parked` before the thread's last look for work. Only
+        // the first waker of a parked thread makes the syscall.
+        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
             (self.wake)();
         }
     }
