@@ -440,6 +440,28 @@ impl BufferBuilder {
         n
     }
 
+    /// Appends `[u32 big-endian length | bytes]` and publishes it: a whole record in one step.
+    /// The caller checked that it fits (`remaining() >= 4 + bytes.len()`).
+    #[inline]
+    pub fn append_framed(&mut self, bytes: &[u8]) {
+        let total = 4 + bytes.len();
+        assert!(
+            total <= self.remaining(),
+            "append_framed past the segment's end"
+        );
+        self.assert_writable();
+        let prefix = (bytes.len() as u32).to_be_bytes();
+        // SAFETY: `[position, position + total)` lies inside the payload (checked above), above
+        // every published byte, and this builder is the segment's only writer.
+        unsafe {
+            let dst = self.payload.as_ptr().add(self.position as usize);
+            dst.cast::<[u8; 4]>().write_unaligned(prefix);
+            copy_small(bytes.as_ptr(), dst.add(4), bytes.len());
+        }
+        self.position += total as u32;
+        self.commit();
+    }
+
     /// Appends and publishes in one step; returns the bytes taken.
     pub fn append_and_commit(&mut self, bytes: &[u8]) -> usize {
         let n = self.append(bytes);

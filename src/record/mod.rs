@@ -87,6 +87,12 @@ pub trait Record {
 
     /// Writes the record's bytes.
     fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError>;
+
+    /// The record's bytes when it already is one contiguous byte string: then a record that
+    /// fits the current segment is written with one bounds check and one copy.
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// The writing side handed to [`Record::encode`]: bytes go straight into segments.
@@ -136,6 +142,10 @@ where
         });
     }
     if let Some(builder) = sink.current_with_room(LENGTH_PREFIX + len) {
+        if let Some(bytes) = record.as_contiguous() {
+            builder.append_framed(bytes);
+            return Ok(());
+        }
         return write_record(record, len, &mut RoomyBuilder(builder));
     }
     write_record(record, len, sink)
@@ -180,6 +190,10 @@ impl Record for [u8] {
         self.len()
     }
 
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        Some(self)
+    }
+
     fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
         out.write(self)
     }
@@ -188,6 +202,10 @@ impl Record for [u8] {
 impl<const N: usize> Record for [u8; N] {
     fn encoded_len(&self) -> usize {
         N
+    }
+
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        Some(self)
     }
 
     fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
@@ -200,6 +218,10 @@ impl Record for Vec<u8> {
         self.len()
     }
 
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        Some(self)
+    }
+
     fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
         out.write(self)
     }
@@ -208,6 +230,10 @@ impl Record for Vec<u8> {
 impl Record for str {
     fn encoded_len(&self) -> usize {
         self.len()
+    }
+
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        Some(self.as_bytes())
     }
 
     fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
@@ -228,6 +254,10 @@ impl Record for u64 {
 impl<R: Record + ?Sized> Record for &R {
     fn encoded_len(&self) -> usize {
         (**self).encoded_len()
+    }
+
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        (**self).as_contiguous()
     }
 
     fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
