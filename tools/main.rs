@@ -2,6 +2,10 @@
 
 mod baseline;
 mod bench;
+mod cluster;
+mod node;
+mod stress;
+mod topology;
 
 use clap::{Parser, Subcommand};
 
@@ -17,6 +21,12 @@ struct Cli {
 enum Command {
     /// Measure throughput of the data path (the default command).
     Bench(bench::BenchArgs),
+    /// Run a topology on a loopback cluster of node processes and verify every record.
+    Cluster(cluster::ClusterArgs),
+    /// Run one node of a cluster (what `cluster` starts; or one per host with --peers).
+    Node(node::NodeArgs),
+    /// A bounded soak: many channels, random record sizes and buffer timeouts, barriers.
+    Stress(stress::StressArgs),
 }
 
 fn main() {
@@ -27,6 +37,9 @@ fn main() {
         .or(Cli::parse_from(["fluxgate", "bench"]).command);
     let result = match command {
         Some(Command::Bench(args)) => bench::run(&args),
+        Some(Command::Cluster(args)) => cluster::run(&args),
+        Some(Command::Node(args)) => node::run(&args),
+        Some(Command::Stress(args)) => stress::run(&args),
         None => unreachable!("`bench` parses to a command"),
     };
     if let Err(error) = result {

@@ -1,0 +1,915 @@
+//! `fluxgate cluster`: runs a topology on a loopback cluster of `fluxgate node` processes and
+//! verifies that every sink received exactly the records the topology implies.
+//!
+//! The cluster makes a temporary rendezvous directory, starts one `node` child per node (this
+//! executable), waits for all of them within the timeout (killing stragglers), reads their
+//! reports and checks:
+//!
+//! * every link (producer subtask → consumer subtask of an edge): what the consumer read equals
+//!   what the producer wrote, in count and checksum — a shortfall is a loss, an excess a
+//!   duplicate;
+//! * every sink stage: per generator subtask, the records received equal the records emitted
+//!   times the copies the topology makes (broadcast edges multiply, parallel paths add up);
+//! * what the subtasks found themselves: sequence numbers going back or repeating on a channel
+//!   (where the topology keeps a producer's order), corrupt payloads, records of a hash edge at
+//!   the wrong subtask, checkpoint barriers out of order.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use fluxgate::io::Transport;
+
+use crate::node::{node_file, Fault, NodeReport, ProgressLine, Tally};
+use crate::topology::{StageKind, Topology};
+
+/// Options of `fluxgate cluster`.
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  fluxgate cluster examples/topologies/three-node.toml
+  fluxgate cluster job.toml --timeout 60 --transport epoll --keep
+  fluxgate cluster job.toml --reports node-0.json node-1.json   # nodes run elsewhere
+
+The topology format is described in the README (section Tools) and in
+examples/topologies/three-node.toml.")]
+pub struct ClusterArgs {
+    /// The topology file (TOML).
+    #[arg(value_name = "TOPOLOGY.toml")]
+    pub topology: PathBuf,
+    /// Seconds the whole run may take; nodes still running then are killed.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+    /// auto | uring | epoll (overrides `[cluster] transport`).
+    #[arg(long)]
+    pub transport: Option<Transport>,
+    /// Seconds a consuming subtask may receive nothing before it reports a stall.
+    #[arg(long, default_value_t = 30.0)]
+    pub stall_timeout: f64,
+    /// Keep the rendezvous directory (node logs and reports) and print where it is.
+    #[arg(long)]
+    pub keep: bool,
+    /// Start nothing: verify the reports (stdout) of nodes run with `fluxgate node --peers`.
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    pub reports: Vec<PathBuf>,
+    /// Testing the verification: one damaged record (see `fluxgate node`).
+    #[arg(long, value_enum, hide = true)]
+    pub inject: Option<Fault>,
+}
+
+/// Runs `fluxgate cluster`.
+pub fn run(args: &ClusterArgs) -> Result<(), String> {
+    let topology = Topology::load(&args.topology)?;
+    let path = fs::canonicalize(&args.topology)
+        .map_err(|e| format!("cannot resolve `{}`: {e}", args.topology.display()))?;
+    if !args.reports.is_empty() {
+        return verify_reports(&topology, args);
+    }
+    let dir = TempDir::new(args.keep)?;
+    let launch = Launch {
+        topology_path: &path,
+        dir: dir.path(),
+        nodes: topology.nodes,
+        timeout: secs("timeout", args.timeout)?,
+        stall_timeout: args.stall_timeout,
+        transport: args.transport,
+        inject: args.inject,
+    };
+    println!(
+        "cluster: {} node{}, {} stages, {} edges, topology {}",
+        topology.nodes,
+        if topology.nodes == 1 { "" } else { "s" },
+        topology.stages.len(),
+        topology.edges.len(),
+        args.topology.display()
+    );
+    let edges: Vec<String> = topology
+        .edges
+        .iter()
+        .map(|e| {
+            format!(
+                "{} -{}-> {}",
+                topology.stages[e.from].name,
+                e.partitioner.name(),
+                topology.stages[e.to].name
+            )
+        })
+        .collect();
+    println!("edges:   {}", edges.join(", "));
+    let outcome = launch.run(&mut |_, _| {})?;
+    let verification = verify(&topology, &outcome);
+    print_summary(&topology, &outcome, &verification);
+    if args.keep {
+        println!("node logs and reports: {}", dir.path().display());
+    }
+    verification.verdict()
+}
+
+/// `--reports`: verifies the JSON lines of nodes run elsewhere (`fluxgate node --peers`).
+fn verify_reports(topology: &Topology, args: &ClusterArgs) -> Result<(), String> {
+    let mut reports: Vec<Option<NodeReport>> = vec![None; topology.nodes];
+    for path in &args.reports {
+        let text = fs::read_to_string(path)
+            .map_err(|e| format!("cannot read report `{}`: {e}", path.display()))?;
+        let mut found = false;
+        for line in text.lines().filter(|l| l.trim_start().starts_with('{')) {
+            let report: NodeReport = serde_json::from_str(line)
+                .map_err(|e| format!("report `{}`: not a node report: {e}", path.display()))?;
+            let index = report.node;
+            let slot = reports.get_mut(index).ok_or_else(|| {
+                format!(
+                    "report `{}`: node {index}, but the topology has {} nodes",
+                    path.display(),
+                    topology.nodes
+                )
+            })?;
+            if slot.is_some() {
+                return Err(format!("node {index} is reported twice"));
+            }
+            *slot = Some(report);
+            found = true;
+        }
+        if !found {
+            return Err(format!("report `{}` holds no node report", path.display()));
+        }
+    }
+    let elapsed = reports
+        .iter()
+        .flatten()
+        .map(|r| r.elapsed_ms)
+        .max()
+        .unwrap_or(0);
+    let outcome = Outcome {
+        nodes: reports
+            .into_iter()
+            .map(|report| NodeOutcome {
+                killed: report.is_none().then(|| "no report given".to_string()),
+                report,
+                status: None,
+                stderr_tail: String::new(),
+            })
+            .collect(),
+        elapsed: Duration::from_millis(elapsed),
+    };
+    let verification = verify(topology, &outcome);
+    print_summary(topology, &outcome, &verification);
+    verification.verdict()
+}
+
+pub(crate) fn secs(what: &str, value: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(value).map_err(|_| format!("--{what} {value}: not a duration"))
+}
+
+/// A directory under the system's temp dir, removed on drop unless kept.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl TempDir {
+    /// A new empty directory.
+    pub fn new(keep: bool) -> Result<Self, String> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = std::env::temp_dir().join(format!(
+            "fluxgate-cluster-{}-{nanos:09}",
+            std::process::id()
+        ));
+        fs::create_dir_all(&path)
+            .map_err(|e| format!("cannot create `{}`: {e}", path.display()))?;
+        Ok(Self { path, keep })
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// How one node process ended.
+#[derive(Debug)]
+pub struct NodeOutcome {
+    /// Its report, if it wrote one.
+    pub report: Option<NodeReport>,
+    /// Its exit status (None: killed by us).
+    pub status: Option<ExitStatus>,
+    /// Why it was killed.
+    pub killed: Option<String>,
+    /// The last lines it wrote to stderr.
+    pub stderr_tail: String,
+}
+
+/// What a cluster run produced.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Per node.
+    pub nodes: Vec<NodeOutcome>,
+    /// From the first spawn to the last exit.
+    pub elapsed: Duration,
+}
+
+/// Starting the node processes of a cluster.
+#[derive(Debug)]
+pub struct Launch<'a> {
+    /// The topology file the nodes read (absolute).
+    pub topology_path: &'a Path,
+    /// The rendezvous directory.
+    pub dir: &'a Path,
+    /// Node count.
+    pub nodes: usize,
+    /// The whole run's bound.
+    pub timeout: Duration,
+    /// Passed to the nodes.
+    pub stall_timeout: f64,
+    /// Passed to the nodes.
+    pub transport: Option<Transport>,
+    /// Passed to the nodes.
+    pub inject: Option<Fault>,
+}
+
+/// After the first node fails, how long the others may go on before they are killed.
+const FAILURE_GRACE: Duration = Duration::from_secs(5);
+
+impl Launch<'_> {
+    /// Spawns the nodes, waits for them (calling `tick` about once a second with the nodes'
+    /// progress), kills stragglers and collects the reports.
+    pub fn run(&self, tick: &mut dyn FnMut(Duration, &[ProgressLine])) -> Result<Outcome, String> {
+        let exe = std::env::current_exe()
+            .map_err(|e| format!("cannot find the fluxgate executable: {e}"))?;
+        let started = Instant::now();
+        let deadline = started + self.timeout;
+        let mut children: Vec<Option<Child>> = Vec::with_capacity(self.nodes);
+        for index in 0..self.nodes {
+            match self.spawn(&exe, index) {
+                Ok(child) => children.push(Some(child)),
+                Err(error) => {
+                    for child in children.iter_mut().flatten() {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        let mut statuses: Vec<Option<ExitStatus>> = vec![None; self.nodes];
+        let mut killed: Vec<Option<String>> = vec![None; self.nodes];
+        let mut first_failure: Option<(usize, Instant)> = None;
+        let mut next_tick = started + Duration::from_secs(1);
+        loop {
+            let now = Instant::now();
+            for (index, slot) in children.iter_mut().enumerate() {
+                let Some(child) = slot else { continue };
+                match child.try_wait() {
+                    Ok(Some(status)) => {
+                        statuses[index] = Some(status);
+                        *slot = None;
+                        if !status.success() && first_failure.is_none() {
+                            first_failure = Some((index, now));
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        killed[index] = Some(format!("waiting for it failed: {e}"));
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        *slot = None;
+                    }
+                }
+            }
+            if children.iter().all(Option::is_none) {
+                break;
+            }
+            let reason = if now >= deadline {
+                Some(format!(
+                    "killed: still running after the timeout of {:.0} s",
+                    self.timeout.as_secs_f64()
+                ))
+            } else {
+                first_failure
+                    .filter(|(_, at)| now >= *at + FAILURE_GRACE)
+                    .map(|(failed, _)| {
+                        format!(
+                            "killed: still running {:.0} s after node {failed} failed",
+                            FAILURE_GRACE.as_secs_f64()
+                        )
+                    })
+            };
+            if let Some(reason) = reason {
+                for (index, slot) in children.iter_mut().enumerate() {
+                    if let Some(mut child) = slot.take() {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        killed[index] = Some(reason.clone());
+                    }
+                }
+                break;
+            }
+            if now >= next_tick {
+                next_tick += Duration::from_secs(1);
+                let progress: Vec<ProgressLine> = (0..self.nodes)
+                    .map(|i| {
+                        fs::read_to_string(node_file(self.dir, i, "progress"))
+                            .ok()
+                            .and_then(|t| serde_json::from_str(&t).ok())
+                            .unwrap_or_default()
+                    })
+                    .collect();
+                tick(started.elapsed(), &progress);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let elapsed = started.elapsed();
+        let nodes = (0..self.nodes)
+            .map(|index| {
+                let report = fs::read_to_string(node_file(self.dir, index, "result"))
+                    .ok()
+                    .and_then(|text| serde_json::from_str::<NodeReport>(&text).ok());
+                NodeOutcome {
+                    report,
+                    status: statuses[index],
+                    killed: killed[index].take(),
+                    stderr_tail: tail(&node_file(self.dir, index, "stderr"), 12),
+                }
+            })
+            .collect();
+        Ok(Outcome { nodes, elapsed })
+    }
+
+    fn spawn(&self, exe: &Path, index: usize) -> Result<Child, String> {
+        let open = |suffix: &str| {
+            let path = node_file(self.dir, index, suffix);
+            fs::File::create(&path).map_err(|e| format!("cannot create `{}`: {e}", path.display()))
+        };
+        let mut command = Command::new(exe);
+        command
+            .arg("node")
+            .arg("--topology")
+            .arg(self.topology_path)
+            .arg("--index")
+            .arg(index.to_string())
+            .arg("--rendezvous")
+            .arg(self.dir)
+            .arg("--timeout")
+            .arg(format!("{:.3}", self.timeout.as_secs_f64()))
+            .arg("--stall-timeout")
+            .arg(self.stall_timeout.to_string())
+            .stdin(Stdio::null())
+            .stdout(open("stdout")?)
+            .stderr(open("stderr")?);
+        if let Some(transport) = self.transport {
+            command.arg("--transport").arg(match transport {
+                Transport::Auto => "auto",
+                Transport::Uring => "uring",
+                Transport::Epoll => "epoll",
+            });
+        }
+        if let Some(fault) = self.inject {
+            let name = fault
+                .to_possible_value()
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_default();
+            command.arg("--inject").arg(name);
+        }
+        command
+            .spawn()
+            .map_err(|e| format!("cannot start node {index} ({}): {e}", exe.display()))
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Verification.
+
+/// One stage's line of the summary.
+#[derive(Debug, Default)]
+pub struct Row {
+    stage: String,
+    kind: &'static str,
+    parallelism: usize,
+    nodes: String,
+    reported: usize,
+    records_in: u64,
+    records_out: u64,
+    bytes_in: u64,
+    lost: u64,
+    duplicated: u64,
+    reordered: u64,
+    corrupt: u64,
+    misrouted: u64,
+    checkpoints: Option<(u64, u64)>,
+}
+
+/// The verdict of a run.
+#[derive(Debug, Default)]
+pub struct Verification {
+    rows: Vec<Row>,
+    links: usize,
+    links_ok: usize,
+    links_unchecked: usize,
+    sinks: Vec<String>,
+    problems: Vec<String>,
+    /// Records all sinks received.
+    pub sink_records: u64,
+    /// Bytes of those.
+    pub sink_bytes: u64,
+}
+
+impl Verification {
+    /// Ok, or the reason for a non-zero exit.
+    pub fn verdict(&self) -> Result<(), String> {
+        match self.problems.first() {
+            None => Ok(()),
+            Some(first) => {
+                let first = first.lines().next().unwrap_or_default();
+                let more = self.problems.len() - 1;
+                Err(if more == 0 {
+                    format!("the cluster run failed: {first}")
+                } else {
+                    format!(
+                        "the cluster run failed: {first} (and {more} more problems, listed above)"
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// Checks the nodes' reports against each other and against the topology.
+pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
+    let mut v = Verification::default();
+    // Node failures.
+    for (index, node) in outcome.nodes.iter().enumerate() {
+        match &node.report {
+            Some(report) => {
+                for error in &report.errors {
+                    v.problems.push(format!("node {index}: {error}"));
+                }
+            }
+            None => {
+                let how = match (&node.killed, node.status) {
+                    (Some(reason), _) => reason.clone(),
+                    (None, Some(status)) => format!("exited with {status}"),
+                    (None, None) => "did not run".into(),
+                };
+                let mut problem = format!("node {index}: no report ({how})");
+                if !node.stderr_tail.is_empty() {
+                    problem.push_str(":\n    ");
+                    problem.push_str(&node.stderr_tail.replace('\n', "\n    "));
+                }
+                v.problems.push(problem);
+            }
+        }
+        if let (Some(_), Some(reason)) = (&node.report, &node.killed) {
+            v.problems.push(format!("node {index}: {reason}"));
+        }
+    }
+
+    // Index the subtask reports.
+    let reports: HashMap<(usize, usize), &crate::node::SubtaskReport> = outcome
+        .nodes
+        .iter()
+        .filter_map(|n| n.report.as_ref())
+        .flat_map(|r| r.subtasks.iter())
+        .map(|s| ((s.stage_index, s.subtask), s))
+        .collect();
+    let mut sent: HashMap<(usize, usize, usize), Tally> = HashMap::new();
+    let mut received: HashMap<(usize, usize, usize), Tally> = HashMap::new();
+    for (&(_, subtask), report) in &reports {
+        for link in &report.sent {
+            sent.insert(
+                (link.edge, subtask, link.peer),
+                Tally {
+                    records: link.records,
+                    checksum: link.checksum,
+                },
+            );
+        }
+        for link in &report.received {
+            received.insert(
+                (link.edge, link.peer, subtask),
+                Tally {
+                    records: link.records,
+                    checksum: link.checksum,
+                },
+            );
+        }
+    }
+
+    // Rows ("k of n subtasks reported" only where no node failure explains it).
+    let nodes_ok = v.problems.is_empty();
+    let mut rows: Vec<Row> = topology
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(s, stage)| {
+            let nodes: BTreeSet<usize> = (0..stage.parallelism)
+                .map(|i| topology.node_of(s, i))
+                .collect();
+            let mut row = Row {
+                stage: stage.name.clone(),
+                kind: stage.kind.name(),
+                parallelism: stage.parallelism,
+                nodes: compact_list(&nodes),
+                ..Row::default()
+            };
+            for subtask in 0..stage.parallelism {
+                let Some(report) = reports.get(&(s, subtask)) else {
+                    continue;
+                };
+                row.reported += 1;
+                row.records_in += report.records_in;
+                row.records_out += report.records_out;
+                row.bytes_in += report.bytes_in;
+                row.reordered += report.reorders;
+                row.corrupt += report.corrupt;
+                row.misrouted += report.misrouted;
+                if stage.kind != StageKind::Generator && topology.checkpoints.is_some() {
+                    let (lo, hi) = row.checkpoints.unwrap_or((u64::MAX, 0));
+                    row.checkpoints =
+                        Some((lo.min(report.checkpoints), hi.max(report.checkpoints)));
+                }
+                let name = format!("{}[{subtask}]", stage.name);
+                for note in &report.notes {
+                    v.problems.push(format!("{name}: {note}"));
+                }
+                for (what, n) in [
+                    ("reordered", report.reorders),
+                    ("duplicated", report.duplicates),
+                    ("corrupt", report.corrupt),
+                    ("misrouted (hash edge)", report.misrouted),
+                ] {
+                    if n > 0 {
+                        v.problems.push(format!("{name}: {n} records {what}"));
+                    }
+                }
+                if report.barrier_errors > 0 {
+                    v.problems.push(format!(
+                        "{name}: {} checkpoint barriers out of order",
+                        report.barrier_errors
+                    ));
+                }
+            }
+            if row.reported < stage.parallelism && nodes_ok {
+                v.problems.push(format!(
+                    "stage `{}`: {} of {} subtasks reported",
+                    stage.name, row.reported, stage.parallelism
+                ));
+            }
+            row
+        })
+        .collect();
+
+    // Links.
+    let mut link_problems = Vec::new();
+    for (e, edge) in topology.edges.iter().enumerate() {
+        let from = &topology.stages[edge.from].name;
+        let to = &topology.stages[edge.to].name;
+        for producer in 0..topology.stages[edge.from].parallelism {
+            for consumer in topology.targets(e, producer) {
+                v.links += 1;
+                let (Some(s), Some(r)) = (
+                    sent.get(&(e, producer, consumer)),
+                    received.get(&(e, producer, consumer)),
+                ) else {
+                    v.links_unchecked += 1;
+                    continue;
+                };
+                let row = &mut rows[edge.to];
+                let what = format!("{from}[{producer}] -> {to}[{consumer}]");
+                if s.records > r.records {
+                    row.lost += s.records - r.records;
+                    link_problems.push(format!(
+                        "{what}: sent {}, received {} ({} lost)",
+                        s.records,
+                        r.records,
+                        s.records - r.records
+                    ));
+                } else if r.records > s.records {
+                    row.duplicated += r.records - s.records;
+                    link_problems.push(format!(
+                        "{what}: sent {}, received {} ({} too many)",
+                        s.records,
+                        r.records,
+                        r.records - s.records
+                    ));
+                } else if s.checksum != r.checksum {
+                    link_problems.push(format!(
+                        "{what}: {} records, but their checksums differ",
+                        s.records
+                    ));
+                } else {
+                    v.links_ok += 1;
+                }
+            }
+        }
+    }
+    let shown = link_problems.len().min(10);
+    let more = link_problems.len() - shown;
+    v.problems.extend(link_problems.into_iter().take(shown));
+    if more > 0 {
+        v.problems
+            .push(format!("... and {more} more links that differ"));
+    }
+
+    // Generators: what each emitted.
+    let mut emitted: HashMap<u32, Tally> = HashMap::new();
+    for (s, stage) in topology.stages.iter().enumerate() {
+        let Some(generator) = stage.generator else {
+            continue;
+        };
+        for subtask in 0..stage.parallelism {
+            let origin = topology.origin(s, subtask);
+            let Some(report) = reports.get(&(s, subtask)) else {
+                continue;
+            };
+            let tally = report
+                .origins
+                .iter()
+                .find(|o| o.origin == origin)
+                .map(|o| Tally {
+                    records: o.records,
+                    checksum: o.checksum,
+                })
+                .unwrap_or_default();
+            if let (Some(records), None) = (generator.records, generator.duration) {
+                if tally.records != records && report.error.is_none() {
+                    v.problems.push(format!(
+                        "{}[{subtask}]: emitted {} of {records} records",
+                        stage.name, tally.records
+                    ));
+                }
+            }
+            emitted.insert(origin, tally);
+        }
+    }
+
+    // Sinks: per generator subtask, what the topology implies.
+    for (t, stage) in topology.stages.iter().enumerate() {
+        if stage.kind != StageKind::Sink {
+            continue;
+        }
+        let mut got: HashMap<u32, Tally> = HashMap::new();
+        for subtask in 0..stage.parallelism {
+            if let Some(report) = reports.get(&(t, subtask)) {
+                for o in &report.origins {
+                    let entry = got.entry(o.origin).or_default();
+                    entry.records += o.records;
+                    entry.checksum = entry.checksum.wrapping_add(o.checksum);
+                }
+            }
+        }
+        let all_reported = (0..stage.parallelism).all(|i| reports.contains_key(&(t, i)));
+        let received_total: u64 = got.values().map(|t| t.records).sum();
+        let mut expected_total = 0u64;
+        let mut generators = Vec::new();
+        let mut unknown = false;
+        let mut sink_problems = Vec::new();
+        for (g, generator) in topology.stages.iter().enumerate() {
+            let copies = topology.expected_copies(t, g);
+            if copies == 0 {
+                continue;
+            }
+            generators.push(if copies == 1 {
+                format!("`{}`", generator.name)
+            } else {
+                format!("`{}` x{copies}", generator.name)
+            });
+            for subtask in 0..generator.parallelism {
+                let origin = topology.origin(g, subtask);
+                let Some(e) = emitted.get(&origin) else {
+                    unknown = true;
+                    continue;
+                };
+                let want = Tally {
+                    records: e.records.saturating_mul(copies),
+                    checksum: e.checksum.wrapping_mul(copies),
+                };
+                expected_total += want.records;
+                let have = got.remove(&origin).unwrap_or_default();
+                if have.records < want.records {
+                    sink_problems.push(format!(
+                        "sink `{}`: from {}[{subtask}] {} of {} records ({} lost)",
+                        stage.name,
+                        generator.name,
+                        have.records,
+                        want.records,
+                        want.records - have.records
+                    ));
+                } else if have.records > want.records {
+                    sink_problems.push(format!(
+                        "sink `{}`: from {}[{subtask}] {} records, {} expected ({} too many)",
+                        stage.name,
+                        generator.name,
+                        have.records,
+                        want.records,
+                        have.records - want.records
+                    ));
+                } else if have.checksum != want.checksum {
+                    sink_problems.push(format!(
+                        "sink `{}`: from {}[{subtask}] {} records, but the checksum differs",
+                        stage.name, generator.name, have.records
+                    ));
+                }
+            }
+        }
+        if !unknown {
+            for (origin, tally) in got {
+                sink_problems.push(format!(
+                    "sink `{}`: {} records from producer id {origin}, which does not feed it",
+                    stage.name, tally.records
+                ));
+            }
+        }
+        v.sink_records += received_total;
+        v.sink_bytes += rows[t].bytes_in;
+        if !all_reported || unknown {
+            // A node's report is missing (a problem already): the totals cannot be compared.
+            sink_problems.clear();
+            v.sinks.push(format!(
+                "`{}` received {received_total} records (not checked: {})",
+                stage.name,
+                if all_reported {
+                    "a generator did not report"
+                } else {
+                    "a sink subtask did not report"
+                }
+            ));
+        } else {
+            v.sinks.push(format!(
+                "`{}` received {received_total} records, {expected_total} expected from {}{}",
+                stage.name,
+                generators.join(" + "),
+                if sink_problems.is_empty() {
+                    ": exact, checksums match"
+                } else {
+                    ""
+                },
+            ));
+        }
+        let shown = sink_problems.len().min(10);
+        let more = sink_problems.len() - shown;
+        v.problems.extend(sink_problems.into_iter().take(shown));
+        if more > 0 {
+            v.problems
+                .push(format!("... and {more} more producers that differ"));
+        }
+    }
+    v.rows = rows;
+    v
+}
+
+fn compact_list(items: &BTreeSet<usize>) -> String {
+    let items: Vec<usize> = items.iter().copied().collect();
+    if items.len() > 3 && items.windows(2).all(|w| w[1] == w[0] + 1) {
+        return format!("{}-{}", items[0], items[items.len() - 1]);
+    }
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Prints the stage table, the link and sink checks, the problems and the verdict.
+pub fn print_summary(topology: &Topology, outcome: &Outcome, v: &Verification) {
+    let transports: BTreeSet<&str> = outcome
+        .nodes
+        .iter()
+        .filter_map(|n| n.report.as_ref())
+        .map(|r| r.transport.as_str())
+        .filter(|t| !t.is_empty())
+        .collect();
+    if v.rows.iter().all(|r| r.reported == 0) {
+        println!("result: FAILED, no subtask reported");
+        for problem in &v.problems {
+            println!("  - {problem}");
+        }
+        return;
+    }
+    let dash = || "-".to_string();
+    let mut table = vec![vec![
+        "stage".to_string(),
+        "kind".into(),
+        "par".into(),
+        "nodes".into(),
+        "records in".into(),
+        "records out".into(),
+        "MiB in".into(),
+        "lost".into(),
+        "dup".into(),
+        "reorder".into(),
+        "corrupt".into(),
+        "misrouted".into(),
+        "checkpoints".into(),
+    ]];
+    for row in &v.rows {
+        let consumer = row.kind != StageKind::Generator.name();
+        let producer = row.kind != StageKind::Sink.name();
+        let if_consumer = |n: u64| if consumer { n.to_string() } else { dash() };
+        table.push(vec![
+            row.stage.clone(),
+            row.kind.to_string(),
+            row.parallelism.to_string(),
+            row.nodes.clone(),
+            if_consumer(row.records_in),
+            if producer {
+                row.records_out.to_string()
+            } else {
+                dash()
+            },
+            if consumer {
+                format!("{:.1}", row.bytes_in as f64 / (1u64 << 20) as f64)
+            } else {
+                dash()
+            },
+            if_consumer(row.lost),
+            if_consumer(row.duplicated),
+            if_consumer(row.reordered),
+            if_consumer(row.corrupt),
+            if_consumer(row.misrouted),
+            match row.checkpoints {
+                Some((lo, hi)) if lo == hi => lo.to_string(),
+                Some((lo, hi)) => format!("{lo}-{hi}"),
+                None => dash(),
+            },
+        ]);
+    }
+    let widths: Vec<usize> = (0..table[0].len())
+        .map(|c| {
+            table
+                .iter()
+                .map(|r| r[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for (i, row) in table.iter().enumerate() {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            let pad = widths[c] - cell.chars().count();
+            if c < 2 || (c == 3 && i > 0) || i == 0 {
+                line.push_str(cell);
+                line.push_str(&" ".repeat(pad));
+            } else {
+                line.push_str(&" ".repeat(pad));
+                line.push_str(cell);
+            }
+            line.push_str("  ");
+        }
+        println!("{}", line.trim_end());
+    }
+    let seconds = outcome.elapsed.as_secs_f64().max(1e-9);
+    println!(
+        "links:  {} of {} producer -> consumer subtask links match in count and checksum{}",
+        v.links_ok,
+        v.links,
+        if v.links_unchecked > 0 {
+            format!(
+                " ({} not checked: a side did not report)",
+                v.links_unchecked
+            )
+        } else {
+            String::new()
+        }
+    );
+    for line in &v.sinks {
+        println!("sinks:  {line}");
+    }
+    println!(
+        "run:    {} nodes ({}), {:.2} s, {:.0} records/s and {:.1} MiB/s into the sinks",
+        topology.nodes,
+        if transports.is_empty() {
+            "transport unknown".to_string()
+        } else {
+            transports.into_iter().collect::<Vec<_>>().join(", ")
+        },
+        seconds,
+        v.sink_records as f64 / seconds,
+        v.sink_bytes as f64 / (1u64 << 20) as f64 / seconds,
+    );
+    if v.problems.is_empty() {
+        println!("result: OK - every sink received exactly the records the topology implies");
+    } else {
+        println!("result: FAILED");
+        for problem in &v.problems {
+            println!("  - {problem}");
+        }
+    }
+}

@@ -1,0 +1,1297 @@
+//! `fluxgate node`: one process of a cluster running a topology.
+//!
+//! The node starts its `ShuffleEnvironment`, learns every node's address (a rendezvous
+//! directory that `fluxgate cluster` shares with its nodes, or a peers file), creates the
+//! partitions of its producing subtasks and the gates of its consuming subtasks, runs every
+//! subtask on its own thread, and prints one JSON line with what its subtasks sent, received
+//! and found wrong. It stays up until every partition it produced was consumed (or its consumer
+//! went away), so its server outlives the readers of its data.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{Args, ValueEnum};
+use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+use fluxgate::gate::{
+    AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate,
+    SingleInputGate,
+};
+use fluxgate::io::Transport;
+use fluxgate::partition::{
+    ChannelSelector, KeyHashSelector, PartitionHandle, RecordWriter, ResultPartition,
+    RoundRobinSelector, Selection,
+};
+use fluxgate::record::RecordDeserializer;
+use fluxgate::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};
+use serde::{Deserialize, Serialize};
+
+use crate::topology::{
+    make_record, max_parallelism, payload_intact, record_checksum, record_header, record_key,
+    CheckpointMode, InputChannel, Partitioner, StageKind, Topology,
+};
+
+/// Options of `fluxgate node`.
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  # what `fluxgate cluster` runs for node 1 of a loopback cluster
+  fluxgate node --topology job.toml --index 1 --rendezvous /tmp/fluxgate-cluster-1234
+
+  # across machines: every host gets the same topology and peers file
+  # (peers.txt: one `host:port` per node, in index order)
+  fluxgate node --topology job.toml --index 0 --peers peers.txt --bind 0.0.0.0:7000")]
+pub struct NodeArgs {
+    /// The topology file (the same on every node).
+    #[arg(long, value_name = "FILE")]
+    pub topology: PathBuf,
+    /// This node's index, from 0.
+    #[arg(long)]
+    pub index: usize,
+    /// Every node's address, one `host:port` line per node in index order (`#` comments).
+    #[arg(long, value_name = "FILE", conflicts_with = "rendezvous")]
+    pub peers: Option<PathBuf>,
+    /// A directory shared by the nodes of a loopback cluster: each writes `node-I.addr` there,
+    /// waits for the others', and leaves `node-I.progress` (updated four times a second) and
+    /// `node-I.result`.
+    #[arg(long, value_name = "DIR")]
+    pub rendezvous: Option<PathBuf>,
+    /// Where to listen (default: this node's peers entry, or 127.0.0.1 on base_port + index,
+    /// or on a free port).
+    #[arg(long, value_name = "ADDR")]
+    pub bind: Option<SocketAddr>,
+    /// auto | uring | epoll (overrides `[cluster] transport`).
+    #[arg(long)]
+    pub transport: Option<Transport>,
+    /// Seconds the node may take in all; then it reports what is stuck and exits.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+    /// Seconds to wait for the other nodes (their addresses, or with --peers until they listen).
+    #[arg(long, default_value_t = 30.0)]
+    pub rendezvous_timeout: f64,
+    /// Seconds a consuming subtask may receive nothing before it reports a stall.
+    #[arg(long, default_value_t = 30.0)]
+    pub stall_timeout: f64,
+    /// Testing the verification: damage one record in subtask 0 of the first consuming stage.
+    #[arg(long, value_enum, hide = true)]
+    pub inject: Option<Fault>,
+}
+
+/// A fault to inject into one record (to test that the verification catches it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Fault {
+    /// The record is not processed.
+    Drop,
+    /// The record is processed twice.
+    Duplicate,
+    /// The record is processed after the next record of its channel.
+    Reorder,
+    /// A byte of the record is changed.
+    Corrupt,
+}
+
+/// Which record of the subtask a fault hits.
+const FAULT_AT: u64 = 100;
+
+// ---------------------------------------------------------------------------------------------
+// What a node reports.
+
+/// Records and the wrapping sum of their checksums.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tally {
+    /// Records.
+    pub records: u64,
+    /// Wrapping sum of their checksums.
+    pub checksum: u64,
+}
+
+impl Tally {
+    fn add(&mut self, checksum: u64) {
+        self.records += 1;
+        self.checksum = self.checksum.wrapping_add(checksum);
+    }
+}
+
+/// What went over one producer → consumer subtask pair of an edge, as one side counted it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LinkTally {
+    /// The edge.
+    pub edge: usize,
+    /// The other side's subtask (the consumer for `sent`, the producer for `received`).
+    pub peer: usize,
+    /// Records.
+    pub records: u64,
+    /// Wrapping sum of their checksums.
+    pub checksum: u64,
+}
+
+/// Records of one generator subtask (emitted by it, or received by a sink).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OriginTally {
+    /// The generator's job-wide id.
+    pub origin: u32,
+    /// Records.
+    pub records: u64,
+    /// Wrapping sum of their checksums.
+    pub checksum: u64,
+}
+
+/// One subtask's report.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SubtaskReport {
+    /// Stage name.
+    pub stage: String,
+    /// Stage index in the file.
+    pub stage_index: usize,
+    /// Subtask index.
+    pub subtask: usize,
+    /// generator | pass-through | sink.
+    pub kind: String,
+    /// Records read.
+    pub records_in: u64,
+    /// Bytes of the records read.
+    pub bytes_in: u64,
+    /// Records written (once per record, whatever the fan-out).
+    pub records_out: u64,
+    /// Records of a producer whose sequence number went back on a channel.
+    pub reorders: u64,
+    /// Records of a producer whose sequence number repeated on a channel.
+    pub duplicates: u64,
+    /// Records whose header, length or payload is not what their generator wrote.
+    pub corrupt: u64,
+    /// Records of a hash edge that arrived at a subtask their key does not map to.
+    pub misrouted: u64,
+    /// Checkpoint barriers handed to the subtask (aligned or first unaligned).
+    pub checkpoints: u64,
+    /// Barriers out of order (id not above the previous one).
+    pub barrier_errors: u64,
+    /// Per output link: what this subtask wrote.
+    pub sent: Vec<LinkTally>,
+    /// Per input channel: what this subtask read.
+    pub received: Vec<LinkTally>,
+    /// Generators: what they emitted; sinks: what they received, per generator.
+    pub origins: Vec<OriginTally>,
+    /// Why the subtask failed.
+    pub error: Option<String>,
+    /// The first few problems found, described.
+    pub notes: Vec<String>,
+}
+
+/// A node's report: one JSON line on stdout (and `node-I.result` in the rendezvous dir).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct NodeReport {
+    /// Node index.
+    pub node: usize,
+    /// Where its server listened.
+    pub addr: String,
+    /// The driver that ran.
+    pub transport: String,
+    /// True when nothing failed and nothing wrong was seen.
+    pub ok: bool,
+    /// Wall time of the node, ms.
+    pub elapsed_ms: u64,
+    /// Records received per sink stage (this node's subtasks).
+    pub sinks: BTreeMap<String, u64>,
+    /// Reorders seen by this node's subtasks.
+    pub reorders: u64,
+    /// Duplicates seen by this node's subtasks.
+    pub duplicates: u64,
+    /// Corrupt records seen by this node's subtasks.
+    pub corrupt: u64,
+    /// Misrouted records seen by this node's subtasks.
+    pub misrouted: u64,
+    /// Checkpoint barriers out of order seen by this node's subtasks.
+    pub barrier_errors: u64,
+    /// What failed.
+    pub errors: Vec<String>,
+    /// Every subtask of the node.
+    pub subtasks: Vec<SubtaskReport>,
+}
+
+/// What a node writes to `node-I.progress` four times a second.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct ProgressLine {
+    /// Since the node started, ms.
+    pub elapsed_ms: u64,
+    /// Records its sinks received so far.
+    pub sink_records: u64,
+    /// Bytes of those records.
+    pub sink_bytes: u64,
+    /// Records its generators emitted so far.
+    pub generated: u64,
+}
+
+#[derive(Debug, Default)]
+struct Progress {
+    sink_records: AtomicU64,
+    sink_bytes: AtomicU64,
+    generated: AtomicU64,
+}
+
+/// The rendezvous files of node `index`.
+pub fn node_file(dir: &Path, index: usize, suffix: &str) -> PathBuf {
+    dir.join(format!("node-{index}.{suffix}"))
+}
+
+/// Writes `text` to `path` through a temporary file and a rename, so readers never see half.
+pub fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut file = fs::File::create(&tmp)?;
+        file.write_all(text.as_bytes())?;
+        file.sync_all().ok();
+    }
+    fs::rename(&tmp, path)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The node.
+
+/// Runs one node; prints its report. An `Err` is a failure already reported.
+pub fn run(args: &NodeArgs) -> Result<(), String> {
+    let started = Instant::now();
+    let result = run_node(args, started);
+    let mut report = match result {
+        Ok(report) => report,
+        Err(error) => NodeReport {
+            node: args.index,
+            errors: vec![error],
+            ..NodeReport::default()
+        },
+    };
+    report.elapsed_ms = started.elapsed().as_millis() as u64;
+    report.ok = report.errors.is_empty()
+        && report.reorders == 0
+        && report.duplicates == 0
+        && report.corrupt == 0
+        && report.misrouted == 0
+        && report.barrier_errors == 0;
+    let line = serde_json::to_string(&report).map_err(|e| format!("report: {e}"))?;
+    println!("{line}");
+    if let Some(dir) = &args.rendezvous {
+        let path = node_file(dir, args.index, "result");
+        write_atomically(&path, &format!("{line}\n"))
+            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+    }
+    if report.ok {
+        return Ok(());
+    }
+    let mut reasons = report.errors.clone();
+    for (what, n) in [
+        ("reordered", report.reorders),
+        ("duplicated", report.duplicates),
+        ("corrupt", report.corrupt),
+        ("misrouted", report.misrouted),
+    ] {
+        if n > 0 {
+            reasons.push(format!("{n} records {what}"));
+        }
+    }
+    if report.barrier_errors > 0 {
+        reasons.push(format!(
+            "{} checkpoint barriers out of order",
+            report.barrier_errors
+        ));
+    }
+    for sub in &report.subtasks {
+        for note in &sub.notes {
+            reasons.push(format!("{}[{}]: {note}", sub.stage, sub.subtask));
+        }
+    }
+    Err(format!("node {}: {}", args.index, reasons.join("; ")))
+}
+
+fn secs(what: &str, value: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(value).map_err(|_| format!("--{what} {value}: not a duration"))
+}
+
+fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
+    let deadline = started + secs("timeout", args.timeout)?;
+    let stall = secs("stall-timeout", args.stall_timeout)?;
+    let rendezvous_timeout = secs("rendezvous-timeout", args.rendezvous_timeout)?;
+    let topology = Arc::new(Topology::load(&args.topology)?);
+    let index = args.index;
+    if index >= topology.nodes {
+        return Err(format!(
+            "--index {index}: the topology has {} nodes (0 to {})",
+            topology.nodes,
+            topology.nodes - 1
+        ));
+    }
+    let peers = match &args.peers {
+        Some(path) => Some(read_peers(path, topology.nodes)?),
+        None => None,
+    };
+    let bind = match (args.bind, &peers) {
+        (Some(bind), _) => bind,
+        (None, Some(peers)) => peers[index],
+        (None, None) if topology.base_port != 0 => {
+            SocketAddr::from(([127, 0, 0, 1], topology.base_port + index as u16))
+        }
+        (None, None) => SocketAddr::from(([127, 0, 0, 1], 0)),
+    };
+    let mut network = topology.network.clone();
+    if !topology.network_memory_given {
+        // Room for every local pool at its largest, and a quarter more.
+        let segments = topology.segments_needed(index);
+        let segments = (segments + segments / 4 + 16).max(128);
+        network.network_memory_bytes = segments * network.segment_size;
+    }
+    let env = ShuffleEnvironment::start(EnvConfig {
+        network: network.clone(),
+        bind,
+        transport: args.transport.unwrap_or(topology.transport),
+        node: index as u128 + 1,
+        ..EnvConfig::default()
+    })
+    .map_err(|e| format!("cannot start the network on {bind}: {e}"))?;
+    let local = env.local_addr();
+
+    let addresses = match (&args.rendezvous, peers) {
+        (_, Some(peers)) => {
+            // The library does not retry a refused connection: start reading only once
+            // every peer listens.
+            wait_for_peers(&peers, index, rendezvous_timeout)?;
+            peers
+        }
+        (Some(dir), None) => rendezvous(dir, index, topology.nodes, local, rendezvous_timeout)?,
+        (None, None) if topology.nodes == 1 => vec![local],
+        (None, None) => {
+            return Err(format!(
+                "the topology has {} nodes: give --peers FILE (or --rendezvous DIR, as `fluxgate cluster` does)",
+                topology.nodes
+            ))
+        }
+    };
+
+    // Partitions first, so local channels find them when the gates request them.
+    let mut partitions: HashMap<(usize, usize), Vec<(usize, ResultPartition)>> = HashMap::new();
+    let mut handles: Vec<PartitionHandle> = Vec::new();
+    for (s, stage) in topology.stages.iter().enumerate() {
+        for subtask in 0..stage.parallelism {
+            if topology.node_of(s, subtask) != index {
+                continue;
+            }
+            for &edge in &stage.outputs {
+                let id = topology.partition_id(edge, subtask);
+                let partition = env
+                    .create_partition(id, topology.subpartitions(edge))
+                    .map_err(|e| {
+                        format!(
+                            "{}[{subtask}]: cannot create partition {id:?}: {e}",
+                            stage.name
+                        )
+                    })?;
+                handles.push(partition.handle());
+                partitions
+                    .entry((s, subtask))
+                    .or_default()
+                    .push((edge, partition));
+            }
+        }
+    }
+    let mut gates: HashMap<(usize, usize), SingleInputGate> = HashMap::new();
+    for (s, stage) in topology.stages.iter().enumerate() {
+        if stage.inputs.is_empty() {
+            continue;
+        }
+        for subtask in 0..stage.parallelism {
+            if topology.node_of(s, subtask) != index {
+                continue;
+            }
+            let descriptors: Vec<ChannelDescriptor> = topology
+                .input_channels(s, subtask)
+                .iter()
+                .map(|c| {
+                    let producer_node = topology.node_of(topology.edges[c.edge].from, c.producer);
+                    ChannelDescriptor {
+                        consumed: ConsumedSubpartition {
+                            partition: topology.partition_id(c.edge, c.producer),
+                            subpartition: c.subpartition,
+                        },
+                        location: if producer_node == index {
+                            ProducerLocation::Local
+                        } else {
+                            ProducerLocation::Remote(addresses[producer_node])
+                        },
+                    }
+                })
+                .collect();
+            let gate = env.create_gate(&descriptors).map_err(|e| {
+                format!(
+                    "{}[{subtask}]: cannot create the input gate: {e}",
+                    stage.name
+                )
+            })?;
+            gates.insert((s, subtask), gate);
+        }
+    }
+
+    let progress = Arc::new(Progress::default());
+    let mut running: Vec<(String, JoinHandle<SubtaskReport>)> = Vec::new();
+    for (s, stage) in topology.stages.iter().enumerate() {
+        for subtask in 0..stage.parallelism {
+            if topology.node_of(s, subtask) != index {
+                continue;
+            }
+            let task = Subtask {
+                topology: topology.clone(),
+                stage: s,
+                subtask,
+                partitions: partitions.remove(&(s, subtask)).unwrap_or_default(),
+                gate: gates.remove(&(s, subtask)),
+                progress: progress.clone(),
+                stall,
+                max_record_bytes: network.max_record_bytes,
+                fault: args.inject,
+            };
+            let name = format!("{}[{subtask}]", stage.name);
+            let handle = thread::Builder::new()
+                .name(name.clone())
+                .spawn(move || task.run())
+                .map_err(|e| format!("cannot start a thread for {name}: {e}"))?;
+            running.push((name, handle));
+        }
+    }
+
+    // Wait for the subtasks, reporting progress four times a second.
+    let progress_file = args
+        .rendezvous
+        .as_ref()
+        .map(|d| node_file(d, index, "progress"));
+    let mut next_tick = Instant::now();
+    let mut timed_out = None;
+    loop {
+        let now = Instant::now();
+        if let Some(path) = &progress_file {
+            if now >= next_tick {
+                next_tick = now + Duration::from_millis(250);
+                let line = ProgressLine {
+                    elapsed_ms: started.elapsed().as_millis() as u64,
+                    sink_records: progress.sink_records.load(Ordering::Relaxed),
+                    sink_bytes: progress.sink_bytes.load(Ordering::Relaxed),
+                    generated: progress.generated.load(Ordering::Relaxed),
+                };
+                if let Ok(text) = serde_json::to_string(&line) {
+                    let _ = write_atomically(path, &text);
+                }
+            }
+        }
+        if running.iter().all(|(_, h)| h.is_finished()) {
+            break;
+        }
+        if now >= deadline {
+            let stuck: Vec<&str> = running
+                .iter()
+                .filter(|(_, h)| !h.is_finished())
+                .map(|(name, _)| name.as_str())
+                .collect();
+            eprintln!(
+                "node {index}: timed out; connections:\n{}",
+                env.debug_dump()
+            );
+            timed_out = Some(format!(
+                "timed out after {:.1} s with subtasks still running: {}",
+                args.timeout,
+                stuck.join(", ")
+            ));
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    let mut report = NodeReport {
+        node: index,
+        addr: local.to_string(),
+        transport: format!("{:?}", env.transport()).to_lowercase(),
+        ..NodeReport::default()
+    };
+    report.errors.extend(timed_out.clone());
+    for (name, handle) in running {
+        if !handle.is_finished() {
+            // Stuck (timed out): its report is lost; the process exits without it.
+            continue;
+        }
+        let sub = match handle.join() {
+            Ok(sub) => sub,
+            Err(_) => {
+                report.errors.push(format!("{name}: panicked"));
+                continue;
+            }
+        };
+        if let Some(error) = &sub.error {
+            report.errors.push(format!("{name}: {error}"));
+        }
+        if sub.kind == StageKind::Sink.name() {
+            *report.sinks.entry(sub.stage.clone()).or_default() += sub.records_in;
+        }
+        report.reorders += sub.reorders;
+        report.duplicates += sub.duplicates;
+        report.corrupt += sub.corrupt;
+        report.misrouted += sub.misrouted;
+        report.barrier_errors += sub.barrier_errors;
+        report.subtasks.push(sub);
+    }
+
+    if timed_out.is_some() {
+        // Threads are stuck in the library: do not wait for them (or for the I/O thread) on
+        // the way out; the process exits after the report.
+        std::mem::forget(env);
+        return Ok(report);
+    }
+
+    // Stay up until every partition of this node was consumed or its consumer went away, so
+    // remote readers get all of it before the server closes.
+    while !handles.iter().all(PartitionHandle::is_released) {
+        if Instant::now() >= deadline {
+            let open: Vec<String> = handles
+                .iter()
+                .filter(|h| !h.is_released())
+                .map(|h| format!("{:?}", h.id()))
+                .collect();
+            report.errors.push(format!(
+                "timed out waiting for consumers of partitions {}",
+                open.join(", ")
+            ));
+            eprintln!("node {index}: connections:\n{}", env.debug_dump());
+            break;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    if let Some(path) = &progress_file {
+        let line = ProgressLine {
+            elapsed_ms: started.elapsed().as_millis() as u64,
+            sink_records: progress.sink_records.load(Ordering::Relaxed),
+            sink_bytes: progress.sink_bytes.load(Ordering::Relaxed),
+            generated: progress.generated.load(Ordering::Relaxed),
+        };
+        if let Ok(text) = serde_json::to_string(&line) {
+            let _ = write_atomically(path, &text);
+        }
+    }
+    drop(env);
+    Ok(report)
+}
+
+fn read_peers(path: &Path, nodes: usize) -> Result<Vec<SocketAddr>, String> {
+    let text = fs::read_to_string(path)
+        .map_err(|e| format!("cannot read peers file `{}`: {e}", path.display()))?;
+    let mut peers = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let addr = line
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                format!(
+                    "peers file `{}` line {}: `{line}` is not a host:port address",
+                    path.display(),
+                    number + 1
+                )
+            })?;
+        peers.push(addr);
+    }
+    if peers.len() != nodes {
+        return Err(format!(
+            "peers file `{}` lists {} addresses, the topology has {nodes} nodes",
+            path.display(),
+            peers.len()
+        ));
+    }
+    Ok(peers)
+}
+
+fn wait_for_peers(peers: &[SocketAddr], index: usize, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    for (i, peer) in peers.iter().enumerate() {
+        if i == index {
+            continue;
+        }
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "node {i} at {peer} did not accept connections within {:.0} s",
+                    timeout.as_secs_f64()
+                ));
+            }
+            let left = (deadline - now).min(Duration::from_secs(1));
+            if TcpStream::connect_timeout(peer, left).is_ok() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(())
+}
+
+fn rendezvous(
+    dir: &Path,
+    index: usize,
+    nodes: usize,
+    local: SocketAddr,
+    timeout: Duration,
+) -> Result<Vec<SocketAddr>, String> {
+    let mine = node_file(dir, index, "addr");
+    write_atomically(&mine, &local.to_string())
+        .map_err(|e| format!("rendezvous: cannot write `{}`: {e}", mine.display()))?;
+    let deadline = Instant::now() + timeout;
+    let mut addresses: Vec<Option<SocketAddr>> = vec![None; nodes];
+    loop {
+        for (i, slot) in addresses.iter_mut().enumerate() {
+            if slot.is_some() {
+                continue;
+            }
+            let path = node_file(dir, i, "addr");
+            if node_file(dir, i, "result").exists() && !path.exists() {
+                return Err(format!(
+                    "rendezvous: node {i} failed before reporting its address"
+                ));
+            }
+            if let Ok(text) = fs::read_to_string(&path) {
+                let addr = text
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("rendezvous: `{}` holds no address", path.display()))?;
+                *slot = Some(addr);
+            }
+        }
+        if addresses.iter().all(Option::is_some) {
+            return Ok(addresses.into_iter().flatten().collect());
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<String> = addresses
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.is_none())
+                .map(|(i, _)| i.to_string())
+                .collect();
+            return Err(format!(
+                "rendezvous: node(s) {} did not report an address within {:.0} s",
+                missing.join(", "),
+                timeout.as_secs_f64()
+            ));
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Subtasks.
+
+/// Everything a subtask thread owns.
+struct Subtask {
+    topology: Arc<Topology>,
+    stage: usize,
+    subtask: usize,
+    partitions: Vec<(usize, ResultPartition)>,
+    gate: Option<SingleInputGate>,
+    progress: Arc<Progress>,
+    stall: Duration,
+    max_record_bytes: usize,
+    fault: Option<Fault>,
+}
+
+/// How many problems a subtask describes in words.
+const MAX_NOTES: usize = 5;
+
+impl Subtask {
+    fn run(self) -> SubtaskReport {
+        let stage = &self.topology.stages[self.stage];
+        let mut report = SubtaskReport {
+            stage: stage.name.clone(),
+            stage_index: self.stage,
+            subtask: self.subtask,
+            kind: stage.kind.name().to_string(),
+            ..SubtaskReport::default()
+        };
+        let Subtask {
+            topology,
+            stage: s,
+            subtask,
+            partitions,
+            gate,
+            progress,
+            stall,
+            max_record_bytes,
+            fault,
+        } = self;
+        let mut outputs: Vec<Output> = partitions
+            .into_iter()
+            .map(|(edge, partition)| Output::new(&topology, edge, subtask, partition))
+            .collect();
+        let result = match (topology.stages[s].kind, gate) {
+            (StageKind::Generator, _) => {
+                generate(&topology, s, subtask, &mut outputs, &progress, &mut report)
+            }
+            (_, Some(gate)) => {
+                let mut consumer = Consumer::new(&topology, s, subtask, &progress);
+                // Faults go into subtask 0 of the first consuming stage only.
+                let first_consumer = topology
+                    .order
+                    .iter()
+                    .copied()
+                    .find(|&t| topology.stages[t].kind != StageKind::Generator);
+                let fault = fault.filter(|_| subtask == 0 && first_consumer == Some(s));
+                let result = consume(
+                    gate,
+                    &topology,
+                    stall,
+                    max_record_bytes,
+                    &mut consumer,
+                    &mut outputs,
+                    fault,
+                );
+                consumer.finish(&mut report);
+                result
+            }
+            (_, None) => Err("no input gate".to_string()),
+        };
+        let result = result.and_then(|()| {
+            outputs
+                .iter_mut()
+                .try_for_each(|o| o.writer.finish().map_err(|e| format!("finishing: {e}")))
+        });
+        if let Err(error) = result {
+            // Consumers of our partitions learn at once instead of waiting for a stall.
+            for output in &mut outputs {
+                output.writer.partition_mut().release();
+            }
+            report.error = Some(error);
+        }
+        for output in &outputs {
+            for (i, tally) in output.tallies.iter().enumerate() {
+                report.sent.push(LinkTally {
+                    edge: output.edge,
+                    peer: output.targets[i],
+                    records: tally.records,
+                    checksum: tally.checksum,
+                });
+            }
+        }
+        report
+    }
+}
+
+/// The writer of one output edge, counting what goes to each consumer subtask.
+struct Output {
+    edge: usize,
+    targets: Vec<usize>,
+    writer: RecordWriter<Tap>,
+    last: Rc<Cell<Selection>>,
+    tallies: Vec<Tally>,
+}
+
+impl Output {
+    fn new(topology: &Topology, edge: usize, producer: usize, partition: ResultPartition) -> Self {
+        let last = Rc::new(Cell::new(Selection::Channel(0)));
+        let channels = topology.subpartitions(edge);
+        let e = &topology.edges[edge];
+        let tap = Tap {
+            partitioner: e.partitioner,
+            round_robin: RoundRobinSelector::starting_at(producer % channels),
+            hash: KeyHashSelector::new(
+                record_key as fn(&[u8]) -> u64,
+                max_parallelism(topology.stages[e.to].parallelism),
+            ),
+            last: last.clone(),
+        };
+        let timeout = topology.buffer_timeout(edge, producer);
+        Self {
+            edge,
+            targets: topology.targets(edge, producer),
+            writer: RecordWriter::new(partition, tap, timeout),
+            last,
+            tallies: vec![Tally::default(); channels],
+        }
+    }
+
+    fn emit(&mut self, record: &[u8], checksum: u64) -> Result<(), String> {
+        self.writer
+            .emit(record)
+            .map_err(|e| format!("writing to edge {}: {e}", self.edge))?;
+        match self.last.get() {
+            Selection::Channel(i) => self.tallies[i].add(checksum),
+            Selection::Broadcast => self.tallies.iter_mut().for_each(|t| t.add(checksum)),
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self, barrier: CheckpointBarrier) -> Result<(), String> {
+        let priority = barrier.alignment == Alignment::Unaligned;
+        self.writer
+            .broadcast_event(&Event::CheckpointBarrier(barrier), priority)
+            .map_err(|e| format!("writing a barrier to edge {}: {e}", self.edge))
+    }
+}
+
+/// The edge's partitioner, remembering where the last record went.
+struct Tap {
+    partitioner: Partitioner,
+    round_robin: RoundRobinSelector,
+    hash: KeyHashSelector<fn(&[u8]) -> u64>,
+    last: Rc<Cell<Selection>>,
+}
+
+impl ChannelSelector<[u8]> for Tap {
+    fn select(&mut self, record: &[u8], channels: usize) -> Selection {
+        let selection = match self.partitioner {
+            Partitioner::Forward => Selection::Channel(0),
+            Partitioner::Rebalance => self.round_robin.select(record, channels),
+            Partitioner::Hash => self.hash.select(record, channels),
+            Partitioner::Broadcast => Selection::Broadcast,
+        };
+        self.last.set(selection);
+        selection
+    }
+}
+
+fn now_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+fn barrier_for(mode: CheckpointMode, id: u64) -> CheckpointBarrier {
+    let unaligned = match mode {
+        CheckpointMode::Aligned => false,
+        CheckpointMode::Unaligned => true,
+        CheckpointMode::Mixed => id % 2 == 0,
+    };
+    CheckpointBarrier {
+        id,
+        timestamp: now_millis(),
+        kind: CheckpointKind::Checkpoint,
+        alignment: if unaligned {
+            Alignment::Unaligned
+        } else {
+            Alignment::Aligned
+        },
+    }
+}
+
+fn generate(
+    topology: &Topology,
+    stage: usize,
+    subtask: usize,
+    outputs: &mut [Output],
+    progress: &Progress,
+    report: &mut SubtaskReport,
+) -> Result<(), String> {
+    let generator = topology.stages[stage]
+        .generator
+        .expect("a generator stage has generator settings");
+    let origin = topology.origin(stage, subtask);
+    let start = Instant::now();
+    let end = generator.duration.map(|d| start + d);
+    let limit = generator.records.unwrap_or(u64::MAX);
+    let mut next_checkpoint = topology
+        .checkpoints
+        .map(|c| (1u64, start + c.interval, c.interval, c.mode));
+    let mut emitted = Tally::default();
+    let mut record = Vec::with_capacity(generator.max_size);
+    let mut unreported = 0u64;
+    let mut result = Ok(());
+    let mut seq = 0u64;
+    while seq < limit {
+        if seq % 16 == 0 && (end.is_some() || next_checkpoint.is_some()) {
+            let now = Instant::now();
+            if end.is_some_and(|end| now >= end) {
+                break;
+            }
+            if let Some((id, due, interval, mode)) = next_checkpoint.as_mut() {
+                if now >= *due {
+                    let barrier = barrier_for(*mode, *id);
+                    if let Err(e) = outputs.iter_mut().try_for_each(|o| o.barrier(barrier)) {
+                        result = Err(e);
+                        break;
+                    }
+                    *id += 1;
+                    *due = (*due + *interval).max(now);
+                }
+            }
+        }
+        make_record(&generator, origin, seq, &mut record);
+        let checksum = record_checksum(&record);
+        if let Err(e) = outputs
+            .iter_mut()
+            .try_for_each(|o| o.emit(&record, checksum))
+        {
+            result = Err(e);
+            break;
+        }
+        emitted.add(checksum);
+        seq += 1;
+        unreported += 1;
+        if unreported == 32 {
+            progress.generated.fetch_add(unreported, Ordering::Relaxed);
+            unreported = 0;
+        }
+    }
+    progress.generated.fetch_add(unreported, Ordering::Relaxed);
+    report.records_out = emitted.records;
+    report.origins.push(OriginTally {
+        origin,
+        records: emitted.records,
+        checksum: emitted.checksum,
+    });
+    result
+}
+
+/// Per input channel: what came and what is checked.
+struct ChannelCheck {
+    channel: InputChannel,
+    from_stage: usize,
+    tally: Tally,
+    hash: bool,
+}
+
+/// The verifying state of a pass-through or sink subtask.
+struct Consumer<'a> {
+    topology: &'a Topology,
+    stage: usize,
+    subtask: usize,
+    sink: bool,
+    channels: Vec<ChannelCheck>,
+    /// Last sequence number per (channel, producer id), where order is guaranteed.
+    last: HashMap<u64, u64>,
+    origins: HashMap<u32, Tally>,
+    hash: KeyHashSelector<fn(&[u8]) -> u64>,
+    records_in: u64,
+    bytes_in: u64,
+    records_out: u64,
+    reorders: u64,
+    duplicates: u64,
+    corrupt: u64,
+    misrouted: u64,
+    checkpoints: u64,
+    last_checkpoint: u64,
+    barrier_errors: u64,
+    notes: Vec<String>,
+    delay: Duration,
+    owed: Duration,
+    progress: &'a Progress,
+    unreported: (u64, u64),
+}
+
+impl<'a> Consumer<'a> {
+    fn new(topology: &'a Topology, stage: usize, subtask: usize, progress: &'a Progress) -> Self {
+        let channels = topology
+            .input_channels(stage, subtask)
+            .into_iter()
+            .map(|channel| ChannelCheck {
+                channel,
+                from_stage: topology.edges[channel.edge].from,
+                tally: Tally::default(),
+                hash: topology.edges[channel.edge].partitioner == Partitioner::Hash,
+            })
+            .collect();
+        let parallelism = topology.stages[stage].parallelism;
+        Self {
+            topology,
+            stage,
+            subtask,
+            sink: topology.stages[stage].kind == StageKind::Sink,
+            channels,
+            last: HashMap::new(),
+            origins: HashMap::new(),
+            hash: KeyHashSelector::new(
+                record_key as fn(&[u8]) -> u64,
+                max_parallelism(parallelism),
+            ),
+            records_in: 0,
+            bytes_in: 0,
+            records_out: 0,
+            reorders: 0,
+            duplicates: 0,
+            corrupt: 0,
+            misrouted: 0,
+            checkpoints: 0,
+            last_checkpoint: 0,
+            barrier_errors: 0,
+            notes: Vec::new(),
+            delay: topology.stages[stage].delay_of(subtask),
+            owed: Duration::ZERO,
+            progress,
+            unreported: (0, 0),
+        }
+    }
+
+    fn note(&mut self, text: impl FnOnce() -> String) {
+        if self.notes.len() < MAX_NOTES {
+            self.notes.push(text());
+        }
+    }
+
+    /// Checks one record; returns its checksum.
+    fn record(&mut self, channel: usize, bytes: &[u8]) -> u64 {
+        self.records_in += 1;
+        self.bytes_in += bytes.len() as u64;
+        let checksum = record_checksum(bytes);
+        let check = &mut self.channels[channel];
+        check.tally.add(checksum);
+        let (producer, from_stage, hash) = (check.channel.producer, check.from_stage, check.hash);
+        let Some((origin, seq)) = record_header(bytes) else {
+            self.corrupt += 1;
+            self.note(|| {
+                format!(
+                    "channel {channel}: a record of {} bytes has no header",
+                    bytes.len()
+                )
+            });
+            return checksum;
+        };
+        if self.topology.in_order(from_stage, producer, origin) {
+            let key = (channel as u64) << 32 | u64::from(origin);
+            let previous = self.last.get(&key).copied();
+            match previous {
+                Some(previous) if seq == previous => {
+                    self.duplicates += 1;
+                    self.note(|| {
+                        format!("channel {channel}: producer {origin} sequence {seq} twice")
+                    });
+                }
+                Some(previous) if seq < previous => {
+                    self.reorders += 1;
+                    self.note(|| {
+                        format!(
+                            "channel {channel}: producer {origin} sequence {seq} after {previous}"
+                        )
+                    });
+                }
+                _ => {
+                    self.last.insert(key, seq);
+                }
+            }
+        }
+        if hash {
+            let channels = self.topology.stages[self.stage].parallelism;
+            if self.hash.select(bytes, channels) != Selection::Channel(self.subtask) {
+                self.misrouted += 1;
+                self.note(|| {
+                    format!("channel {channel}: producer {origin} sequence {seq} hashed elsewhere")
+                });
+            }
+        }
+        if self.sink {
+            let intact = self.topology.record_len(origin, seq) == Some(bytes.len())
+                && payload_intact(bytes, origin, seq);
+            if !intact {
+                self.corrupt += 1;
+                self.note(|| {
+                    format!(
+                        "channel {channel}: producer {origin} sequence {seq}: {} bytes, not what the generator wrote",
+                        bytes.len()
+                    )
+                });
+            }
+            self.origins.entry(origin).or_default().add(checksum);
+            self.unreported.0 += 1;
+            self.unreported.1 += bytes.len() as u64;
+            if self.unreported.0 >= 32 || self.unreported.1 >= 1 << 20 {
+                self.flush_progress();
+            }
+        }
+        if !self.delay.is_zero() {
+            self.owed += self.delay;
+            if self.owed >= Duration::from_millis(1) {
+                thread::sleep(self.owed);
+                self.owed = Duration::ZERO;
+            }
+        }
+        checksum
+    }
+
+    fn flush_progress(&mut self) {
+        let (records, bytes) = std::mem::take(&mut self.unreported);
+        self.progress
+            .sink_records
+            .fetch_add(records, Ordering::Relaxed);
+        self.progress.sink_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn barrier(&mut self, barrier: &CheckpointBarrier) {
+        if barrier.id <= self.last_checkpoint {
+            self.barrier_errors += 1;
+            let last = self.last_checkpoint;
+            self.note(|| format!("checkpoint {} handed over after {last}", barrier.id));
+        } else {
+            self.last_checkpoint = barrier.id;
+        }
+        self.checkpoints += 1;
+    }
+
+    fn finish(mut self, report: &mut SubtaskReport) {
+        self.flush_progress();
+        report.records_in = self.records_in;
+        report.bytes_in = self.bytes_in;
+        report.records_out = self.records_out;
+        report.reorders = self.reorders;
+        report.duplicates = self.duplicates;
+        report.corrupt = self.corrupt;
+        report.misrouted = self.misrouted;
+        report.checkpoints = self.checkpoints;
+        report.barrier_errors = self.barrier_errors;
+        report.received = self
+            .channels
+            .iter()
+            .map(|c| LinkTally {
+                edge: c.channel.edge,
+                peer: c.channel.producer,
+                records: c.tally.records,
+                checksum: c.tally.checksum,
+            })
+            .collect();
+        let mut origins: Vec<OriginTally> = self
+            .origins
+            .iter()
+            .map(|(&origin, t)| OriginTally {
+                origin,
+                records: t.records,
+                checksum: t.checksum,
+            })
+            .collect();
+        origins.sort_by_key(|o| o.origin);
+        report.origins = origins;
+        report.notes = self.notes;
+    }
+}
+
+/// Reads a gate to its end (barriers aligned as the topology says), checking every record and
+/// forwarding records and barriers to `outputs` (none for a sink).
+fn consume(
+    gate: SingleInputGate,
+    topology: &Topology,
+    stall: Duration,
+    max_record_bytes: usize,
+    consumer: &mut Consumer<'_>,
+    outputs: &mut [Output],
+    fault: Option<Fault>,
+) -> Result<(), String> {
+    let mode = match topology.checkpoints.map(|c| c.mode) {
+        Some(CheckpointMode::Unaligned | CheckpointMode::Mixed) => AlignmentMode::Unaligned,
+        _ => AlignmentMode::Aligned,
+    };
+    let channels = gate.channel_count();
+    let mut gate = CheckpointedInputGate::new(gate, mode, None);
+    let mut deserializers: Vec<RecordDeserializer> = (0..channels)
+        .map(|_| RecordDeserializer::new(max_record_bytes))
+        .collect();
+    let mut ended = vec![false; channels];
+    // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask.
+    let mut seen = 0u64;
+    let mut held: Option<(usize, Vec<u8>)> = None;
+    loop {
+        let item = match gate.next_until(Some(Instant::now() + stall)) {
+            Ok(Some(item)) => item,
+            Ok(None) => break,
+            Err(GateError::TimedOut) => {
+                let open: Vec<String> = (0..channels)
+                    .filter(|&c| !ended[c])
+                    .map(|c| c.to_string())
+                    .collect();
+                return Err(format!(
+                    "nothing received for {:.0} s (stalled); channels not ended: {}; gate: {}",
+                    stall.as_secs_f64(),
+                    open.join(", "),
+                    gate.gate().debug_summary()
+                ));
+            }
+            Err(e) => return Err(format!("input gate failed: {e}")),
+        };
+        let channel = item.channel;
+        match item.item {
+            GateItem::Buffer(buffer) => {
+                let deserializer = &mut deserializers[channel];
+                deserializer
+                    .set_next_buffer(buffer)
+                    .map_err(|e| format!("channel {channel}: {e}"))?;
+                while let Some(record) = deserializer
+                    .next_record()
+                    .map_err(|e| format!("channel {channel}: {e}"))?
+                {
+                    seen += 1;
+                    match fault.filter(|_| seen == FAULT_AT) {
+                        None => {}
+                        Some(Fault::Drop) => continue,
+                        Some(Fault::Duplicate) => handle(consumer, outputs, channel, record)?,
+                        Some(Fault::Reorder) => {
+                            held = Some((channel, record.to_vec()));
+                            continue;
+                        }
+                        Some(Fault::Corrupt) => {
+                            let mut copy = record.to_vec();
+                            let last = copy.len() - 1;
+                            copy[last] ^= 0x5A;
+                            handle(consumer, outputs, channel, &copy)?;
+                            continue;
+                        }
+                    }
+                    handle(consumer, outputs, channel, record)?;
+                    if held.as_ref().is_some_and(|(c, _)| *c == channel) {
+                        let (c, late) = held.take().expect("checked");
+                        handle(consumer, outputs, c, &late)?;
+                    }
+                }
+            }
+            GateItem::Event {
+                event: Event::EndOfPartition,
+                ..
+            } => {
+                if held.as_ref().is_some_and(|(c, _)| *c == channel) {
+                    let (c, late) = held.take().expect("checked");
+                    handle(consumer, outputs, c, &late)?;
+                }
+                deserializers[channel]
+                    .finish()
+                    .map_err(|e| format!("channel {channel}: {e}"))?;
+                ended[channel] = true;
+            }
+            GateItem::Event {
+                event: Event::CheckpointBarrier(barrier),
+                ..
+            } => {
+                consumer.barrier(&barrier);
+                for output in outputs.iter_mut() {
+                    output.barrier(barrier)?;
+                }
+            }
+            GateItem::Event { .. } => {}
+        }
+    }
+    if let Some(channel) = ended.iter().position(|e| !e) {
+        return Err(format!(
+            "the gate ended without EndOfPartition on channel {channel}"
+        ));
+    }
+    gate.gate_mut().close();
+    Ok(())
+}
+
+/// Checks one record and forwards it to every output.
+fn handle(
+    consumer: &mut Consumer<'_>,
+    outputs: &mut [Output],
+    channel: usize,
+    record: &[u8],
+) -> Result<(), String> {
+    let checksum = consumer.record(channel, record);
+    if !outputs.is_empty() {
+        for output in outputs.iter_mut() {
+            output.emit(record, checksum)?;
+        }
+        consumer.records_out += 1;
+    }
+    Ok(())
+}

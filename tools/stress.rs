@@ -1,0 +1,236 @@
+//! `fluxgate stress`: a bounded soak on a loopback cluster.
+//!
+//! Builds a topology in memory — a generator with one subtask per channel, rebalanced onto a
+//! sink with as many subtasks (so `channels × channels` producer → consumer links over `nodes`
+//! processes) — with random record sizes up to several segments, a random buffer timeout per
+//! producer, periodic checkpoint barriers (aligned, unaligned or both) and one slow sink
+//! subtask; runs it through `fluxgate cluster`'s machinery (one `fluxgate node` process per
+//! node), prints the sinks' throughput every second and the cluster's verification at the end.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::{Args, ValueEnum};
+use fluxgate::io::Transport;
+use fluxgate::NetworkConfig;
+
+use crate::cluster::{print_summary, secs, verify, Launch, TempDir};
+use crate::node::ProgressLine;
+use crate::topology::{
+    mix64, CheckpointMode, CheckpointSection, ClusterSection, EdgeSection, OneOrMany, Partitioner,
+    StageKind, StageSection, Topology, TopologyFile, HEADER,
+};
+
+/// Options of `fluxgate stress`.
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  fluxgate stress                                  # 64 x 64 channels over 4 nodes for 10 s
+  fluxgate stress --nodes 2 --channels 8 --duration 3 --checkpoints unaligned
+  fluxgate stress --seed 42 --keep                 # repeatable buffer timeouts, keep the logs")]
+pub struct StressArgs {
+    /// Node processes.
+    #[arg(long, default_value_t = 4)]
+    pub nodes: usize,
+    /// Generator and sink parallelism: channels x channels links.
+    #[arg(long, default_value_t = 64)]
+    pub channels: usize,
+    /// Seconds the generators emit.
+    #[arg(long, default_value_t = 10.0)]
+    pub duration: f64,
+    /// taskmanager.memory.segment-size.
+    #[arg(long, default_value = "8kb")]
+    pub segment_size: String,
+    /// Largest record, in segments (sizes are random from 12 bytes up to this).
+    #[arg(long, default_value_t = 3)]
+    pub max_record_segments: usize,
+    /// Checkpoint barriers: none, aligned, unaligned, or mixed (odd aligned, even unaligned).
+    #[arg(long, value_enum, default_value_t = Barriers::Mixed)]
+    pub checkpoints: Barriers,
+    /// Milliseconds between checkpoint barriers.
+    #[arg(long, default_value_t = 500)]
+    pub checkpoint_interval: u64,
+    /// Microseconds of work per record on sink subtask 0, a slow consumer (0: none).
+    #[arg(long, default_value_t = 20)]
+    pub slow_sink_us: u64,
+    /// Seed of the buffer timeouts (default: from the clock; printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// auto | uring | epoll.
+    #[arg(long)]
+    pub transport: Option<Transport>,
+    /// Seconds the whole run may take (default: duration + 60).
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Keep the rendezvous directory (topology, node logs and reports) and print where it is.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// Barrier choice of `stress`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Barriers {
+    /// No checkpoint barriers.
+    None,
+    /// Aligned barriers.
+    Aligned,
+    /// Unaligned barriers.
+    Unaligned,
+    /// Odd checkpoints aligned, even ones unaligned.
+    Mixed,
+}
+
+/// Buffer timeouts a producer may draw (ms; -1 only full buffers, 0 every record).
+const TIMEOUTS: [i64; 7] = [-1, 0, 1, 2, 5, 20, 100];
+
+/// Runs `fluxgate stress`.
+pub fn run(args: &StressArgs) -> Result<(), String> {
+    if args.nodes == 0 || args.channels == 0 {
+        return Err("--nodes and --channels must be at least 1".into());
+    }
+    if args.max_record_segments == 0 {
+        return Err("--max-record-segments must be at least 1".into());
+    }
+    let duration = secs("duration", args.duration)?;
+    if duration.is_zero() {
+        return Err("--duration must be above 0".into());
+    }
+    let timeout = match args.timeout {
+        Some(t) => secs("timeout", t)?,
+        None => duration + Duration::from_secs(60),
+    };
+    let mut network = NetworkConfig::default();
+    network
+        .set("taskmanager.memory.segment-size", &args.segment_size)
+        .map_err(|e| format!("--segment-size: {e}"))?;
+    let max_size = (network.segment_size * args.max_record_segments).max(HEADER);
+    let seed = args.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    let timeouts: Vec<i64> = (0..args.channels as u64)
+        .map(|i| TIMEOUTS[(mix64(seed ^ mix64(i)) % TIMEOUTS.len() as u64) as usize])
+        .collect();
+
+    let file = TopologyFile {
+        cluster: ClusterSection {
+            nodes: args.nodes,
+            base_port: 0,
+            transport: None,
+        },
+        network: [(
+            "taskmanager.memory.segment-size".to_string(),
+            toml::Value::String(args.segment_size.clone()),
+        )]
+        .into_iter()
+        .collect(),
+        checkpoints: match args.checkpoints {
+            Barriers::None => None,
+            mode => Some(CheckpointSection {
+                interval_ms: args.checkpoint_interval.max(1),
+                mode: match mode {
+                    Barriers::Aligned => CheckpointMode::Aligned,
+                    Barriers::Unaligned => CheckpointMode::Unaligned,
+                    _ => CheckpointMode::Mixed,
+                },
+            }),
+        },
+        stages: vec![
+            StageSection {
+                name: "generator".into(),
+                kind: StageKind::Generator,
+                parallelism: args.channels,
+                records: None,
+                duration_ms: Some(duration.as_millis().max(1) as u64),
+                record_size: None,
+                min_size: Some(HEADER),
+                max_size: Some(max_size),
+                delay_us: None,
+                slow_subtasks: None,
+            },
+            StageSection {
+                name: "sink".into(),
+                kind: StageKind::Sink,
+                parallelism: args.channels,
+                records: None,
+                duration_ms: None,
+                record_size: None,
+                min_size: None,
+                max_size: None,
+                delay_us: (args.slow_sink_us > 0).then_some(args.slow_sink_us),
+                slow_subtasks: (args.slow_sink_us > 0).then(|| vec![0]),
+            },
+        ],
+        edges: vec![EdgeSection {
+            from: "generator".into(),
+            to: "sink".into(),
+            partitioner: Partitioner::Rebalance,
+            buffer_timeout_ms: Some(OneOrMany::Many(timeouts.clone())),
+        }],
+    };
+    let topology = Topology::from_file(&file)?;
+    let text = toml::to_string(&file).map_err(|e| format!("writing the topology: {e}"))?;
+    let dir = TempDir::new(args.keep)?;
+    let path = dir.path().join("stress.toml");
+    std::fs::write(&path, text).map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+
+    let mut drawn = timeouts.clone();
+    drawn.sort_unstable();
+    drawn.dedup();
+    println!(
+        "stress: {} nodes, {} x {} channels (rebalance), {:.1} s, records {} B to {} KiB, segments {} KiB",
+        args.nodes,
+        args.channels,
+        args.channels,
+        duration.as_secs_f64(),
+        HEADER,
+        max_size / 1024,
+        network.segment_size / 1024,
+    );
+    println!(
+        "        buffer timeouts (ms) drawn from {:?}, checkpoints {}, slow sink: {}, seed {seed}",
+        drawn,
+        match args.checkpoints {
+            Barriers::None => "none".to_string(),
+            Barriers::Aligned => format!("aligned every {} ms", args.checkpoint_interval),
+            Barriers::Unaligned => format!("unaligned every {} ms", args.checkpoint_interval),
+            Barriers::Mixed => format!(
+                "aligned and unaligned in turn every {} ms",
+                args.checkpoint_interval
+            ),
+        },
+        if args.slow_sink_us > 0 {
+            format!("subtask 0 at {} us/record", args.slow_sink_us)
+        } else {
+            "none".into()
+        },
+    );
+    let launch = Launch {
+        topology_path: &path,
+        dir: dir.path(),
+        nodes: args.nodes,
+        timeout,
+        stall_timeout: 30.0,
+        transport: args.transport,
+        inject: None,
+    };
+    let mut last = (Duration::ZERO, 0u64, 0u64);
+    let outcome = launch.run(&mut |elapsed, progress: &[ProgressLine]| {
+        let records: u64 = progress.iter().map(|p| p.sink_records).sum();
+        let bytes: u64 = progress.iter().map(|p| p.sink_bytes).sum();
+        let dt = (elapsed - last.0).as_secs_f64().max(1e-9);
+        println!(
+            "  {:5.1} s  {:>10} records/s  {:>8.1} MiB/s  {:>12} records in total",
+            elapsed.as_secs_f64(),
+            format!("{:.0}", (records.saturating_sub(last.1)) as f64 / dt),
+            (bytes.saturating_sub(last.2)) as f64 / (1u64 << 20) as f64 / dt,
+            records
+        );
+        last = (elapsed, records, bytes);
+    })?;
+    let verification = verify(&topology, &outcome);
+    print_summary(&topology, &outcome, &verification);
+    if args.keep {
+        println!("topology, node logs and reports: {}", dir.path().display());
+    }
+    verification.verdict()
+}
