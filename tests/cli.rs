@@ -316,3 +316,73 @@ fn bench_prints_lines_with_the_baseline() {
         );
     }
 }
+
+#[test]
+fn the_hgrm_file_reads_back_as_the_printed_percentiles() {
+    let path = std::env::temp_dir().join(format!("fluxgate-cli-{}.hgrm", std::process::id()));
+    let path_text = path.to_str().expect("utf-8 temp path").to_owned();
+    let run = fluxgate(
+        &[
+            "bench",
+            "--format",
+            "lines",
+            "--duration",
+            "0.2",
+            "--latency-duration",
+            "0.5",
+            "--rate",
+            "2000",
+            "--no-baseline",
+            "--hgrm",
+            &path_text,
+        ],
+        LIMIT,
+    );
+    assert!(run.status.success(), "{}", run.all());
+    let printed = |name: &str| -> f64 {
+        run.stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no `{name}` line\n{}", run.all()))
+    };
+    let hgrm = std::fs::read_to_string(&path).expect("the .hgrm file");
+    let _ = std::fs::remove_file(&path);
+    // Rows: value, percentile, total count[, 1/(1-percentile)]; header and `#[` footer skipped.
+    let rows: Vec<(f64, f64, u64)> = hgrm
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            Some((
+                fields.first()?.parse().ok()?,
+                fields.get(1)?.parse().ok()?,
+                fields.get(2)?.parse().ok()?,
+            ))
+        })
+        .collect();
+    assert!(rows.len() > 10, "percentile rows\n{hgrm}");
+    assert!(rows
+        .windows(2)
+        .all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1 && w[0].2 <= w[1].2));
+    let at = |q: f64| {
+        rows.iter()
+            .find(|r| r.1 >= q)
+            .expect("a row at or past q")
+            .0
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 0.01 * b.max(1.0);
+    assert!(
+        close(at(0.5), printed("latency_p50_us")),
+        "p50\n{hgrm}\n{}",
+        run.all()
+    );
+    assert!(
+        close(at(0.99), printed("latency_p99_us")),
+        "p99\n{hgrm}\n{}",
+        run.all()
+    );
+    let last = rows.last().expect("rows");
+    assert_eq!(last.1, 1.0);
+    assert!(close(last.0, printed("latency_max_us")), "max\n{hgrm}");
+    assert!(hgrm.contains(&format!("Total count    = {:>12}", last.2)));
+}

@@ -30,6 +30,14 @@ enum Command {
 }
 
 fn main() {
+    // `RUST_LOG`-style filtering (e.g. `RUST_LOG=fluxgate=debug`); warnings and errors by default.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     // No subcommand runs the default benchmark, as the README's first command does.
     let command = cli
