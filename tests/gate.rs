@@ -643,3 +643,45 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
     });
     assert!(waker_state.1.load(Ordering::SeqCst) >= 1);
 }
+
+#[test]
+fn a_record_reader_reads_through_barrier_alignment() {
+    let f = fixture();
+    let mut a = f.producer(30, 1);
+    let mut b = f.producer(31, 1);
+    let mut gate = f.gate(&[(30, 0), (31, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    let mut reader = RecordReader::new(checkpointed, 1 << 20);
+    a.emit_record(&b"a0"[..], 0).unwrap();
+    a.broadcast_event(&barrier(5, Alignment::Aligned), false)
+        .unwrap();
+    a.emit_record(&b"a1"[..], 0).unwrap();
+    b.emit_record(&b"b0"[..], 0).unwrap();
+    b.broadcast_event(&barrier(5, Alignment::Aligned), false)
+        .unwrap();
+    a.finish().unwrap();
+    b.finish().unwrap();
+    let mut seen = Vec::new();
+    while let Some(item) = reader.next_timeout(LONG).unwrap() {
+        match item {
+            ReaderItem::Record { bytes, .. } => {
+                seen.push(String::from_utf8(bytes.to_vec()).unwrap())
+            }
+            ReaderItem::Event {
+                event: Event::CheckpointBarrier(b),
+                ..
+            } => seen.push(format!("barrier {}", b.id)),
+            ReaderItem::Event { .. } => {}
+        }
+    }
+    // One barrier, after every record before it on both channels and before "a1".
+    let barrier_at = seen
+        .iter()
+        .position(|s| s == "barrier 5")
+        .expect("the aligned barrier");
+    assert_eq!(seen.iter().filter(|s| s.starts_with("barrier")).count(), 1);
+    assert!(seen[..barrier_at].contains(&"a0".to_string()));
+    assert!(seen[..barrier_at].contains(&"b0".to_string()));
+    assert_eq!(seen[barrier_at + 1..], ["a1".to_string()]);
+}

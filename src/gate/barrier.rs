@@ -319,3 +319,38 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         Ok(())
     }
 }
+
+/// A checkpointed gate reads like any gate (so a `RecordReader` can sit on top of barrier
+/// alignment): barriers come out only when the task should see them.
+impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
+    fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        CheckpointedInputGate::poll_next(self)
+    }
+
+    fn next_until(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<BufferOrEvent>, GateError> {
+        CheckpointedInputGate::next_until(self, deadline)
+    }
+
+    fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError> {
+        self.gate.resume_consumption(channel)
+    }
+
+    fn channel_count(&self) -> usize {
+        self.gate.channel_count()
+    }
+
+    fn is_finished(&self) -> bool {
+        self.gate.is_finished()
+    }
+
+    fn is_channel_finished(&self, channel: usize) -> bool {
+        self.gate.is_channel_finished(channel)
+    }
+
+    fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        self.gate.handle_timeout(now)
+    }
+}

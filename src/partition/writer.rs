@@ -229,6 +229,16 @@ impl<S> RecordWriter<S> {
         self.partition.finish()
     }
 
+    /// The channel selector.
+    pub fn selector(&self) -> &S {
+        &self.selector
+    }
+
+    /// The channel selector, mutably.
+    pub fn selector_mut(&mut self) -> &mut S {
+        &mut self.selector
+    }
+
     /// The partition written to.
     pub fn partition(&self) -> &ResultPartition {
         &self.partition
