@@ -467,6 +467,7 @@ impl ClientConnection {
                 kind,
                 message,
             } => {
+                tracing::warn!(?receiver, ?kind, %message, "the producer reported a channel error");
                 if let Some(slot) = self.slot_of(receiver) {
                     let channel = self.channels[slot].take().expect("slot_of checked it");
                     let error = match kind {
@@ -493,6 +494,7 @@ impl ClientConnection {
     }
 
     fn fail_all(&mut self, error: &ProtocolError) {
+        tracing::warn!(%error, channels = self.channel_count(), "connection failed; failing its channels");
         for channel in self.channels.iter_mut().filter_map(Option::take) {
             channel.shared.fail(GateError::Transport {
                 channel: channel.shared.channel(),

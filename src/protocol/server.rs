@@ -377,6 +377,13 @@ impl ServerConnection {
             .create_view(request.partition, request.subpartition as usize, listener)
         {
             Ok(view) => {
+                tracing::debug!(
+                    receiver = ?request.receiver,
+                    partition = ?request.partition,
+                    subpartition = request.subpartition,
+                    credit = request.credit,
+                    "partition request served"
+                );
                 self.readers[slot as usize] = Some(Reader {
                     receiver: request.receiver,
                     view,
@@ -388,11 +395,21 @@ impl ServerConnection {
                 self.ready.enqueue(slot);
             }
             Err(PartitionError::PartitionNotFound(_)) if now < request.deadline => {
+                if !self.pending.iter().any(|p| p.receiver == request.receiver) {
+                    tracing::debug!(
+                        partition = ?request.partition,
+                        "partition request waits for its partition to be registered"
+                    );
+                }
                 let due = now + self.config.partition_request_retry;
                 self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
                 self.pending.push(request);
             }
             Err(PartitionError::PartitionNotFound(_)) => {
+                tracing::warn!(
+                    partition = ?request.partition,
+                    "partition not found within the partition-request timeout"
+                );
                 self.error_for(
                     request.receiver,
                     ErrorKind::PartitionNotFound,
@@ -510,6 +527,7 @@ impl ServerConnection {
     }
 
     fn fail(&mut self, error: &ProtocolError) {
+        tracing::warn!(%error, "closing a connection after a protocol error");
         self.release_all();
         self.outbound.clear_keeping_partial();
         let message = Message::ErrorResponse {
