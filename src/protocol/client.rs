@@ -494,7 +494,12 @@ impl ClientConnection {
     }
 
     fn fail_all(&mut self, error: &ProtocolError) {
-        tracing::warn!(%error, channels = self.channel_count(), "connection failed; failing its channels");
+        let channels = self.channel_count();
+        if channels > 0 {
+            tracing::warn!(%error, channels, "connection failed; failing its channels");
+        } else {
+            tracing::debug!(%error, "connection closed");
+        }
         for channel in self.channels.iter_mut().filter_map(Option::take) {
             channel.shared.fail(GateError::Transport {
                 channel: channel.shared.channel(),
