@@ -1,5 +1,7 @@
 //! Counters named as Flink names its network metrics.
 
+use std::fmt;
+
 use crate::sync::{AtomicU64, Ordering};
 
 /// A counter written by one thread and read by any: the writer's increment is a plain load and
@@ -41,5 +43,219 @@ impl OutputMetrics {
             return 0.0;
         }
         later.saturating_sub(earlier) as f64 / interval_nanos as f64 * 1000.0
+    }
+}
+
+/// A partition's output metrics at one moment (see
+/// [`ResultPartition::metrics_snapshot`](crate::partition::ResultPartition::metrics_snapshot)).
+/// Serialized and displayed with Flink's metric names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct OutputMetricsSnapshot {
+    /// `numRecordsOut`: records emitted (a broadcast record counts once).
+    #[serde(rename = "numRecordsOut")]
+    pub num_records_out: u64,
+    /// `numBytesOut`: bytes of finished buffers.
+    #[serde(rename = "numBytesOut")]
+    pub num_bytes_out: u64,
+    /// `numBuffersOut`: finished buffers.
+    #[serde(rename = "numBuffersOut")]
+    pub num_buffers_out: u64,
+    /// `outPoolUsage`: leased segments of the partition's pool over its maximum, 0 to 1.
+    #[serde(rename = "outPoolUsage")]
+    pub out_pool_usage: f64,
+    /// `accumulatedBackPressuredTimeMs`: total time the writer waited for a free buffer.
+    #[serde(rename = "accumulatedBackPressuredTimeMs")]
+    pub back_pressured_time_ms: u64,
+}
+
+impl OutputMetricsSnapshot {
+    /// `(Flink name, value)` of every field, in declaration order.
+    pub fn fields(&self) -> [(&'static str, f64); 5] {
+        [
+            ("numRecordsOut", self.num_records_out as f64),
+            ("numBytesOut", self.num_bytes_out as f64),
+            ("numBuffersOut", self.num_buffers_out as f64),
+            ("outPoolUsage", self.out_pool_usage),
+            (
+                "accumulatedBackPressuredTimeMs",
+                self.back_pressured_time_ms as f64,
+            ),
+        ]
+    }
+}
+
+impl fmt::Display for OutputMetricsSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "numRecordsOut={} numBytesOut={} numBuffersOut={} outPoolUsage={:.3} \
+             accumulatedBackPressuredTimeMs={}",
+            self.num_records_out,
+            self.num_bytes_out,
+            self.num_buffers_out,
+            self.out_pool_usage,
+            self.back_pressured_time_ms
+        )
+    }
+}
+
+/// A gate's input metrics at one moment (see
+/// [`SingleInputGate::metrics_snapshot`](crate::gate::SingleInputGate::metrics_snapshot)), summed
+/// over its channels. Serialized and displayed with Flink's metric names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct InputMetricsSnapshot {
+    /// `numBytesIn`: bytes of buffers and events read.
+    #[serde(rename = "numBytesIn")]
+    pub num_bytes_in: u64,
+    /// `numBuffersIn`: buffers and events read.
+    #[serde(rename = "numBuffersIn")]
+    pub num_buffers_in: u64,
+    /// `inPoolUsage`: leased segments of the gate's pool over its maximum, 0 to 1 (0 for a gate
+    /// of local channels only, which has no pool).
+    #[serde(rename = "inPoolUsage")]
+    pub in_pool_usage: f64,
+    /// `accumulatedIdleTimeMs`: total time the reader waited for data.
+    #[serde(rename = "accumulatedIdleTimeMs")]
+    pub idle_time_ms: u64,
+}
+
+impl InputMetricsSnapshot {
+    /// `(Flink name, value)` of every field, in declaration order.
+    pub fn fields(&self) -> [(&'static str, f64); 4] {
+        [
+            ("numBytesIn", self.num_bytes_in as f64),
+            ("numBuffersIn", self.num_buffers_in as f64),
+            ("inPoolUsage", self.in_pool_usage),
+            ("accumulatedIdleTimeMs", self.idle_time_ms as f64),
+        ]
+    }
+}
+
+impl fmt::Display for InputMetricsSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "numBytesIn={} numBuffersIn={} inPoolUsage={:.3} accumulatedIdleTimeMs={}",
+            self.num_bytes_in, self.num_buffers_in, self.in_pool_usage, self.idle_time_ms
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::buffer::NetworkBufferPool;
+    use crate::gate::{
+        ChannelLocation, ChannelSpec, ConsumedSubpartition, ReaderItem, RecordReader,
+        SingleInputGate,
+    };
+    use crate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
+    use crate::NetworkConfig;
+
+    // 300 × 104 bytes: eight 4 KiB buffers, under the subpartition's 10-buffer limit.
+    const RECORDS: u64 = 300;
+    const RECORD: [u8; 100] = [7; 100];
+
+    /// One partition of one subpartition, a gate reading it over a local channel; emits
+    /// `RECORDS` records, finishes, reads everything. Returns both snapshots taken after the
+    /// read and the snapshot of the partition taken before it.
+    fn exchange() -> (
+        OutputMetricsSnapshot,
+        OutputMetricsSnapshot,
+        InputMetricsSnapshot,
+    ) {
+        let mut config = NetworkConfig::default();
+        config
+            .set("taskmanager.memory.segment-size", "4kb")
+            .unwrap();
+        config.set("taskmanager.memory.network.max", "4mb").unwrap();
+        config.set("fluxgate.memory.arena-size", "1mb").unwrap();
+        let network = NetworkBufferPool::new(&config).unwrap();
+        let manager = Arc::new(PartitionManager::new());
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 0,
+        };
+        let mut partition = ResultPartition::new(id, 1, &network, &config).unwrap();
+        manager.register(partition.handle()).unwrap();
+        assert_eq!(
+            partition.metrics_snapshot(),
+            OutputMetricsSnapshot::default()
+        );
+        let spec = ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: id,
+                subpartition: 0,
+            },
+            location: ChannelLocation::Local,
+        };
+        let mut gate = SingleInputGate::new(vec![spec], manager, &network, &config);
+        gate.setup().unwrap();
+        gate.request_partitions(Instant::now()).unwrap();
+        assert_eq!(gate.metrics_snapshot(), InputMetricsSnapshot::default());
+        // Few enough records to fit the partition's pool: no reader needed while writing.
+        for _ in 0..RECORDS {
+            partition.emit_record(&RECORD[..], 0).unwrap();
+        }
+        partition.finish().unwrap();
+        let written = partition.metrics_snapshot();
+        let mut reader = RecordReader::new(gate, config.max_record_bytes);
+        let mut read = 0;
+        while let Some(item) = reader.next_timeout(Duration::from_secs(10)).unwrap() {
+            if let ReaderItem::Record { bytes, .. } = item {
+                assert_eq!(bytes, &RECORD[..]);
+                read += 1;
+            }
+        }
+        assert_eq!(read, RECORDS);
+        (
+            written,
+            partition.metrics_snapshot(),
+            reader.gate().metrics_snapshot(),
+        )
+    }
+
+    #[test]
+    fn snapshots_count_what_went_through() {
+        let (written, after, input) = exchange();
+        assert_eq!(written.num_records_out, RECORDS);
+        // Every record is a 4-byte length and 100 bytes; finish closes the last buffer.
+        assert_eq!(written.num_bytes_out, RECORDS * 104);
+        assert!(written.num_buffers_out >= RECORDS * 104 / 4096);
+        assert!(
+            written.out_pool_usage > 0.0 && written.out_pool_usage <= 1.0,
+            "{written}"
+        );
+        assert_eq!(written.back_pressured_time_ms, 0, "the pool never ran dry");
+        // Reading returns every segment: the counters stay, the usage drops to zero.
+        assert_eq!(after.num_records_out, RECORDS);
+        assert_eq!(after.out_pool_usage, 0.0, "{after}");
+        // Every data buffer plus the EndOfPartition event, and every byte of them.
+        assert!(input.num_buffers_in > 0);
+        assert!(input.num_buffers_in > written.num_buffers_out, "{input}");
+        assert!(input.num_bytes_in >= written.num_bytes_out, "{input}");
+        assert_eq!(
+            input.in_pool_usage, 0.0,
+            "local channels only: no gate pool"
+        );
+    }
+
+    #[test]
+    fn snapshots_speak_flinks_names() {
+        let (written, _, input) = exchange();
+        let json = serde_json::to_value(written).unwrap();
+        assert_eq!(json["numRecordsOut"], RECORDS);
+        for (name, _) in written.fields() {
+            assert!(json.get(name).is_some(), "{name} in {json}");
+            assert!(written.to_string().contains(&format!("{name}=")));
+        }
+        let json = serde_json::to_value(input).unwrap();
+        for (name, value) in input.fields() {
+            assert_eq!(json[name].as_f64(), Some(value), "{name} in {json}");
+            assert!(input.to_string().contains(&format!("{name}=")));
+        }
     }
 }

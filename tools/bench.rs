@@ -10,12 +10,16 @@
 //!   every record (`execution.buffer-timeout` = 0). Each record carries its *scheduled* send
 //!   time, so a stalled sender shows up in the histogram (no coordinated omission).
 
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
+use fluxgate::config::ConfigError;
 use fluxgate::gate::{ConsumedSubpartition, ReaderItem, RecordReader, SingleInputGate};
 use fluxgate::io::Transport;
+use fluxgate::metrics::{InputMetricsSnapshot, OutputMetricsSnapshot};
 use fluxgate::partition::{
     BroadcastSelector, BufferTimeout, ChannelSelector, ForwardSelector, KeyHashSelector,
     RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector, Selection,
@@ -23,6 +27,8 @@ use fluxgate::partition::{
 use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
 
 use crate::baseline;
+use crate::plot;
+use crate::progress::Progress;
 use hdrhistogram::Histogram;
 
 /// Options of `fluxgate bench`.
@@ -40,9 +46,9 @@ pub struct BenchArgs {
     /// How records are spread over the consumers.
     #[arg(long, value_enum, default_value_t = Partitioner::RoundRobin)]
     partitioner: Partitioner,
-    /// `taskmanager.memory.segment-size` in bytes.
-    #[arg(long, default_value_t = 32 * 1024)]
-    segment_size: usize,
+    /// `taskmanager.memory.segment-size` in bytes [default: 32768, or the --config file's].
+    #[arg(long)]
+    segment_size: Option<usize>,
     /// `execution.buffer-timeout` of the throughput run in ms: -1 flush only full buffers,
     /// 0 flush every record, N flush at most N ms after a write.
     #[arg(long, default_value_t = 100, allow_hyphen_values = true)]
@@ -74,7 +80,18 @@ pub struct BenchArgs {
     /// Write the engine's latency distribution (µs) in HdrHistogram's `.hgrm` text format,
     /// which HdrHistogram's plotter reads.
     #[arg(long, value_name = "FILE")]
-    hgrm: Option<std::path::PathBuf>,
+    hgrm: Option<PathBuf>,
+    /// Draw latency by percentile (log scale of 1/(1-p), as HdrHistogram's plotter does) of
+    /// the engine and the baseline to an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Print the final metrics of the throughput run's partitions and gates (Flink's names).
+    #[arg(long)]
+    metrics: bool,
+    /// A TOML file of Flink option names and values (e.g.
+    /// `"taskmanager.memory.segment-size" = "16kb"`), applied before the flags (flags win).
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -111,6 +128,13 @@ struct Figures {
     latency_samples: u64,
 }
 
+/// The final metrics of the throughput run: one snapshot per partition and per gate.
+#[derive(Debug, Default)]
+struct RunMetrics {
+    partitions: Vec<OutputMetricsSnapshot>,
+    gates: Vec<InputMetricsSnapshot>,
+}
+
 /// Runs the benchmark and prints its figures.
 pub fn run(args: &BenchArgs) -> Result<(), String> {
     if args.producers == 0 || args.consumers == 0 {
@@ -119,22 +143,50 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     if args.partitioner == Partitioner::Forward && args.producers != args.consumers {
         return Err("--partitioner forward needs as many producers as consumers".into());
     }
+    if args.plot.is_some() && args.rate == 0 {
+        return Err("--plot needs the latency run (--rate above 0)".into());
+    }
     let mut config = NetworkConfig::default();
-    config
-        .set(
-            "taskmanager.memory.segment-size",
-            &args.segment_size.to_string(),
-        )
-        .map_err(|e| e.to_string())?;
-    // Room for every partition's and gate's pool.
-    let pools =
-        args.producers * (args.consumers * 2 + 8) + args.consumers * (args.producers * 2 + 9);
-    let memory = (pools * args.segment_size * 2).max(64 << 20);
-    config
-        .set("taskmanager.memory.network.max", &memory.to_string())
-        .map_err(|e| e.to_string())?;
-    let mut engine = throughput(args, &config)?;
-    if args.rate > 0 {
+    let from_file = match &args.config {
+        Some(path) => apply_config_file(path, &mut config)?,
+        None => BTreeSet::new(),
+    };
+    if let Some(size) = args.segment_size {
+        config
+            .set("taskmanager.memory.segment-size", &size.to_string())
+            .map_err(|e| format!("--segment-size: {e}"))?;
+    }
+    if !from_file.contains("taskmanager.memory.network.max") {
+        // Room for every partition's and gate's pool.
+        let pools =
+            args.producers * (args.consumers * 2 + 8) + args.consumers * (args.producers * 2 + 9);
+        let memory = (pools * config.segment_size * 2).max(64 << 20);
+        config
+            .set("taskmanager.memory.network.max", &memory.to_string())
+            .map_err(|e| e.to_string())?;
+    }
+    let baseline_runs = !args.no_baseline;
+    let latency_runs = args.rate > 0;
+    let plan: Vec<(&'static str, Duration)> = [
+        ("throughput", args.duration, true),
+        ("latency", args.latency_duration, latency_runs),
+        ("baseline throughput", args.duration, baseline_runs),
+        (
+            "baseline latency",
+            args.latency_duration,
+            baseline_runs && latency_runs,
+        ),
+    ]
+    .into_iter()
+    .filter(|p| p.2)
+    .map(|(name, secs, _)| (name, Duration::try_from_secs_f64(secs).unwrap_or_default()))
+    .collect();
+    let progress = Progress::new(&plan);
+    progress.phase("throughput");
+    let (mut engine, metrics) = throughput(args, &config)?;
+    let mut engine_histogram = None;
+    if latency_runs {
+        progress.phase("latency");
         let histogram = latency(args, &config)?;
         engine.latency_us = Some(percentiles(&histogram));
         engine.latency_samples = histogram.len();
@@ -142,17 +194,92 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
             std::fs::write(path, hgrm(&histogram))
                 .map_err(|e| format!("writing {}: {e}", path.display()))?;
         }
+        engine_histogram = Some(histogram);
     }
-    let baseline = if args.no_baseline {
-        None
+    let (baseline, baseline_histogram) = if baseline_runs {
+        let (figures, histogram) = baseline_figures(args, &progress)?;
+        (Some(figures), histogram)
     } else {
-        Some(baseline_figures(args)?)
+        (None, None)
     };
-    print(args, &engine, baseline.as_ref());
+    drop(progress);
+    if let (Some(path), Some(engine_histogram)) = (&args.plot, &engine_histogram) {
+        let mut series = vec![("fluxgate", engine_histogram)];
+        if let Some(histogram) = &baseline_histogram {
+            series.push(("raw TCP baseline", histogram));
+        }
+        let title = format!(
+            "fluxgate bench: latency by percentile ({} records/s, {} B records)",
+            args.rate, args.record_size
+        );
+        plot::write_svg(path, &title, &series)?;
+    }
+    let metrics = args.metrics.then_some(&metrics);
+    print(args, &config, &engine, baseline.as_ref(), metrics);
     Ok(())
 }
 
-fn baseline_figures(args: &BenchArgs) -> Result<Figures, String> {
+/// Applies a TOML file of Flink option names to `config`; returns the names it set. Nested
+/// tables join their keys with dots, so `taskmanager.memory.segment-size = "16kb"` (a dotted
+/// key) and the quoted `"taskmanager.memory.segment-size" = "16kb"` mean the same.
+fn apply_config_file(path: &Path, config: &mut NetworkConfig) -> Result<BTreeSet<String>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read config file `{}`: {e}", path.display()))?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| {
+        format!(
+            "config file `{}`: {}",
+            path.display(),
+            e.to_string().trim_end()
+        )
+    })?;
+    let mut options = Vec::new();
+    flatten("", &table, &mut options);
+    let mut set = BTreeSet::new();
+    for (key, value) in options {
+        let text = match value {
+            toml::Value::String(s) => s.clone(),
+            toml::Value::Integer(i) => i.to_string(),
+            other => {
+                return Err(format!(
+                    "config file `{}`: `{key}`: expected a string or an integer, got {}",
+                    path.display(),
+                    other.type_str()
+                ))
+            }
+        };
+        config.set(&key, &text).map_err(|e| match e {
+            ConfigError::UnknownOption(_) => format!(
+                "config file `{}`: {e} (known options: {})",
+                path.display(),
+                NetworkConfig::OPTIONS.join(", ")
+            ),
+            _ => format!("config file `{}`: {e}", path.display()),
+        })?;
+        set.insert(key);
+    }
+    Ok(set)
+}
+
+/// The leaves of `table` as (dotted key, value).
+fn flatten<'a>(prefix: &str, table: &'a toml::Table, out: &mut Vec<(String, &'a toml::Value)>) {
+    for (key, value) in table {
+        let key = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        match value {
+            toml::Value::Table(inner) => flatten(&key, inner, out),
+            leaf => out.push((key, leaf)),
+        }
+    }
+}
+
+fn baseline_figures(
+    args: &BenchArgs,
+    progress: &Progress,
+) -> Result<(Figures, Option<Histogram<u64>>), String> {
+    progress.phase("baseline throughput");
     let cpu_started = cpu_time();
     let moved = baseline::throughput(args.record_size, Duration::from_secs_f64(args.duration))
         .map_err(|e| format!("baseline: {e}"))?;
@@ -165,7 +292,9 @@ fn baseline_figures(args: &BenchArgs) -> Result<Figures, String> {
         cpu_ns_per_record: cpu * 1e9 / moved.records.max(1) as f64,
         ..Figures::default()
     };
+    let mut latencies = None;
     if args.rate > 0 {
+        progress.phase("baseline latency");
         let histogram = baseline::latency(
             args.record_size,
             args.rate,
@@ -174,8 +303,9 @@ fn baseline_figures(args: &BenchArgs) -> Result<Figures, String> {
         .map_err(|e| format!("baseline latency: {e}"))?;
         figures.latency_us = Some(percentiles(&histogram));
         figures.latency_samples = histogram.len();
+        latencies = Some(histogram);
     }
-    Ok(figures)
+    Ok((figures, latencies))
 }
 
 /// The percentile distribution as Java HdrHistogram's `outputPercentileDistribution` prints
@@ -350,7 +480,7 @@ fn selector(partitioner: Partitioner, producer: usize) -> AnySelector {
     }
 }
 
-fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, String> {
+fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<(Figures, RunMetrics), String> {
     let exchange = Exchange::new(args, config)?;
     let partitions = (0..args.producers)
         .map(|p| exchange.partition(p, args.consumers))
@@ -362,11 +492,13 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, Strin
     let timeout = BufferTimeout::from_millis(args.buffer_timeout);
     let started = Instant::now();
     let cpu_started = cpu_time();
-    let consumed: Vec<Result<(u64, u64), String>> = thread::scope(|scope| {
+    let mut metrics = RunMetrics::default();
+    let consumed: Vec<Result<(u64, u64, InputMetricsSnapshot), String>> = thread::scope(|scope| {
+        let mut writers = Vec::with_capacity(partitions.len());
         for (index, partition) in partitions.into_iter().enumerate() {
             let partitioner = args.partitioner;
             let record_size = args.record_size;
-            scope.spawn(move || {
+            writers.push(scope.spawn(move || {
                 let mut writer =
                     RecordWriter::new(partition, selector(partitioner, index), timeout);
                 let mut record = vec![0u8; record_size];
@@ -380,7 +512,9 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, Strin
                     }
                 }
                 writer.finish().expect("local exchange alive");
-            });
+                // Kept until the consumers are done, for the final snapshot.
+                writer
+            }));
         }
         let readers: Vec<_> = gates
             .into_iter()
@@ -396,37 +530,50 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<Figures, Strin
                                 bytes += record.len() as u64;
                             }
                             Ok(Some(ReaderItem::Event { .. })) => {}
-                            Ok(None) => return Ok((records, bytes)),
+                            Ok(None) => {
+                                return Ok((records, bytes, reader.gate().metrics_snapshot()))
+                            }
                             Err(error) => return Err(error.to_string()),
                         }
                     }
                 })
             })
             .collect();
-        readers
+        let mut consumed: Vec<_> = readers
             .into_iter()
             .map(|r| r.join().unwrap_or_else(|_| Err("consumer panicked".into())))
-            .collect()
+            .collect();
+        for writer in writers {
+            match writer.join() {
+                Ok(writer) => metrics
+                    .partitions
+                    .push(writer.partition().metrics_snapshot()),
+                Err(_) => consumed.push(Err("producer panicked".into())),
+            }
+        }
+        consumed
     });
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_time().saturating_sub(cpu_started).as_secs_f64();
     let mut records = 0;
     let mut bytes = 0;
     for result in consumed {
-        let (r, b) = result?;
+        let (r, b, gate) = result?;
         records += r;
         bytes += b;
+        metrics.gates.push(gate);
     }
     if !exchange.pools_full() {
         return Err("segments were not returned to their pools".into());
     }
-    Ok(Figures {
+    let figures = Figures {
         records,
         records_per_sec: records as f64 / elapsed,
         payload_gb_per_sec: bytes as f64 / elapsed / 1e9,
         cpu_ns_per_record: cpu * 1e9 / records.max(1) as f64,
         ..Figures::default()
-    })
+    };
+    Ok((figures, metrics))
 }
 
 /// Fixed-rate 1 → 1 run; returns p50, p99, p99.9 and max in µs, and the sample count.
@@ -492,7 +639,13 @@ pub(crate) fn pace(epoch: Instant, scheduled: Duration) {
     }
 }
 
-fn print(args: &BenchArgs, engine: &Figures, baseline: Option<&Figures>) {
+fn print(
+    args: &BenchArgs,
+    config: &NetworkConfig,
+    engine: &Figures,
+    baseline: Option<&Figures>,
+    run_metrics: Option<&RunMetrics>,
+) {
     let mode = if args.local {
         "local exchange (one process)".to_string()
     } else {
@@ -520,7 +673,7 @@ fn print(args: &BenchArgs, engine: &Figures, baseline: Option<&Figures>) {
                 args.consumers,
                 args.partitioner,
                 args.record_size,
-                args.segment_size
+                config.segment_size
             );
             println!(
                 "  throughput {:.1} s (buffer timeout {} ms); latency {} records/s for {:.1} s, flush every record",
@@ -563,8 +716,69 @@ fn print(args: &BenchArgs, engine: &Figures, baseline: Option<&Figures>) {
                     fields.push(format!("\"baseline_{name}\":{value:.3}"));
                 }
             }
+            if let Some(run_metrics) = run_metrics {
+                fields.push(format!("\"metrics\":{}", metrics_json(run_metrics)));
+            }
             println!("{{\"records\":{},{}}}", engine.records, fields.join(","));
+            return;
         }
+    }
+    if let Some(run_metrics) = run_metrics {
+        print_metrics(args.format, run_metrics);
+    }
+}
+
+/// `{"partitions": [...], "gates": [...]}` with Flink's names.
+fn metrics_json(metrics: &RunMetrics) -> serde_json::Value {
+    serde_json::json!({
+        "partitions": metrics.partitions,
+        "gates": metrics.gates,
+    })
+}
+
+/// The unit of a metric in `--format lines`, from its Flink name.
+fn metric_unit(name: &str) -> &'static str {
+    if name.starts_with("numRecords") {
+        "records"
+    } else if name.starts_with("numBytes") {
+        "bytes"
+    } else if name.starts_with("numBuffers") {
+        "buffers"
+    } else if name.ends_with("PoolUsage") {
+        "ratio"
+    } else {
+        "ms"
+    }
+}
+
+/// `--metrics`: the final snapshots of the throughput run's partitions and gates.
+fn print_metrics(format: Format, metrics: &RunMetrics) {
+    match format {
+        Format::Table => {
+            println!("  metrics of the throughput run (Flink's names)");
+            for (index, snapshot) in metrics.partitions.iter().enumerate() {
+                println!("  partition {index:<3} {snapshot}");
+            }
+            for (index, snapshot) in metrics.gates.iter().enumerate() {
+                println!("  gate {index:<8} {snapshot}");
+            }
+        }
+        Format::Lines => {
+            let partitions = metrics
+                .partitions
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| s.fields().map(|f| ("partition", i, f)));
+            let gates = metrics
+                .gates
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| s.fields().map(|f| ("gate", i, f)));
+            for (scope, index, (name, value)) in partitions.chain(gates) {
+                println!("{scope}.{index}.{name} {value} {}", metric_unit(name));
+            }
+        }
+        Format::Json => println!("{}", metrics_json(metrics)),
     }
 }
 

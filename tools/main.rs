@@ -4,6 +4,8 @@ mod baseline;
 mod bench;
 mod cluster;
 mod node;
+mod plot;
+mod progress;
 mod stress;
 mod topology;
 

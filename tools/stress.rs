@@ -15,6 +15,7 @@ use fluxgate::NetworkConfig;
 
 use crate::cluster::{print_summary, secs, verify, Launch, TempDir};
 use crate::node::ProgressLine;
+use crate::progress::Progress;
 use crate::topology::{
     mix64, CheckpointMode, CheckpointSection, ClusterSection, EdgeSection, OneOrMany, Partitioner,
     StageKind, StageSection, Topology, TopologyFile, HEADER,
@@ -214,19 +215,26 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         inject: None,
     };
     let mut last = (Duration::ZERO, 0u64, 0u64);
+    // On a terminal, a bar over the generators' time; the lines print above it.
+    let bar = Progress::new(&[("stress", duration)]);
+    bar.phase("stress");
     let outcome = launch.run(&mut |elapsed, progress: &[ProgressLine]| {
         let records: u64 = progress.iter().map(|p| p.sink_records).sum();
         let bytes: u64 = progress.iter().map(|p| p.sink_bytes).sum();
         let dt = (elapsed - last.0).as_secs_f64().max(1e-9);
-        println!(
-            "  {:5.1} s  {:>10} records/s  {:>8.1} MiB/s  {:>12} records in total",
-            elapsed.as_secs_f64(),
-            format!("{:.0}", (records.saturating_sub(last.1)) as f64 / dt),
-            (bytes.saturating_sub(last.2)) as f64 / (1u64 << 20) as f64 / dt,
-            records
-        );
+        bar.suspend(|| {
+            println!(
+                "  {:5.1} s  {:>10} records/s  {:>8.1} MiB/s  {:>12} records in total",
+                elapsed.as_secs_f64(),
+                format!("{:.0}", (records.saturating_sub(last.1)) as f64 / dt),
+                (bytes.saturating_sub(last.2)) as f64 / (1u64 << 20) as f64 / dt,
+                records
+            )
+        });
         last = (elapsed, records, bytes);
-    })?;
+    });
+    drop(bar);
+    let outcome = outcome?;
     let verification = verify(&topology, &outcome);
     print_summary(&topology, &outcome, &verification);
     if args.keep {

@@ -18,7 +18,7 @@ use super::{
 use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool};
 use crate::config::NetworkConfig;
 use crate::event::Event;
-use crate::metrics::Counter;
+use crate::metrics::{Counter, InputMetricsSnapshot};
 use crate::partition::PartitionManager;
 
 /// How long a blocked reader sleeps at most before it looks at due partition-request retries.
@@ -289,6 +289,27 @@ impl SingleInputGate {
     /// Idle time and other gate metrics.
     pub fn metrics(&self) -> &GateMetrics {
         &self.metrics
+    }
+
+    /// The gate's metrics now, with Flink's names: `numBytesIn` and `numBuffersIn` summed over
+    /// the channels, `inPoolUsage` and the idle time.
+    pub fn metrics_snapshot(&self) -> InputMetricsSnapshot {
+        let (num_bytes_in, num_buffers_in) = self
+            .channels
+            .iter()
+            .filter_map(InputChannel::metrics)
+            .fold((0, 0), |(bytes, buffers), m| {
+                (
+                    bytes + m.num_bytes_in.get(),
+                    buffers + m.num_buffers_in.get(),
+                )
+            });
+        InputMetricsSnapshot {
+            num_bytes_in,
+            num_buffers_in,
+            in_pool_usage: self.pool_usage(),
+            idle_time_ms: self.metrics.idle_nanos.get() / 1_000_000,
+        }
     }
 
     /// True after `close`.

@@ -11,7 +11,7 @@ use crate::buffer::{
 };
 use crate::config::NetworkConfig;
 use crate::event::Event;
-use crate::metrics::OutputMetrics;
+use crate::metrics::{OutputMetrics, OutputMetricsSnapshot};
 use crate::record::{self, Record, RecordError, SegmentSink};
 
 /// Builder requests for segments not counted against one subpartition (events, broadcast).
@@ -174,6 +174,20 @@ impl ResultPartition {
     /// The partition's buffer pool (`outPoolUsage` is its usage).
     pub fn pool(&self) -> &LocalBufferPool {
         &self.pool
+    }
+
+    /// The partition's metrics now, with Flink's names: the counters of the shared
+    /// [`PartitionHandle::metrics`] plus `outPoolUsage` and the back-pressured time, which come
+    /// from the pool this partition owns (so the snapshot is taken here, not on the handle).
+    pub fn metrics_snapshot(&self) -> OutputMetricsSnapshot {
+        let metrics = self.handle.metrics();
+        OutputMetricsSnapshot {
+            num_records_out: metrics.num_records_out.get(),
+            num_bytes_out: metrics.num_bytes_out.get(),
+            num_buffers_out: metrics.num_buffers_out.get(),
+            out_pool_usage: self.pool.usage(),
+            back_pressured_time_ms: self.pool.blocked_nanos() / 1_000_000,
+        }
     }
 
     /// Serializes `record` into subpartition `target`. Blocks while no buffer is free (the
