@@ -22,12 +22,26 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Measure throughput of the data path (the default command).
+    #[command(after_help = "Examples:
+  fluxgate bench                                   remote 1→1, 8-byte records, with the raw-TCP baseline
+  fluxgate bench --record-size 1024 --transport epoll --format lines
+  fluxgate bench --local --producers 4 --consumers 4 --partitioner hash
+  fluxgate bench --rate 10000 --hgrm latency.hgrm --plot latency.svg --metrics
+  fluxgate bench --config network.toml             Flink option names, e.g. \"taskmanager.memory.segment-size\" = \"64kb\"")]
     Bench(bench::BenchArgs),
     /// Run a topology on a loopback cluster of node processes and verify every record.
+    #[command(after_help = "Examples:
+  fluxgate cluster examples/topologies/three-node.toml
+  fluxgate cluster my-job.toml --timeout 120 --keep")]
     Cluster(cluster::ClusterArgs),
     /// Run one node of a cluster (what `cluster` starts; or one per host with --peers).
+    #[command(after_help = "Example (one per host, same topology file everywhere):
+  fluxgate node --topology job.toml --index 0 --peers hosts.txt")]
     Node(node::NodeArgs),
     /// A bounded soak: many channels, random record sizes and buffer timeouts, barriers.
+    #[command(after_help = "Examples:
+  fluxgate stress                                  4 nodes, 64×64 channels, 10 s
+  fluxgate stress --nodes 2 --channels 16 --duration 5")]
     Stress(stress::StressArgs),
 }
 
