@@ -178,3 +178,38 @@ pub struct ConsumedSubpartition {
     /// Which of its subpartitions.
     pub subpartition: usize,
 }
+
+/// How often a blocked reader looks at due partition-request retries at the latest.
+const RETRY_CHECK: Duration = Duration::from_millis(100);
+
+/// The blocking read both gate kinds share: poll, and between polls sleep on `wait` until
+/// data, the next due retry (`next_retry`), the deadline or `RETRY_CHECK`, whichever is first.
+/// `idle` hears how long each sleep took.
+pub(crate) fn read_until<G: InputGate>(
+    gate: &mut G,
+    deadline: Option<Instant>,
+    next_retry: impl Fn(&G) -> Option<Instant>,
+    wait: impl Fn(&G, Duration),
+    mut idle: impl FnMut(&mut G, Duration),
+) -> Result<Option<BufferOrEvent>, GateError> {
+    loop {
+        if let Some(item) = gate.poll_next()? {
+            return Ok(Some(item));
+        }
+        if gate.is_finished() {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            return Err(GateError::TimedOut);
+        }
+        let until =
+            |due: Option<Instant>| due.map_or(RETRY_CHECK, |d| d.saturating_duration_since(now));
+        let sleep = until(next_retry(gate))
+            .min(until(deadline))
+            .min(RETRY_CHECK);
+        wait(gate, sleep);
+        idle(gate, now.elapsed());
+        gate.handle_timeout(Instant::now())?;
+    }
+}

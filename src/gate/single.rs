@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::poll_fn;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::channel::{
     Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel,
@@ -20,9 +20,6 @@ use crate::config::NetworkConfig;
 use crate::event::Event;
 use crate::metrics::{Counter, InputMetricsSnapshot};
 use crate::partition::PartitionManager;
-
-/// How long a blocked reader sleeps at most before it looks at due partition-request retries.
-const RETRY_CHECK: Duration = Duration::from_millis(100);
 
 /// One channel of a gate as the scheduler describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -477,26 +474,13 @@ impl InputGate for SingleInputGate {
         &mut self,
         deadline: Option<Instant>,
     ) -> Result<Option<BufferOrEvent>, GateError> {
-        loop {
-            if let Some(item) = self.poll_next()? {
-                return Ok(Some(item));
-            }
-            if self.is_finished() {
-                return Ok(None);
-            }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
-                return Err(GateError::TimedOut);
-            }
-            let wait = self
-                .poll_timeout()
-                .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now))
-                .min(RETRY_CHECK)
-                .min(deadline.map_or(RETRY_CHECK, |d| d.saturating_duration_since(now)));
-            self.queue.wait(wait);
-            self.metrics.idle_nanos.add(now.elapsed().as_nanos() as u64);
-            self.handle_timeout(Instant::now())?;
-        }
+        super::read_until(
+            self,
+            deadline,
+            SingleInputGate::poll_timeout,
+            |gate, sleep| gate.queue.wait(sleep),
+            |gate, idle| gate.metrics.idle_nanos.add(idle.as_nanos() as u64),
+        )
     }
 
     fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError> {

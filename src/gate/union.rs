@@ -3,14 +3,11 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::queue::ChannelQueue;
 use super::single::SingleInputGate;
 use super::{BufferOrEvent, GateError, InputGate};
-
-/// How long a blocked reader sleeps at most before it looks at due partition-request retries.
-const RETRY_CHECK: Duration = Duration::from_millis(100);
 
 /// Gates behind one reader: gate 0's channels are `0..n0`, gate 1's `n0..n0+n1`, and so on.
 /// A gate with data waits in a FIFO of gates, so each gate gets its turn.
@@ -108,28 +105,13 @@ impl InputGate for UnionInputGate {
         &mut self,
         deadline: Option<Instant>,
     ) -> Result<Option<BufferOrEvent>, GateError> {
-        loop {
-            if let Some(item) = self.poll_next()? {
-                return Ok(Some(item));
-            }
-            if self.is_finished() {
-                return Ok(None);
-            }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
-                return Err(GateError::TimedOut);
-            }
-            let wait = self
-                .gates
-                .iter()
-                .filter_map(|g| g.poll_timeout())
-                .min()
-                .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now))
-                .min(RETRY_CHECK)
-                .min(deadline.map_or(RETRY_CHECK, |d| d.saturating_duration_since(now)));
-            self.queue.wait(wait);
-            self.handle_timeout(Instant::now())?;
-        }
+        super::read_until(
+            self,
+            deadline,
+            |union| union.gates.iter().filter_map(|g| g.poll_timeout()).min(),
+            |union, sleep| union.queue.wait(sleep),
+            |_, _| {},
+        )
     }
 
     fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError> {
