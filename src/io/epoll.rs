@@ -17,7 +17,7 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
-use super::{Command, IoWaker};
+use super::{Command, DriverHandle, IoWaker, WakeFn};
 use crate::partition::PartitionManager;
 use crate::protocol::{ClientConnection, ServerConnection};
 
@@ -31,16 +31,13 @@ const MAX_SLICES: usize = 64;
 
 /// A running epoll I/O thread.
 pub struct EpollDriver {
-    commands: Arc<ArrayQueue<Command>>,
-    waker: Arc<IoWaker<Box<dyn Fn() + Send + Sync>>>,
-    thread: Option<thread::JoinHandle<()>>,
-    local_addr: SocketAddr,
+    handle: DriverHandle,
 }
 
 impl std::fmt::Debug for EpollDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EpollDriver")
-            .field("local_addr", &self.local_addr)
+            .field("local_addr", &self.handle.local_addr)
             .finish()
     }
 }
@@ -58,7 +55,7 @@ impl EpollDriver {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let mio_waker = mio::Waker::new(poll.registry(), WAKER)?;
-        let waker: Arc<IoWaker<Box<dyn Fn() + Send + Sync>>> = Arc::new(IoWaker {
+        let waker: Arc<IoWaker<WakeFn>> = Arc::new(IoWaker {
             parked: std::sync::atomic::AtomicBool::new(false),
             wake: Box::new(move || {
                 // A failed wake leaves the thread to its bounded park.
@@ -82,45 +79,23 @@ impl EpollDriver {
             .name("fluxgate-io-epoll".into())
             .spawn(move || io_loop.run())?;
         Ok(Self {
-            commands,
-            waker,
-            thread: Some(thread),
-            local_addr,
+            handle: DriverHandle {
+                commands,
+                waker,
+                thread: Some(thread),
+                local_addr,
+            },
         })
     }
 
     /// The address the server listens on (port 0 resolved).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        self.handle.local_addr
     }
 
-    /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
-    pub(crate) fn submit(&self, mut command: Command) {
-        // Bounded: the I/O thread drains the queue every loop turn.
-        for _ in 0..10_000 {
-            match self.commands.push(command) {
-                Ok(()) => break,
-                Err(back) => {
-                    command = back;
-                    self.wake();
-                    thread::sleep(Duration::from_millis(1));
-                }
-            }
-        }
-        self.wake();
-    }
-
-    fn wake(&self) {
-        (self.waker.wake)();
-    }
-}
-
-impl Drop for EpollDriver {
-    fn drop(&mut self) {
-        self.submit(Command::Shutdown);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+    /// Hands a command to the I/O thread.
+    pub(crate) fn submit(&self, command: Command) {
+        self.handle.submit(command);
     }
 }
 
@@ -138,7 +113,7 @@ struct Loop {
     peers: HashMap<(SocketAddr, usize), Token>,
     next_token: usize,
     commands: Arc<ArrayQueue<Command>>,
-    waker: Arc<IoWaker<Box<dyn Fn() + Send + Sync>>>,
+    waker: Arc<IoWaker<WakeFn>>,
     std_waker: Waker,
     config: DriverConfig,
     manager: Arc<PartitionManager>,

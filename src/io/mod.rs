@@ -19,7 +19,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Wake;
+use std::thread;
 use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
 
 use crate::buffer::NetworkBufferPool;
 use crate::gate::RemoteChannelShared;
@@ -91,6 +94,45 @@ impl fmt::Debug for Command {
             Command::Connect { peer, .. } => write!(f, "Connect({peer})"),
             Command::Dump(_) => f.write_str("Dump"),
             Command::Shutdown => f.write_str("Shutdown"),
+        }
+    }
+}
+
+/// The wake-up action of a parked I/O thread (an eventfd or mio waker write).
+pub(crate) type WakeFn = Box<dyn Fn() + Send + Sync>;
+
+/// What task threads hold of a running I/O thread (either driver): its command queue, its
+/// waker and the thread. Dropping it shuts the thread down and waits for it.
+pub(crate) struct DriverHandle {
+    pub(crate) commands: Arc<ArrayQueue<Command>>,
+    pub(crate) waker: Arc<IoWaker<WakeFn>>,
+    pub(crate) thread: Option<thread::JoinHandle<()>>,
+    pub(crate) local_addr: SocketAddr,
+}
+
+impl DriverHandle {
+    /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
+    pub(crate) fn submit(&self, mut command: Command) {
+        // Bounded: the I/O thread drains the queue every loop turn.
+        for _ in 0..10_000 {
+            match self.commands.push(command) {
+                Ok(()) => break,
+                Err(back) => {
+                    command = back;
+                    (self.waker.wake)();
+                    thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        (self.waker.wake)();
+    }
+}
+
+impl Drop for DriverHandle {
+    fn drop(&mut self) {
+        self.submit(Command::Shutdown);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
         }
     }
 }

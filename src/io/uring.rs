@@ -38,7 +38,7 @@ use crossbeam_queue::ArrayQueue;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
-use super::{Command, DriverConfig, IoWaker};
+use super::{Command, DriverConfig, DriverHandle, IoWaker, WakeFn};
 use crate::partition::PartitionManager;
 use crate::protocol::{ClientConnection, ServerConnection};
 
@@ -175,20 +175,15 @@ fn eventfd() -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-type WakeFn = Box<dyn Fn() + Send + Sync>;
-
 /// A running io_uring I/O thread.
 pub struct UringDriver {
-    commands: Arc<ArrayQueue<Command>>,
-    waker: Arc<IoWaker<WakeFn>>,
-    thread: Option<thread::JoinHandle<()>>,
-    local_addr: SocketAddr,
+    handle: DriverHandle,
 }
 
 impl std::fmt::Debug for UringDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UringDriver")
-            .field("local_addr", &self.local_addr)
+            .field("local_addr", &self.handle.local_addr)
             .finish()
     }
 }
@@ -242,45 +237,23 @@ impl UringDriver {
             return Err(error);
         }
         Ok(Self {
-            commands,
-            waker,
-            thread: Some(thread),
-            local_addr,
+            handle: DriverHandle {
+                commands,
+                waker,
+                thread: Some(thread),
+                local_addr,
+            },
         })
     }
 
     /// The address the server listens on (port 0 resolved).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        self.handle.local_addr
     }
 
-    /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
-    pub(crate) fn submit(&self, mut command: Command) {
-        // Bounded: the I/O thread drains the queue every loop turn.
-        for _ in 0..10_000 {
-            match self.commands.push(command) {
-                Ok(()) => break,
-                Err(back) => {
-                    command = back;
-                    self.wake();
-                    thread::sleep(Duration::from_millis(1));
-                }
-            }
-        }
-        self.wake();
-    }
-
-    fn wake(&self) {
-        (self.waker.wake)();
-    }
-}
-
-impl Drop for UringDriver {
-    fn drop(&mut self) {
-        self.submit(Command::Shutdown);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+    /// Hands a command to the I/O thread.
+    pub(crate) fn submit(&self, command: Command) {
+        self.handle.submit(command);
     }
 }
 
