@@ -75,9 +75,19 @@ impl BufferManager {
     ) -> Result<Arc<Self>, GateError> {
         let mut segments = Vec::with_capacity(exclusive);
         for _ in 0..exclusive {
-            let segment = pool.request_segment().ok_or(GateError::Pool(
-                crate::buffer::PoolError::Timeout(std::time::Duration::ZERO),
-            ))?;
+            // The gate's pool is sized for every channel's exclusive segments; running out is
+            // "insufficient network buffers", not a wait that timed out. Segments already
+            // taken go back to the pool when `segments` drops.
+            let Some(segment) = pool.request_segment() else {
+                return Err(GateError::Pool(crate::buffer::PoolError::Insufficient {
+                    required: exclusive,
+                    available: segments.len(),
+                    total: pool.spec().max_segments,
+                    segment_size: segments
+                        .first()
+                        .map_or(0, crate::buffer::PooledSegment::capacity),
+                }));
+            };
             segments.push(segment);
         }
         let origin = pool.recycler();
