@@ -64,6 +64,8 @@ impl EpollDriver {
         });
         let commands = Arc::new(ArrayQueue::new(4096));
         let mut io_loop = Loop {
+            tokens: Vec::new(),
+            slice_scratch: Vec::with_capacity(MAX_SLICES),
             poll,
             listener,
             connections: HashMap::new(),
@@ -106,6 +108,10 @@ struct Conn {
 }
 
 struct Loop {
+    /// Scratch for the connection tokens of one loop turn.
+    tokens: Vec<Token>,
+    /// Scratch for the slices of one `writev` (always empty between writes).
+    slice_scratch: Vec<IoSlice<'static>>,
     poll: Poll,
     listener: TcpListener,
     connections: HashMap<Token, Conn>,
@@ -127,10 +133,14 @@ impl Loop {
                 break;
             }
             let now = Instant::now();
-            let tokens: Vec<Token> = self.connections.keys().copied().collect();
+            // Reused token list: no allocation per loop turn.
+            let mut tokens = std::mem::take(&mut self.tokens);
+            tokens.clear();
+            tokens.extend(self.connections.keys().copied());
             for token in &tokens {
                 self.transmit(*token, now);
             }
+            self.tokens = tokens;
             // Park: announce it, then look once more for work that raced the announcement.
             self.waker.parked.store(true, Ordering::SeqCst);
             let mut busy = !self.commands.is_empty();
@@ -342,29 +352,39 @@ impl Loop {
             return;
         };
         conn.connection.poll_transmit(now);
+        // The slice vector is reused across writes: no allocation per `writev`.
+        let mut scratch = std::mem::take(&mut self.slice_scratch);
+        let mut failure = None;
         // Bounded: each pass writes something or stops.
         for _ in 0..1024 {
             if !conn.connection.wants_write() {
                 break;
             }
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_SLICES);
+            let mut slices = reuse_slices(std::mem::take(&mut scratch));
             conn.connection.write_slices(&mut slices, MAX_SLICES);
-            match conn.stream.write_vectored(&slices) {
+            let written = conn.stream.write_vectored(&slices);
+            slices.clear();
+            scratch = reuse_slices(slices);
+            match written {
                 Ok(0) => break,
                 Ok(n) => {
-                    drop(slices);
                     conn.connection.on_written(n);
                     conn.connection.poll_transmit(now);
                 }
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(error) => {
-                    drop(slices);
-                    self.lose(token, &format!("write failed: {error}"));
-                    return;
+                    failure = Some(format!("write failed: {error}"));
+                    break;
                 }
             }
         }
+        self.slice_scratch = scratch;
+        if let Some(reason) = failure {
+            self.lose(token, &reason);
+            return;
+        }
+        let conn = self.connections.get_mut(&token).expect("still present");
         if conn.connection.is_closing() && !conn.connection.wants_write() {
             self.close(token);
         }
@@ -386,4 +406,14 @@ impl Loop {
             conn.connection.on_lost("connection closed");
         }
     }
+}
+
+/// Moves an empty slice vector's allocation to another lifetime (collected in place: same
+/// layout, no element, so no reallocation).
+fn reuse_slices<'b>(slices: Vec<IoSlice<'_>>) -> Vec<IoSlice<'b>> {
+    debug_assert!(slices.is_empty());
+    slices
+        .into_iter()
+        .map(|_| unreachable!("the vector is empty"))
+        .collect()
 }
