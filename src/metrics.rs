@@ -49,7 +49,7 @@ impl OutputMetrics {
 /// A partition's output metrics at one moment (see
 /// [`ResultPartition::metrics_snapshot`](crate::partition::ResultPartition::metrics_snapshot)).
 /// Serialized and displayed with Flink's metric names.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OutputMetricsSnapshot {
     /// `numRecordsOut`: records emitted (a broadcast record counts once).
     #[serde(rename = "numRecordsOut")]

@@ -564,3 +564,42 @@ fn a_long_bench_without_a_terminal_draws_no_progress_bar() {
     assert!(!run.stderr.contains("throughput"), "{}", run.all());
     assert!(!run.stderr.contains("=>"), "{}", run.all());
 }
+
+#[test]
+fn the_remote_bench_counts_across_its_two_processes() {
+    // The producer process reports its partitions' numRecordsOut; this process counts what
+    // its gates read. Every emitted record arrives exactly once.
+    let run = short_bench(&[
+        "--no-baseline",
+        "--format",
+        "json",
+        "--metrics",
+        "--producers",
+        "2",
+    ]);
+    assert!(run.status.success(), "{}", run.all());
+    let report: serde_json::Value =
+        serde_json::from_str(run.stdout.trim()).expect("one JSON object");
+    let consumed = report["records"].as_u64().expect("records");
+    let partitions = report["metrics"]["partitions"]
+        .as_array()
+        .expect("partition metrics from the producer process");
+    assert_eq!(partitions.len(), 2, "{}", run.all());
+    let produced: u64 = partitions
+        .iter()
+        .map(|p| p["numRecordsOut"].as_u64().expect("numRecordsOut"))
+        .sum();
+    assert!(consumed > 0, "{}", run.all());
+    assert_eq!(produced, consumed, "{}", run.all());
+}
+
+#[test]
+fn a_producer_process_left_alone_exits_with_an_error() {
+    // What `bench` starts, run without its parent: stdin closes before `go`.
+    let run = fluxgate(
+        &["bench", "--producer-process", "throughput", "--no-baseline"],
+        LIMIT,
+    );
+    assert!(run.stdout.starts_with("ready 127.0.0.1:"), "{}", run.all());
+    assert_clean_failure(&run, &["went away before the run"]);
+}

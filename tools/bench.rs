@@ -1,11 +1,14 @@
 //! `fluxgate bench`: throughput and latency of an exchange.
 //!
-//! Until the network transport lands, the exchange is local: producer threads write through
-//! `RecordWriter`s into result partitions, consumer threads read through `RecordReader`s over
-//! input gates whose local channels take the producers' buffers by reference.
+//! By default the exchange is remote: this process starts a second `fluxgate` process (the
+//! same binary with the hidden `--producer-process`), whose producer threads write through
+//! `RecordWriter`s into result partitions; this process's consumer threads read through
+//! `RecordReader`s over input gates whose remote channels reach them over loopback TCP. With
+//! `--local` both sides share one process and the channels take buffers by reference.
 //!
 //! * Throughput run: P producers × C consumers emit records as fast as they can for the
-//!   duration; reported as records/s, payload GB/s and process CPU ns per record.
+//!   duration; reported as records/s, payload GB/s and CPU ns per record (user + system
+//!   time of both processes over the records received).
 //! * Latency run: one producer, one consumer, records sent at a fixed rate with a flush after
 //!   every record (`execution.buffer-timeout` = 0). Each record carries its *scheduled* send
 //!   time, so a stalled sender shows up in the histogram (no coordinated omission).
@@ -88,6 +91,9 @@ pub struct BenchArgs {
     /// Print the final metrics of the throughput run's partitions and gates (Flink's names).
     #[arg(long)]
     metrics: bool,
+    /// Internal: run the producer half of a remote benchmark (started by `bench` itself).
+    #[arg(long, value_enum, hide = true)]
+    producer_process: Option<Phase>,
     /// A TOML file of Flink option names and values (e.g.
     /// `"taskmanager.memory.segment-size" = "16kb"`), applied before the flags (flags win).
     #[arg(long, value_name = "FILE.toml")]
@@ -146,24 +152,9 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     if args.plot.is_some() && args.rate == 0 {
         return Err("--plot needs the latency run (--rate above 0)".into());
     }
-    let mut config = NetworkConfig::default();
-    let from_file = match &args.config {
-        Some(path) => apply_config_file(path, &mut config)?,
-        None => BTreeSet::new(),
-    };
-    if let Some(size) = args.segment_size {
-        config
-            .set("taskmanager.memory.segment-size", &size.to_string())
-            .map_err(|e| format!("--segment-size: {e}"))?;
-    }
-    if !from_file.contains("taskmanager.memory.network.max") {
-        // Room for every partition's and gate's pool.
-        let pools =
-            args.producers * (args.consumers * 2 + 8) + args.consumers * (args.producers * 2 + 9);
-        let memory = (pools * config.segment_size * 2).max(64 << 20);
-        config
-            .set("taskmanager.memory.network.max", &memory.to_string())
-            .map_err(|e| e.to_string())?;
+    let config = network_config(args)?;
+    if let Some(phase) = args.producer_process {
+        return producer_process(args, &config, phase);
     }
     let baseline_runs = !args.no_baseline;
     let latency_runs = args.rate > 0;
@@ -183,7 +174,7 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     .collect();
     let progress = Progress::new(&plan);
     progress.phase("throughput");
-    let (mut engine, metrics) = throughput(args, &config)?;
+    let (mut engine, metrics, transport) = throughput(args, &config)?;
     let mut engine_histogram = None;
     if latency_runs {
         progress.phase("latency");
@@ -215,8 +206,39 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         plot::write_svg(path, &title, &series)?;
     }
     let metrics = args.metrics.then_some(&metrics);
-    print(args, &config, &engine, baseline.as_ref(), metrics);
+    print(
+        args,
+        &config,
+        transport,
+        &engine,
+        baseline.as_ref(),
+        metrics,
+    );
     Ok(())
+}
+
+/// The network configuration of both processes: the `--config` file, then the flags.
+fn network_config(args: &BenchArgs) -> Result<NetworkConfig, String> {
+    let mut config = NetworkConfig::default();
+    let from_file = match &args.config {
+        Some(path) => apply_config_file(path, &mut config)?,
+        None => BTreeSet::new(),
+    };
+    if let Some(size) = args.segment_size {
+        config
+            .set("taskmanager.memory.segment-size", &size.to_string())
+            .map_err(|e| format!("--segment-size: {e}"))?;
+    }
+    if !from_file.contains("taskmanager.memory.network.max") {
+        // Room for every partition's and gate's pool.
+        let pools =
+            args.producers * (args.consumers * 2 + 8) + args.consumers * (args.producers * 2 + 9);
+        let memory = (pools * config.segment_size * 2).max(64 << 20);
+        config
+            .set("taskmanager.memory.network.max", &memory.to_string())
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(config)
 }
 
 /// Applies a TOML file of Flink option names to `config`; returns the names it set. Nested
@@ -366,77 +388,290 @@ fn percentiles(histogram: &Histogram<u64>) -> [f64; 4] {
     ]
 }
 
-/// One exchange: producers in one shuffle environment, consumers in another one reached over
-/// loopback TCP (remote), or in the same one through local channels (`--local`).
+/// One exchange: the consumers' shuffle environment, and the producers either in it
+/// (`--local`, local channels) or in a second process reached over loopback TCP.
 struct Exchange {
-    producers: ShuffleEnvironment,
-    consumers: Option<ShuffleEnvironment>,
+    env: ShuffleEnvironment,
+    producer_process: Option<ProducerProcess>,
+}
+
+fn start_env(
+    args: &BenchArgs,
+    config: &NetworkConfig,
+    node: u128,
+) -> Result<ShuffleEnvironment, String> {
+    ShuffleEnvironment::start(EnvConfig {
+        network: config.clone(),
+        transport: args.transport,
+        node,
+        ..EnvConfig::default()
+    })
+    .map_err(|e| e.to_string())
+}
+
+fn partition_id(producer: usize) -> ResultPartitionId {
+    ResultPartitionId {
+        partition: producer as u64,
+        producer: 0,
+    }
 }
 
 impl Exchange {
-    fn new(args: &BenchArgs, config: &NetworkConfig) -> Result<Self, String> {
-        let start = |node| {
-            ShuffleEnvironment::start(EnvConfig {
-                network: config.clone(),
-                transport: args.transport,
-                node,
-                ..EnvConfig::default()
-            })
-            .map_err(|e| e.to_string())
+    /// Starts both sides; a producer process is told the `phase` it runs and has created its
+    /// partitions when this returns.
+    fn new(args: &BenchArgs, config: &NetworkConfig, phase: Phase) -> Result<Self, String> {
+        let producer_process = if args.local {
+            None
+        } else {
+            Some(ProducerProcess::spawn(phase)?)
         };
-        let producers = start(1)?;
-        let consumers = if args.local { None } else { Some(start(2)?) };
         Ok(Self {
-            producers,
-            consumers,
+            env: start_env(args, config, 2)?,
+            producer_process,
         })
     }
 
-    fn partition(&self, producer: usize, consumers: usize) -> Result<ResultPartition, String> {
-        let id = ResultPartitionId {
-            partition: producer as u64,
-            producer: 0,
-        };
-        self.producers
-            .create_partition(id, consumers)
+    /// Partitions of this process's producers (`--local`), or none (the producer process has
+    /// its own).
+    fn local_partitions(
+        &self,
+        producers: usize,
+        consumers: usize,
+    ) -> Result<Vec<ResultPartition>, String> {
+        if self.producer_process.is_some() {
+            return Ok(Vec::new());
+        }
+        (0..producers)
+            .map(|p| self.env.create_partition(partition_id(p), consumers))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())
     }
 
     fn gate(&self, consumer: usize, producers: usize) -> Result<SingleInputGate, String> {
-        let (env, location) = match &self.consumers {
-            Some(env) => (env, ProducerLocation::Remote(self.producers.local_addr())),
-            None => (&self.producers, ProducerLocation::Local),
+        let location = match &self.producer_process {
+            None => ProducerLocation::Local,
+            Some(process) => ProducerLocation::Remote(process.addr),
         };
         let channels: Vec<_> = (0..producers)
             .map(|producer| ChannelDescriptor {
                 consumed: ConsumedSubpartition {
-                    partition: ResultPartitionId {
-                        partition: producer as u64,
-                        producer: 0,
-                    },
+                    partition: partition_id(producer),
                     subpartition: consumer,
                 },
                 location: location.clone(),
             })
             .collect();
-        env.create_gate(&channels).map_err(|e| e.to_string())
+        self.env.create_gate(&channels).map_err(|e| e.to_string())
     }
 
-    /// True once every segment of both environments is back in its pool.
-    fn pools_full(&self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let full = |env: &ShuffleEnvironment| {
-            env.network().available_segments() == env.network().total_segments()
-        };
-        // Bounded: segments on their way back arrive within the deadline or it is a leak.
-        while Instant::now() < deadline {
-            if full(&self.producers) && self.consumers.as_ref().is_none_or(full) {
-                return true;
-            }
-            thread::sleep(Duration::from_millis(1));
-        }
-        false
+    /// The transport the consumers' environment runs (what `auto` chose).
+    fn transport(&self) -> Transport {
+        self.env.transport()
     }
+}
+
+/// True once every segment of `env` is back in its pool (bounded wait: segments on their way
+/// back arrive within it, or it is a leak).
+fn pool_full(env: &ShuffleEnvironment) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if env.network().available_segments() == env.network().total_segments() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+/// What a producer process runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Phase {
+    /// P producers emit as fast as they can for `--duration` seconds.
+    Throughput,
+    /// One producer emits at `--rate`, flushing every record.
+    Latency,
+}
+
+/// The producer half of a remote benchmark: a second `fluxgate` process, started with this
+/// process's own `bench` arguments plus the hidden `--producer-process PHASE`, so both derive
+/// the same configuration. It talks over its standard streams, one line each way per step:
+///
+/// ```text
+/// child:  ready <listening address>        partitions created, server listening
+/// parent: go                               the consumers' gates exist, start emitting
+/// child:  done <cpu ns> <pool full 0|1> <partition metrics as JSON>
+/// parent: (closes stdin)                   the consumers are done, exit
+/// ```
+struct ProducerProcess {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    addr: std::net::SocketAddr,
+}
+
+/// What a producer process reports at the end of its phase.
+struct ProducerReport {
+    cpu: Duration,
+    pool_full: bool,
+    partitions: Vec<OutputMetricsSnapshot>,
+}
+
+impl ProducerProcess {
+    fn spawn(phase: Phase) -> Result<Self, String> {
+        use std::process::{Command, Stdio};
+        let exe =
+            std::env::current_exe().map_err(|e| format!("cannot find the fluxgate binary: {e}"))?;
+        // This process's own `bench` arguments (none when `fluxgate` ran with no subcommand).
+        let own: Vec<String> = std::env::args()
+            .skip_while(|a| a != "bench")
+            .skip(1)
+            .collect();
+        let phase = match phase {
+            Phase::Throughput => "throughput",
+            Phase::Latency => "latency",
+        };
+        let mut child = Command::new(exe)
+            .arg("bench")
+            .args(own)
+            .args(["--producer-process", phase])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start the producer process: {e}"))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().map(std::io::BufReader::new);
+        let mut process = match stdout {
+            Some(stdout) => Self {
+                child,
+                stdin,
+                stdout,
+                addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
+            None => return Err("the producer process has no stdout".into()),
+        };
+        let line = process.line()?;
+        process.addr = line
+            .strip_prefix("ready ")
+            .and_then(|addr| addr.trim().parse().ok())
+            .ok_or_else(|| {
+                format!(
+                    "the producer process said `{}`, not `ready ADDR`",
+                    line.trim()
+                )
+            })?;
+        Ok(process)
+    }
+
+    /// The producer process's next line; its exit is an error naming its status.
+    fn line(&mut self) -> Result<String, String> {
+        use std::io::BufRead;
+        let mut line = String::new();
+        match self.stdout.read_line(&mut line) {
+            Ok(n) if n > 0 => Ok(line),
+            _ => {
+                let status = self.child.wait().map_err(|e| e.to_string())?;
+                Err(format!("the producer process exited ({status})"))
+            }
+        }
+    }
+
+    fn go(&mut self) -> Result<(), String> {
+        use std::io::Write;
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or("the producer process has no stdin")?;
+        stdin
+            .write_all(b"go\n")
+            .and_then(|()| stdin.flush())
+            .map_err(|e| format!("the producer process is gone: {e}"))
+    }
+
+    /// Waits for the report; then lets the process exit and reaps it.
+    fn finish(mut self) -> Result<ProducerReport, String> {
+        let line = self.line()?;
+        let report = parse_done(&line)
+            .ok_or_else(|| format!("the producer process said `{}`, not `done …`", line.trim()))?;
+        self.stdin = None;
+        let status = self.child.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("the producer process failed ({status})"));
+        }
+        Ok(report)
+    }
+}
+
+impl Drop for ProducerProcess {
+    fn drop(&mut self) {
+        // A benchmark that failed on the consumer side leaves no producer behind.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn parse_done(line: &str) -> Option<ProducerReport> {
+    let mut fields = line.trim().splitn(4, ' ');
+    if fields.next()? != "done" {
+        return None;
+    }
+    let cpu = Duration::from_nanos(fields.next()?.parse().ok()?);
+    let pool_full = fields.next()? == "1";
+    let partitions = serde_json::from_str(fields.next()?).ok()?;
+    Some(ProducerReport {
+        cpu,
+        pool_full,
+        partitions,
+    })
+}
+
+/// `fluxgate bench --producer-process PHASE`: the producer half of a remote benchmark (see
+/// [`ProducerProcess`]).
+fn producer_process(args: &BenchArgs, config: &NetworkConfig, phase: Phase) -> Result<(), String> {
+    use std::io::{BufRead, Write};
+    let env = start_env(args, config, 1)?;
+    let (producers, consumers) = match phase {
+        Phase::Throughput => (args.producers, args.consumers),
+        Phase::Latency => (1, 1),
+    };
+    let partitions = (0..producers)
+        .map(|p| env.create_partition(partition_id(p), consumers))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let mut out = std::io::stdout().lock();
+    let mut input = std::io::stdin().lock();
+    let told = |out: &mut std::io::StdoutLock, text: String| {
+        writeln!(out, "{text}")
+            .and_then(|()| out.flush())
+            .map_err(|e| format!("the benchmark process is gone: {e}"))
+    };
+    told(&mut out, format!("ready {}", env.local_addr()))?;
+    let mut line = String::new();
+    input.read_line(&mut line).map_err(|e| e.to_string())?;
+    if line.trim() != "go" {
+        return Err("the benchmark process went away before the run".into());
+    }
+    let cpu_started = cpu_time();
+    let metrics = match phase {
+        Phase::Throughput => produce_throughput(args, partitions)?,
+        Phase::Latency => {
+            let partition = partitions.into_iter().next().ok_or("no partition")?;
+            produce_latency(args, partition)?;
+            Vec::new()
+        }
+    };
+    let pool_full = pool_full(&env);
+    let cpu = cpu_time().saturating_sub(cpu_started);
+    let metrics = serde_json::to_string(&metrics).map_err(|e| e.to_string())?;
+    told(
+        &mut out,
+        format!("done {} {} {metrics}", cpu.as_nanos(), u8::from(pool_full)),
+    )?;
+    // Bounded by the parent: it closes our stdin once its consumers are done (or it exits).
+    while input.read_line(&mut line).is_ok_and(|n| n > 0) {}
+    Ok(())
 }
 
 /// The selector the command line asked for, over byte records.
@@ -480,48 +715,61 @@ fn selector(partitioner: Partitioner, producer: usize) -> AnySelector {
     }
 }
 
-fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<(Figures, RunMetrics), String> {
-    let exchange = Exchange::new(args, config)?;
-    let partitions = (0..args.producers)
-        .map(|p| exchange.partition(p, args.consumers))
-        .collect::<Result<Vec<_>, _>>()?;
-    let gates = (0..args.consumers)
-        .map(|c| exchange.gate(c, args.producers))
-        .collect::<Result<Vec<_>, _>>()?;
+/// Emits records from one thread per partition for `--duration` seconds, then finishes;
+/// returns each partition's final metrics.
+fn produce_throughput(
+    args: &BenchArgs,
+    partitions: Vec<ResultPartition>,
+) -> Result<Vec<OutputMetricsSnapshot>, String> {
     let duration = Duration::from_secs_f64(args.duration);
     let timeout = BufferTimeout::from_millis(args.buffer_timeout);
     let started = Instant::now();
-    let cpu_started = cpu_time();
-    let mut metrics = RunMetrics::default();
-    let consumed: Vec<Result<(u64, u64, InputMetricsSnapshot), String>> = thread::scope(|scope| {
-        let mut writers = Vec::with_capacity(partitions.len());
-        for (index, partition) in partitions.into_iter().enumerate() {
-            let partitioner = args.partitioner;
-            let record_size = args.record_size;
-            writers.push(scope.spawn(move || {
-                let mut writer =
-                    RecordWriter::new(partition, selector(partitioner, index), timeout);
-                let mut record = vec![0u8; record_size];
-                let mut sequence = 0u64;
-                while started.elapsed() < duration {
-                    for _ in 0..1024 {
-                        let n = record.len().min(8);
-                        record[..n].copy_from_slice(&sequence.to_le_bytes()[..n]);
-                        writer.emit(&record[..]).expect("local exchange alive");
-                        sequence += 1;
+    thread::scope(|scope| {
+        let writers: Vec<_> = partitions
+            .into_iter()
+            .enumerate()
+            .map(|(index, partition)| {
+                let partitioner = args.partitioner;
+                let record_size = args.record_size;
+                scope.spawn(move || -> Result<OutputMetricsSnapshot, String> {
+                    let mut writer =
+                        RecordWriter::new(partition, selector(partitioner, index), timeout);
+                    let mut record = vec![0u8; record_size];
+                    let mut sequence = 0u64;
+                    while started.elapsed() < duration {
+                        for _ in 0..1024 {
+                            let n = record.len().min(8);
+                            record[..n].copy_from_slice(&sequence.to_le_bytes()[..n]);
+                            writer.emit(&record[..]).map_err(|e| e.to_string())?;
+                            sequence += 1;
+                        }
                     }
-                }
-                writer.finish().expect("local exchange alive");
-                // Kept until the consumers are done, for the final snapshot.
-                writer
-            }));
-        }
+                    writer.finish().map_err(|e| e.to_string())?;
+                    Ok(writer.partition().metrics_snapshot())
+                })
+            })
+            .collect();
+        writers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|_| Err("producer panicked".into())))
+            .collect()
+    })
+}
+
+/// Records read by the consumers of a throughput run, and their gates' final metrics.
+struct Consumed {
+    records: u64,
+    bytes: u64,
+    gates: Vec<InputMetricsSnapshot>,
+}
+
+fn consume_throughput(gates: Vec<SingleInputGate>, max_record: usize) -> Result<Consumed, String> {
+    let results: Vec<Result<(u64, u64, InputMetricsSnapshot), String>> = thread::scope(|scope| {
         let readers: Vec<_> = gates
             .into_iter()
             .map(|gate| {
-                let max = config.max_record_bytes;
                 scope.spawn(move || {
-                    let mut reader = RecordReader::new(gate, max);
+                    let mut reader = RecordReader::new(gate, max_record);
                     let (mut records, mut bytes) = (0u64, 0u64);
                     loop {
                         match reader.next_timeout(Duration::from_secs(30)) {
@@ -539,86 +787,157 @@ fn throughput(args: &BenchArgs, config: &NetworkConfig) -> Result<(Figures, RunM
                 })
             })
             .collect();
-        let mut consumed: Vec<_> = readers
+        readers
             .into_iter()
             .map(|r| r.join().unwrap_or_else(|_| Err("consumer panicked".into())))
-            .collect();
-        for writer in writers {
-            match writer.join() {
-                Ok(writer) => metrics
-                    .partitions
-                    .push(writer.partition().metrics_snapshot()),
-                Err(_) => consumed.push(Err("producer panicked".into())),
-            }
-        }
-        consumed
+            .collect()
     });
-    let elapsed = started.elapsed().as_secs_f64();
-    let cpu = cpu_time().saturating_sub(cpu_started).as_secs_f64();
-    let mut records = 0;
-    let mut bytes = 0;
-    for result in consumed {
-        let (r, b, gate) = result?;
-        records += r;
-        bytes += b;
-        metrics.gates.push(gate);
+    let mut consumed = Consumed {
+        records: 0,
+        bytes: 0,
+        gates: Vec::new(),
+    };
+    for result in results {
+        let (records, bytes, gate) = result?;
+        consumed.records += records;
+        consumed.bytes += bytes;
+        consumed.gates.push(gate);
     }
-    if !exchange.pools_full() {
+    Ok(consumed)
+}
+
+fn throughput(
+    args: &BenchArgs,
+    config: &NetworkConfig,
+) -> Result<(Figures, RunMetrics, Transport), String> {
+    let exchange = Exchange::new(args, config, Phase::Throughput)?;
+    // Local partitions exist before the gates ask for them (no retrigger back-off).
+    let local_partitions = exchange.local_partitions(args.producers, args.consumers)?;
+    let gates = (0..args.consumers)
+        .map(|c| exchange.gate(c, args.producers))
+        .collect::<Result<Vec<_>, _>>()?;
+    let transport = exchange.transport();
+    let Exchange {
+        env,
+        producer_process,
+    } = exchange;
+    let started = Instant::now();
+    let cpu_started = cpu_time();
+    let mut metrics = RunMetrics::default();
+    let (consumed, producer_cpu) = match producer_process {
+        None => {
+            let (produced, consumed) = thread::scope(|scope| {
+                let producing = scope.spawn(|| produce_throughput(args, local_partitions));
+                let consumed = consume_throughput(gates, config.max_record_bytes);
+                let produced = producing
+                    .join()
+                    .unwrap_or_else(|_| Err("producer panicked".into()));
+                (produced, consumed)
+            });
+            metrics.partitions = produced?;
+            (consumed?, Duration::ZERO)
+        }
+        Some(mut process) => {
+            process.go()?;
+            let consumed = consume_throughput(gates, config.max_record_bytes)?;
+            let report = process.finish()?;
+            if !report.pool_full {
+                return Err("segments were not returned to the producer process's pool".into());
+            }
+            metrics.partitions = report.partitions;
+            (consumed, report.cpu)
+        }
+    };
+    let elapsed = started.elapsed().as_secs_f64();
+    if !pool_full(&env) {
         return Err("segments were not returned to their pools".into());
     }
+    let cpu = (cpu_time().saturating_sub(cpu_started) + producer_cpu).as_secs_f64();
+    metrics.gates = consumed.gates;
+    let records = consumed.records;
     let figures = Figures {
         records,
         records_per_sec: records as f64 / elapsed,
-        payload_gb_per_sec: bytes as f64 / elapsed / 1e9,
+        payload_gb_per_sec: consumed.bytes as f64 / elapsed / 1e9,
         cpu_ns_per_record: cpu * 1e9 / records.max(1) as f64,
         ..Figures::default()
     };
-    Ok((figures, metrics))
+    Ok((figures, metrics, transport))
 }
 
-/// Fixed-rate 1 → 1 run; returns p50, p99, p99.9 and max in µs, and the sample count.
-fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<Histogram<u64>, String> {
-    let exchange = Exchange::new(args, config)?;
-    let partition = exchange.partition(0, 1)?;
-    let gate = exchange.gate(0, 1)?;
+/// Nanoseconds since the Unix epoch: the clock both processes of a remote latency run share
+/// (`Instant` cannot cross a process boundary). Its rare steps would show as outliers.
+fn wall_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// The latency run's producer: one record every 1/rate s, each carrying its *scheduled* send
+/// time, flushed at once (`execution.buffer-timeout` = 0).
+fn produce_latency(args: &BenchArgs, partition: ResultPartition) -> Result<(), String> {
     let epoch = Instant::now();
+    let epoch_wall = wall_nanos();
     let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let total = (args.rate as f64 * args.latency_duration) as u64;
-    let size = args.record_size.max(8);
-    let histogram = thread::scope(|scope| {
-        scope.spawn(move || {
-            let mut writer = RecordWriter::new(partition, ForwardSelector, BufferTimeout::Always);
-            let mut record = vec![0u8; size];
-            for i in 0..total {
-                let scheduled = interval * i as u32;
-                pace(epoch, scheduled);
-                record[..8].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
-                writer.emit(&record[..]).expect("local exchange alive");
+    let mut writer = RecordWriter::new(partition, ForwardSelector, BufferTimeout::Always);
+    let mut record = vec![0u8; args.record_size.max(8)];
+    for i in 0..total {
+        let scheduled = interval * i as u32;
+        pace(epoch, scheduled);
+        let sent = epoch_wall + scheduled.as_nanos() as u64;
+        record[..8].copy_from_slice(&sent.to_le_bytes());
+        writer.emit(&record[..]).map_err(|e| e.to_string())?;
+    }
+    writer.finish().map_err(|e| e.to_string())
+}
+
+fn consume_latency(gate: SingleInputGate, max_record: usize) -> Result<Histogram<u64>, String> {
+    let mut histogram =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+    let mut reader = RecordReader::new(gate, max_record);
+    loop {
+        match reader.next_timeout(Duration::from_secs(30)) {
+            Ok(Some(ReaderItem::Record { bytes, .. })) => {
+                let Some(sent) = bytes.get(..8) else {
+                    return Err(format!("a {} B record in the latency run", bytes.len()));
+                };
+                let sent = u64::from_le_bytes(sent.try_into().expect("8 bytes"));
+                histogram.saturating_record(wall_nanos().saturating_sub(sent).max(1));
             }
-            writer.finish().expect("local exchange alive");
-        });
-        let reader = scope.spawn(move || -> Result<Histogram<u64>, String> {
-            let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
-                .map_err(|e| e.to_string())?;
-            let mut reader = RecordReader::new(gate, config.max_record_bytes);
-            loop {
-                match reader.next_timeout(Duration::from_secs(30)) {
-                    Ok(Some(ReaderItem::Record { bytes, .. })) => {
-                        let sent = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-                        let now = epoch.elapsed().as_nanos() as u64;
-                        histogram.saturating_record(now.saturating_sub(sent).max(1));
-                    }
-                    Ok(Some(ReaderItem::Event { .. })) => {}
-                    Ok(None) => return Ok(histogram),
-                    Err(error) => return Err(error.to_string()),
-                }
-            }
-        });
-        reader
-            .join()
-            .unwrap_or_else(|_| Err("consumer panicked".into()))
-    })?;
-    Ok(histogram)
+            Ok(Some(ReaderItem::Event { .. })) => {}
+            Ok(None) => return Ok(histogram),
+            Err(error) => return Err(error.to_string()),
+        }
+    }
+}
+
+/// Fixed-rate 1 → 1 run: the one-way latency of every record.
+fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<Histogram<u64>, String> {
+    let exchange = Exchange::new(args, config, Phase::Latency)?;
+    let local_partition = exchange.local_partitions(1, 1)?.pop();
+    let gate = exchange.gate(0, 1)?;
+    match (exchange.producer_process, local_partition) {
+        (Some(mut process), _) => {
+            process.go()?;
+            let histogram = consume_latency(gate, config.max_record_bytes)?;
+            process.finish()?;
+            Ok(histogram)
+        }
+        (None, Some(partition)) => {
+            let (produced, histogram) = thread::scope(|scope| {
+                let producing = scope.spawn(|| produce_latency(args, partition));
+                let histogram = consume_latency(gate, config.max_record_bytes);
+                let produced = producing
+                    .join()
+                    .unwrap_or_else(|_| Err("producer panicked".into()));
+                (produced, histogram)
+            });
+            produced?;
+            histogram
+        }
+        (None, None) => Err("no local partition".into()),
+    }
 }
 
 /// Waits until `scheduled` after `epoch`: sleeps while far ahead, yields when close, so the
@@ -642,6 +961,7 @@ pub(crate) fn pace(epoch: Instant, scheduled: Duration) {
 fn print(
     args: &BenchArgs,
     config: &NetworkConfig,
+    transport: Transport,
     engine: &Figures,
     baseline: Option<&Figures>,
     run_metrics: Option<&RunMetrics>,
@@ -649,10 +969,7 @@ fn print(
     let mode = if args.local {
         "local exchange (one process)".to_string()
     } else {
-        format!(
-            "remote exchange over loopback TCP ({:?} driver)",
-            args.transport
-        )
+        format!("remote exchange between two processes over loopback TCP ({transport:?} driver)")
     };
     // (name, unit, value of a figure set, lower is better)
     type Metric = (&'static str, &'static str, fn(&Figures) -> Option<f64>);
