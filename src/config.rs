@@ -47,6 +47,13 @@ pub struct NetworkConfig {
     /// Largest record a deserializer accepts; a longer length prefix is a corrupt stream
     /// (default 64 MiB).
     pub max_record_bytes: usize,
+    /// `taskmanager.network.request-backoff.initial`: the first delay before a partition
+    /// request (or a refused connection) is retried (default 100 ms).
+    pub request_backoff_initial: Duration,
+    /// `taskmanager.network.request-backoff.max`: the delay doubles up to this, and a request
+    /// still refused after a retry at this delay fails with PartitionNotFound (or a transport
+    /// error for a refused connection) (default 10 s).
+    pub request_backoff_max: Duration,
 }
 
 impl Default for NetworkConfig {
@@ -60,6 +67,8 @@ impl Default for NetworkConfig {
             max_buffers_per_channel: 10,
             buffer_request_timeout: Duration::from_secs(30),
             max_record_bytes: 64 * 1024 * 1024,
+            request_backoff_initial: Duration::from_millis(100),
+            request_backoff_max: Duration::from_secs(10),
         }
     }
 }
@@ -75,6 +84,8 @@ impl NetworkConfig {
         "taskmanager.network.memory.max-buffers-per-channel",
         "taskmanager.network.memory.exclusive-buffers-request-timeout-ms",
         "fluxgate.record.max-size",
+        "taskmanager.network.request-backoff.initial",
+        "taskmanager.network.request-backoff.max",
     ];
 
     /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
@@ -106,6 +117,12 @@ impl NetworkConfig {
                 next.buffer_request_timeout = Duration::from_millis(count()? as u64)
             }
             "fluxgate.record.max-size" => next.max_record_bytes = size()?,
+            "taskmanager.network.request-backoff.initial" => {
+                next.request_backoff_initial = Duration::from_millis(count()? as u64)
+            }
+            "taskmanager.network.request-backoff.max" => {
+                next.request_backoff_max = Duration::from_millis(count()? as u64)
+            }
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
         next.validate().map_err(|e| match e {
@@ -168,7 +185,21 @@ impl NetworkConfig {
                 "must be from 1 byte to 2 GiB - 1",
             );
         }
+        if self.request_backoff_initial.is_zero()
+            || self.request_backoff_max < self.request_backoff_initial
+        {
+            return invalid(
+                "taskmanager.network.request-backoff.max",
+                self.request_backoff_max.as_millis() as usize,
+                "the initial back-off must be above 0 ms and at most the maximum",
+            );
+        }
         Ok(())
+    }
+
+    /// The partition-request back-off these options describe.
+    pub fn request_backoff(&self) -> crate::gate::Backoff {
+        crate::gate::Backoff::new(self.request_backoff_initial, self.request_backoff_max)
     }
 
     /// Segments in the whole network memory.

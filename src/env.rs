@@ -155,6 +155,7 @@ impl ShuffleEnvironment {
             },
             max_channels_per_connection: config.max_channels_per_connection,
             connect_timeout: config.connect_timeout,
+            request_backoff: config.network.request_backoff(),
             network: Some(network.clone()),
         };
         let (driver, transport) = match config.transport {

@@ -547,3 +547,203 @@ on_both_drivers!(
     a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected_epoll,
     a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected_uring
 );
+
+/// An environment from a full `EnvConfig` (bind address, request timeout) plus network
+/// options.
+fn env_from(
+    node: u128,
+    transport: Transport,
+    options: &[(&str, &str)],
+    adjust: impl FnOnce(&mut EnvConfig),
+) -> ShuffleEnvironment {
+    let mut network = NetworkConfig::default();
+    for (key, value) in [
+        ("taskmanager.memory.segment-size", "8kb"),
+        ("taskmanager.memory.network.max", "16mb"),
+        ("fluxgate.memory.arena-size", "4mb"),
+    ]
+    .iter()
+    .chain(options)
+    {
+        network.set(key, value).unwrap();
+    }
+    let mut config = EnvConfig {
+        network,
+        node,
+        transport,
+        ..EnvConfig::default()
+    };
+    adjust(&mut config);
+    ShuffleEnvironment::start(config).unwrap()
+}
+
+/// A one-channel gate on `consumer_env` reading `pid(0)` from `peer`.
+fn remote_gate(
+    consumer_env: &ShuffleEnvironment,
+    peer: std::net::SocketAddr,
+) -> fluxgate::gate::SingleInputGate {
+    consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(peer),
+        }])
+        .unwrap()
+}
+
+/// The transport's retries for the gate's channel 0.
+fn retries_of(gate: &fluxgate::gate::SingleInputGate) -> u64 {
+    match gate.channel(0) {
+        Some(fluxgate::gate::InputChannel::Remote(channel)) => channel.shared().request_retries(),
+        other => panic!("a remote channel, got {other:?}"),
+    }
+}
+
+/// Waits (bounded) until `condition` holds.
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + LONG;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        thread::yield_now();
+    }
+}
+
+/// Reads one record through `gate` and checks it, then the end of the partition.
+fn read_one(gate: fluxgate::gate::SingleInputGate, expected: &[u8]) {
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, expected),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    loop {
+        match reader.next_timeout(LONG).unwrap() {
+            Some(ReaderItem::Event { .. }) => {}
+            None => break,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    }
+}
+
+const FAST_BACKOFF: [(&str, &str); 2] = [
+    ("taskmanager.network.request-backoff.initial", "5"),
+    ("taskmanager.network.request-backoff.max", "2000"),
+];
+
+fn a_partition_refused_at_first_is_found_by_a_retried_request(transport: Transport) {
+    // The producer answers PartitionNotFound at once (no server-side wait), so only the
+    // consumer's back-off and re-request can find the partition registered later.
+    let producer_env = env_from(1, transport, &[], |c| {
+        c.partition_request_timeout = Duration::ZERO;
+    });
+    let consumer_env = env_from(2, transport, &FAST_BACKOFF, |_| {});
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
+    wait_until("the request was refused and sent again", || {
+        retries_of(&gate) >= 1
+    });
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    partition.emit_record(&b"found late"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"found late");
+    drop(partition);
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_partition_refused_at_first_is_found_by_a_retried_request,
+    a_partition_refused_at_first_is_found_by_a_retried_request_epoll,
+    a_partition_refused_at_first_is_found_by_a_retried_request_uring
+);
+
+fn a_partition_never_registered_fails_with_partition_not_found(transport: Transport) {
+    let producer_env = env_from(1, transport, &[], |c| {
+        c.partition_request_timeout = Duration::ZERO;
+    });
+    let consumer_env = env_from(
+        2,
+        transport,
+        &[
+            ("taskmanager.network.request-backoff.initial", "2"),
+            ("taskmanager.network.request-backoff.max", "16"),
+        ],
+        |_| {},
+    );
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    match reader.next_timeout(LONG) {
+        Err(ReaderError::Gate(GateError::Partition {
+            source: fluxgate::partition::PartitionError::PartitionNotFound(id),
+            ..
+        })) => assert_eq!(id, pid(0)),
+        other => panic!("expected PartitionNotFound, got {other:?}"),
+    }
+    // 2, 4, 8, 16 ms: four re-requests, then the one answered at the maximum gives up.
+    assert_eq!(retries_of(reader.gate()), 4);
+    drop(reader);
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_partition_never_registered_fails_with_partition_not_found,
+    a_partition_never_registered_fails_with_partition_not_found_epoll,
+    a_partition_never_registered_fails_with_partition_not_found_uring
+);
+
+/// A loopback address nobody listens on (just released by a listener of our own).
+fn unused_addr() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+fn a_refused_connection_is_retried_until_the_producer_listens(transport: Transport) {
+    // Nodes started apart: the consumer asks before the producer's process listens.
+    let addr = unused_addr();
+    let consumer_env = env_from(2, transport, &FAST_BACKOFF, |_| {});
+    let gate = remote_gate(&consumer_env, addr);
+    wait_until("the connection was refused and tried again", || {
+        retries_of(&gate) >= 1
+    });
+    let producer_env = env_from(1, transport, &[], |c| c.bind = addr);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    partition.emit_record(&b"listening now"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"listening now");
+    drop(partition);
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_refused_connection_is_retried_until_the_producer_listens,
+    a_refused_connection_is_retried_until_the_producer_listens_epoll,
+    a_refused_connection_is_retried_until_the_producer_listens_uring
+);
+
+fn a_connection_refused_for_good_fails_the_channel(transport: Transport) {
+    let addr = unused_addr();
+    let consumer_env = env_from(
+        2,
+        transport,
+        &[
+            ("taskmanager.network.request-backoff.initial", "2"),
+            ("taskmanager.network.request-backoff.max", "16"),
+        ],
+        |_| {},
+    );
+    let gate = remote_gate(&consumer_env, addr);
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    match reader.next_timeout(LONG) {
+        Err(ReaderError::Gate(GateError::Transport { reason, .. })) => {
+            assert!(
+                reason.contains(&addr.to_string()),
+                "names the peer: {reason}"
+            )
+        }
+        other => panic!("expected a transport error, got {other:?}"),
+    }
+    assert_eq!(retries_of(reader.gate()), 4);
+    drop(reader);
+    assert!(pools_full(&[&consumer_env]));
+}
+on_both_drivers!(
+    a_connection_refused_for_good_fails_the_channel,
+    a_connection_refused_for_good_fails_the_channel_epoll,
+    a_connection_refused_for_good_fails_the_channel_uring
+);

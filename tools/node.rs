@@ -356,8 +356,9 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
 
     let addresses = match (&args.rendezvous, peers) {
         (_, Some(peers)) => {
-            // The library does not retry a refused connection: start reading only once
-            // every peer listens.
+            // The library retries a refused connection only within its request back-off
+            // (`taskmanager.network.request-backoff.max`, about 20 s in all by default); hosts
+            // started further apart are waited for here, up to the rendezvous timeout.
             wait_for_peers(&peers, index, rendezvous_timeout)?;
             peers
         }

@@ -296,6 +296,9 @@ pub struct RemoteChannelShared {
     failed: AtomicBool,
     released: AtomicBool,
     resume_requested: AtomicBool,
+    /// Partition requests re-sent after PartitionNotFound, and connection attempts repeated
+    /// after a refusal.
+    retries: AtomicU64,
     metrics: ChannelMetrics,
 }
 
@@ -404,6 +407,17 @@ impl RemoteChannelShared {
     pub fn is_released(&self) -> bool {
         self.released.load(Ordering::SeqCst)
     }
+
+    /// How often the transport tried again for this channel: partition requests re-sent after
+    /// PartitionNotFound and connections re-opened after a refusal (each after its back-off).
+    pub fn request_retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    /// The transport is about to try again (see [`request_retries`](Self::request_retries)).
+    pub fn note_retry(&self) {
+        self.retries.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// A channel whose producer runs in another process (Flink's `RemoteInputChannel`).
@@ -443,6 +457,7 @@ impl RemoteInputChannel {
                 failed: AtomicBool::new(false),
                 released: AtomicBool::new(false),
                 resume_requested: AtomicBool::new(false),
+                retries: AtomicU64::new(0),
                 metrics: ChannelMetrics::default(),
             }),
             requested: false,

@@ -85,7 +85,7 @@ impl SingleInputGate {
             network: network.clone(),
             config: config.clone(),
             pool: None,
-            backoff: Backoff::flink_default(),
+            backoff: config.request_backoff(),
             requested: false,
             closed: false,
             finished: vec![false; count],
@@ -95,7 +95,8 @@ impl SingleInputGate {
         }
     }
 
-    /// Uses `backoff` for partition-request retries instead of Flink's 100 ms … 10 s.
+    /// Uses `backoff` for partition-request retries instead of the configured one
+    /// (`taskmanager.network.request-backoff.*`, Flink's 100 ms … 10 s by default).
     pub fn with_backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
         self

@@ -135,7 +135,7 @@ impl Connection {
 
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         match &self.side {
-            Side::Client(_) => None,
+            Side::Client(c) => c.poll_timeout(),
             Side::Server(s) => s.poll_timeout(),
         }
     }

@@ -17,9 +17,9 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
-use super::{Command, DriverHandle, IoWaker, WakeFn};
+use super::{open_client, Command, ConnectFailure, DriverHandle, IoWaker, RefusedConnects, WakeFn};
 use crate::partition::PartitionManager;
-use crate::protocol::{ClientConnection, ServerConnection};
+use crate::protocol::ServerConnection;
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -70,6 +70,8 @@ impl EpollDriver {
             listener,
             connections: HashMap::new(),
             peers: HashMap::new(),
+            refused: RefusedConnects::default(),
+            refused_due: Vec::new(),
             next_token: FIRST_CONNECTION,
             commands: commands.clone(),
             waker: waker.clone(),
@@ -117,6 +119,10 @@ struct Loop {
     connections: HashMap<Token, Conn>,
     /// Outgoing connections by (peer, connection index).
     peers: HashMap<(SocketAddr, usize), Token>,
+    /// Channels whose connection was refused, to try again.
+    refused: RefusedConnects,
+    /// Scratch for the refused connections due in one loop turn.
+    refused_due: Vec<(Command, crate::gate::Backoff)>,
     next_token: usize,
     commands: Arc<ArrayQueue<Command>>,
     waker: Arc<IoWaker<WakeFn>>,
@@ -133,6 +139,7 @@ impl Loop {
                 break;
             }
             let now = Instant::now();
+            self.retry_refused(now);
             // Reused token list: no allocation per loop turn.
             let mut tokens = std::mem::take(&mut self.tokens);
             tokens.clear();
@@ -184,9 +191,27 @@ impl Loop {
         self.connections
             .values()
             .filter_map(|c| c.connection.poll_timeout())
+            .chain(self.refused.next_due())
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
             .min(MAX_PARK)
+    }
+
+    /// Tries again the connections refused earlier whose back-off ran out.
+    fn retry_refused(&mut self, now: Instant) {
+        let mut due = std::mem::take(&mut self.refused_due);
+        self.refused.take_due(now, &mut due);
+        for (command, backoff) in due.drain(..) {
+            if let Command::Connect {
+                peer,
+                connection_index,
+                channel,
+            } = command
+            {
+                self.connect_channel(peer, connection_index, channel, backoff, now);
+            }
+        }
+        self.refused_due = due;
     }
 
     /// Returns false on shutdown.
@@ -205,7 +230,10 @@ impl Loop {
                     peer,
                     connection_index,
                     channel,
-                } => self.connect_channel(peer, connection_index, channel),
+                } => {
+                    let backoff = self.config.request_backoff;
+                    self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
+                }
             }
         }
         true
@@ -216,16 +244,23 @@ impl Loop {
         peer: SocketAddr,
         index: usize,
         channel: Arc<crate::gate::RemoteChannelShared>,
+        backoff: crate::gate::Backoff,
+        now: Instant,
     ) {
         let token = match self.peers.get(&(peer, index)) {
             Some(token) if self.connections.contains_key(token) => *token,
             _ => match self.open(peer, index) {
                 Ok(token) => token,
                 Err(error) => {
-                    channel.fail(crate::gate::GateError::Transport {
-                        channel: channel.channel(),
-                        reason: format!("connecting to {peer} failed: {error}"),
-                    });
+                    let failure =
+                        self.refused
+                            .on_failure(peer, index, channel.clone(), backoff, &error, now);
+                    if let ConnectFailure::Fail(reason) = failure {
+                        channel.fail(crate::gate::GateError::Transport {
+                            channel: channel.channel(),
+                            reason,
+                        });
+                    }
                     return;
                 }
             },
@@ -244,14 +279,8 @@ impl Loop {
     }
 
     fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<Token> {
-        let stream = std::net::TcpStream::connect_timeout(&peer, self.config.connect_timeout)?;
-        stream.set_nodelay(true)?;
+        let (stream, client) = open_client(peer, &self.config)?;
         stream.set_nonblocking(true)?;
-        let client = ClientConnection::new(
-            self.config.node,
-            self.config.max_channels_per_connection,
-            self.config.segment_size,
-        );
         let token = self.add(
             TcpStream::from_std(stream),
             Side::Client(client),

@@ -15,18 +15,19 @@ pub mod epoll;
 pub mod uring;
 
 use std::fmt;
+use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Wake;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 
 use crate::buffer::NetworkBufferPool;
 use crate::gate::RemoteChannelShared;
-use crate::protocol::ServerConfig;
+use crate::protocol::{ClientConnection, ServerConfig};
 
 /// What an I/O thread needs to know (either driver).
 #[derive(Clone, Debug)]
@@ -41,6 +42,9 @@ pub struct DriverConfig {
     pub max_channels_per_connection: usize,
     /// How long opening a connection may take.
     pub connect_timeout: Duration,
+    /// Delays before re-sending a partition request the producer answered with
+    /// PartitionNotFound, and before re-opening a refused connection.
+    pub request_backoff: crate::gate::Backoff,
     /// The network memory the segments come from. The io_uring driver registers its arenas
     /// as fixed buffers and writes segment bytes in place; without it every byte it writes is
     /// copied first. The epoll driver ignores it.
@@ -155,4 +159,128 @@ impl<W: Fn() + Send + Sync> Wake for IoWaker<W> {
             (self.wake)();
         }
     }
+}
+
+/// A remote channel whose connection was refused, waiting to try again.
+struct RefusedConnect {
+    peer: SocketAddr,
+    connection_index: usize,
+    channel: Arc<RemoteChannelShared>,
+    backoff: crate::gate::Backoff,
+    due: Instant,
+}
+
+/// Channels whose connection attempt failed in a way a later attempt may not: the peer's
+/// process is not listening yet (nodes started apart, a producer still starting), or its
+/// listen queue overflowed. They try again after the partition-request back-off
+/// (`taskmanager.network.request-backoff.*`) and fail once it is exhausted. Shared by both
+/// drivers; the I/O thread's timer wakes it.
+#[derive(Default)]
+pub(crate) struct RefusedConnects {
+    waiting: Vec<RefusedConnect>,
+}
+
+impl fmt::Debug for RefusedConnects {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RefusedConnects")
+            .field("waiting", &self.waiting.len())
+            .finish()
+    }
+}
+
+/// What a driver does with a channel whose connection attempt failed.
+pub(crate) enum ConnectFailure {
+    /// Queued for another attempt.
+    Retrying,
+    /// Give up: fail the channel with this reason.
+    Fail(String),
+}
+
+impl RefusedConnects {
+    /// Connecting `channel` to `peer` failed with `error` after the delays `backoff` already
+    /// went through.
+    pub(crate) fn on_failure(
+        &mut self,
+        peer: SocketAddr,
+        connection_index: usize,
+        channel: Arc<RemoteChannelShared>,
+        mut backoff: crate::gate::Backoff,
+        error: &io::Error,
+        now: Instant,
+    ) -> ConnectFailure {
+        let retryable = matches!(
+            error.kind(),
+            io::ErrorKind::ConnectionRefused
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::TimedOut
+                | io::ErrorKind::WouldBlock
+        );
+        if !retryable || channel.is_released() || !backoff.increase() {
+            return ConnectFailure::Fail(format!("connecting to {peer} failed: {error}"));
+        }
+        tracing::debug!(%peer, %error, delay = ?backoff.current(), "connection refused; trying again after the back-off");
+        self.waiting.push(RefusedConnect {
+            peer,
+            connection_index,
+            channel,
+            backoff,
+            due: now + backoff.current(),
+        });
+        ConnectFailure::Retrying
+    }
+
+    /// Moves the attempts due at `now` into `out` as Connect commands with their back-off;
+    /// channels the gate released meanwhile are dropped.
+    pub(crate) fn take_due(
+        &mut self,
+        now: Instant,
+        out: &mut Vec<(Command, crate::gate::Backoff)>,
+    ) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let mut index = 0;
+        // Bounded by the list: each pass removes an entry or steps past one.
+        while index < self.waiting.len() {
+            let entry = &self.waiting[index];
+            if entry.channel.is_released() || entry.due <= now {
+                let entry = self.waiting.swap_remove(index);
+                if !entry.channel.is_released() {
+                    entry.channel.note_retry();
+                    out.push((
+                        Command::Connect {
+                            peer: entry.peer,
+                            connection_index: entry.connection_index,
+                            channel: entry.channel,
+                        },
+                        entry.backoff,
+                    ));
+                }
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    /// When the next attempt is due.
+    pub(crate) fn next_due(&self) -> Option<Instant> {
+        self.waiting.iter().map(|e| e.due).min()
+    }
+}
+
+/// Opens a client connection's socket (blocking connect bounded by the configured timeout,
+/// TCP_NODELAY on) and its protocol state, as both drivers do.
+pub(crate) fn open_client(
+    peer: SocketAddr,
+    config: &DriverConfig,
+) -> io::Result<(std::net::TcpStream, ClientConnection)> {
+    let stream = std::net::TcpStream::connect_timeout(&peer, config.connect_timeout)?;
+    stream.set_nodelay(true)?;
+    let client = ClientConnection::new(
+        config.node,
+        config.max_channels_per_connection,
+        config.segment_size,
+    )
+    .with_request_backoff(config.request_backoff);
+    Ok((stream, client))
 }

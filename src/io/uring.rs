@@ -38,9 +38,12 @@ use crossbeam_queue::ArrayQueue;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
-use super::{Command, DriverConfig, DriverHandle, IoWaker, WakeFn};
+use super::{
+    open_client, Command, ConnectFailure, DriverConfig, DriverHandle, IoWaker, RefusedConnects,
+    WakeFn,
+};
 use crate::partition::PartitionManager;
-use crate::protocol::{ClientConnection, ServerConnection};
+use crate::protocol::ServerConnection;
 
 /// Submission queue entries of a ring.
 const SQ_ENTRIES: u32 = 256;
@@ -305,6 +308,10 @@ struct Loop {
     next_generation: u32,
     /// Outgoing connections by (peer, connection index).
     peers: HashMap<(SocketAddr, usize), usize>,
+    /// Channels whose connection was refused, to try again.
+    refused: RefusedConnects,
+    /// Scratch for the refused connections due in one loop turn.
+    refused_due: Vec<(Command, crate::gate::Backoff)>,
     /// Reads, writes, the accept and the eventfd read submitted and not completed.
     in_flight: usize,
     commands: Arc<ArrayQueue<Command>>,
@@ -388,6 +395,8 @@ impl Loop {
             free_slots: Vec::new(),
             next_generation: 0,
             peers: HashMap::new(),
+            refused: RefusedConnects::default(),
+            refused_due: Vec::new(),
             in_flight: 0,
             commands,
             std_waker: Waker::from(waker.clone()),
@@ -449,6 +458,7 @@ impl Loop {
                 break;
             }
             let now = Instant::now();
+            self.retry_refused(now);
             for slot in 0..self.conns.len() {
                 self.pump(slot, now);
             }
@@ -518,6 +528,7 @@ impl Loop {
             .filter(|c| c.closing.is_none())
             .filter_map(|c| c.connection.poll_timeout())
             .chain(self.accept_paused_until)
+            .chain(self.refused.next_due())
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
             .min(MAX_PARK)
@@ -579,6 +590,23 @@ impl Loop {
         }
     }
 
+    /// Tries again the connections refused earlier whose back-off ran out.
+    fn retry_refused(&mut self, now: Instant) {
+        let mut due = std::mem::take(&mut self.refused_due);
+        self.refused.take_due(now, &mut due);
+        for (command, backoff) in due.drain(..) {
+            if let Command::Connect {
+                peer,
+                connection_index,
+                channel,
+            } = command
+            {
+                self.connect_channel(peer, connection_index, channel, backoff, now);
+            }
+        }
+        self.refused_due = due;
+    }
+
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
         while let Some(command) = self.commands.pop() {
@@ -597,7 +625,10 @@ impl Loop {
                     peer,
                     connection_index,
                     channel,
-                } => self.connect_channel(peer, connection_index, channel),
+                } => {
+                    let backoff = self.config.request_backoff;
+                    self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
+                }
             }
         }
         true
@@ -615,16 +646,23 @@ impl Loop {
         peer: SocketAddr,
         index: usize,
         channel: Arc<crate::gate::RemoteChannelShared>,
+        backoff: crate::gate::Backoff,
+        now: Instant,
     ) {
         let slot = match self.peers.get(&(peer, index)) {
             Some(&slot) if self.live(slot).is_some() => slot,
             _ => match self.open(peer, index) {
                 Ok(slot) => slot,
                 Err(error) => {
-                    channel.fail(crate::gate::GateError::Transport {
-                        channel: channel.channel(),
-                        reason: format!("connecting to {peer} failed: {error}"),
-                    });
+                    let failure =
+                        self.refused
+                            .on_failure(peer, index, channel.clone(), backoff, &error, now);
+                    if let ConnectFailure::Fail(reason) = failure {
+                        channel.fail(crate::gate::GateError::Transport {
+                            channel: channel.channel(),
+                            reason,
+                        });
+                    }
                     return;
                 }
             },
@@ -644,13 +682,7 @@ impl Loop {
 
     fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<usize> {
         // Blocking socket: io_uring polls it itself.
-        let stream = TcpStream::connect_timeout(&peer, self.config.connect_timeout)?;
-        stream.set_nodelay(true)?;
-        let client = ClientConnection::new(
-            self.config.node,
-            self.config.max_channels_per_connection,
-            self.config.segment_size,
-        );
+        let (stream, client) = open_client(peer, &self.config)?;
         let slot = self.add(stream, Side::Client(client), Some((peer, index)));
         self.peers.insert((peer, index), slot);
         tracing::debug!(%peer, index, "connection opened");

@@ -14,7 +14,7 @@ use super::inbound::{FrameReader, Step};
 use super::outbound::Outbound;
 use super::ProtocolError;
 use crate::buffer::BufferBuilder;
-use crate::gate::{ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared};
+use crate::gate::{Backoff, ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared};
 use crate::partition::{PartitionError, ResultPartitionId};
 
 /// Bytes of discarded payload read per step (payloads for channels already gone).
@@ -25,6 +25,21 @@ struct ClientChannel {
     shared: Arc<RemoteChannelShared>,
     partition: ResultPartitionId,
     receiver: ReceiverId,
+    /// Delay before re-sending the request after the producer said PartitionNotFound.
+    backoff: Backoff,
+    retry: Retry,
+}
+
+/// Where a channel is in re-requesting its partition (Flink's partition-request back-off:
+/// the producer's task may simply not have registered it yet).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Retry {
+    /// The request stands (or was answered).
+    No,
+    /// PartitionNotFound arrived; the delay starts at the next `poll_transmit`.
+    Due,
+    /// Re-send the request at this time.
+    At(Instant),
 }
 
 /// What the reader is doing.
@@ -60,6 +75,10 @@ pub struct ClientConnection {
     handshake_received: bool,
     closed: bool,
     generation: u64,
+    /// The back-off each channel starts with.
+    request_backoff: Backoff,
+    /// Channels waiting to re-send their request.
+    retrying: usize,
 }
 
 impl fmt::Debug for ClientConnection {
@@ -106,7 +125,17 @@ impl ClientConnection {
             handshake_received: false,
             closed: false,
             generation: 0,
+            request_backoff: Backoff::flink_default(),
+            retrying: 0,
         }
+    }
+
+    /// Retries a request the producer answered with PartitionNotFound after `backoff`'s
+    /// delays (`taskmanager.network.request-backoff.*`) instead of Flink's 100 ms … 10 s; the
+    /// channel fails once the delay is at its maximum.
+    pub fn with_request_backoff(mut self, backoff: Backoff) -> Self {
+        self.request_backoff = backoff;
+        self
     }
 
     /// This side's node identity.
@@ -129,30 +158,91 @@ impl ClientConnection {
             }
             None => return Err(ProtocolError::Closed),
         };
-        // Slot in the low half, a never-reused generation in the high half: a late frame for a
-        // channel that left cannot reach the channel that took its slot.
-        self.generation += 1;
-        let receiver = ReceiverId(slot as u128 | (u128::from(self.generation) << 64));
-        let consumed = shared.consumed();
+        let receiver = self.next_receiver(slot);
         attach(Arc::new(ReadyNotifier {
             ready: self.ready.clone(),
             slot: slot as u32,
         }));
-        encode(
-            &mut self.outbound,
-            &Message::PartitionRequest {
-                partition: consumed.partition,
-                subpartition: consumed.subpartition as u32,
-                receiver,
-                credit: shared.buffers().initial_credit(),
-            },
-        );
+        let consumed = shared.consumed();
         self.channels[slot] = Some(ClientChannel {
             shared,
             partition: consumed.partition,
             receiver,
+            backoff: self.request_backoff,
+            retry: Retry::No,
         });
+        self.send_request(slot);
         Ok(receiver)
+    }
+
+    /// Slot in the low half, a never-reused generation in the high half: a late frame for a
+    /// channel that left (or for an earlier request of a retried one) cannot reach the channel
+    /// that now holds the slot.
+    fn next_receiver(&mut self, slot: usize) -> ReceiverId {
+        self.generation += 1;
+        ReceiverId(slot as u128 | (u128::from(self.generation) << 64))
+    }
+
+    /// Queues the PartitionRequest of the channel in `slot` with its free segments as credit.
+    fn send_request(&mut self, slot: usize) {
+        let Some(Some(channel)) = self.channels.get(slot) else {
+            return;
+        };
+        let consumed = channel.shared.consumed();
+        let message = Message::PartitionRequest {
+            partition: consumed.partition,
+            subpartition: consumed.subpartition as u32,
+            receiver: channel.receiver,
+            credit: channel.shared.buffers().initial_credit(),
+        };
+        encode(&mut self.outbound, &message);
+    }
+
+    /// Re-sends the requests whose back-off ran out (each under a new receiver id).
+    fn retry_requests(&mut self, now: Instant) {
+        for slot in 0..self.channels.len() {
+            let Some(Some(channel)) = self.channels.get_mut(slot) else {
+                continue;
+            };
+            match channel.retry {
+                Retry::No => {}
+                Retry::Due => channel.retry = Retry::At(now + channel.backoff.current()),
+                Retry::At(due) if due <= now => {
+                    channel.retry = Retry::No;
+                    self.retrying -= 1;
+                    if channel.shared.is_released() {
+                        // The producer holds nothing for it: leave without a cancel.
+                        self.channels[slot] = None;
+                        continue;
+                    }
+                    tracing::debug!(partition = ?channel.partition, "re-requesting a partition");
+                    channel.shared.note_retry();
+                    let receiver = self.next_receiver(slot);
+                    if let Some(Some(channel)) = self.channels.get_mut(slot) {
+                        channel.receiver = receiver;
+                    }
+                    self.send_request(slot);
+                    // Credit or a resume asked for while waiting goes out now.
+                    self.ready.enqueue(slot as u32);
+                }
+                Retry::At(_) => {}
+            }
+        }
+    }
+
+    /// When a re-request is next due (for the driver's timer).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.retrying == 0 {
+            return None;
+        }
+        self.channels
+            .iter()
+            .flatten()
+            .filter_map(|c| match c.retry {
+                Retry::At(due) => Some(due),
+                _ => None,
+            })
+            .min()
     }
 
     /// Sends a task event to the producer of `receiver`'s partition.
@@ -198,13 +288,21 @@ impl ClientConnection {
     }
 
     /// Moves what channels want sent (credit, resume, cancel) into the outbound queue.
-    pub fn poll_transmit(&mut self, _now: Instant) {
+    pub fn poll_transmit(&mut self, now: Instant) {
+        if self.retrying > 0 {
+            self.retry_requests(now);
+        }
         // Each slot is in the queue at most once: bounded by the channel count.
         while let Some(slot) = self.ready.pop() {
             let Some(Some(channel)) = self.channels.get(slot as usize) else {
                 continue;
             };
             let receiver = channel.receiver;
+            if channel.retry != Retry::No {
+                // No request stands: credit and resume wait for the new one (a release is
+                // noticed when the retry is due).
+                continue;
+            }
             if channel.shared.is_released() {
                 encode(
                     &mut self.outbound,
@@ -467,9 +565,15 @@ impl ClientConnection {
                 kind,
                 message,
             } => {
+                if kind == ErrorKind::PartitionNotFound && self.schedule_retry(receiver) {
+                    return Ok(());
+                }
                 tracing::warn!(?receiver, ?kind, %message, "the producer reported a channel error");
                 if let Some(slot) = self.slot_of(receiver) {
                     let channel = self.channels[slot].take().expect("slot_of checked it");
+                    if channel.retry != Retry::No {
+                        self.retrying -= 1;
+                    }
                     let error = match kind {
                         ErrorKind::PartitionNotFound => GateError::Partition {
                             channel: channel.shared.channel(),
@@ -493,6 +597,29 @@ impl ClientConnection {
         Ok(())
     }
 
+    /// PartitionNotFound for `receiver`: true when its channel will ask again after its
+    /// back-off, false when the back-off is exhausted (the channel then fails).
+    fn schedule_retry(&mut self, receiver: ReceiverId) -> bool {
+        let Some(slot) = self.slot_of(receiver) else {
+            return false;
+        };
+        let Some(Some(channel)) = self.channels.get_mut(slot) else {
+            return false;
+        };
+        if channel.retry != Retry::No || channel.shared.is_released() || !channel.backoff.increase()
+        {
+            return false;
+        }
+        tracing::debug!(
+            partition = ?channel.partition,
+            delay = ?channel.backoff.current(),
+            "partition not found yet; requesting again after the back-off"
+        );
+        channel.retry = Retry::Due;
+        self.retrying += 1;
+        true
+    }
+
     fn fail_all(&mut self, error: &ProtocolError) {
         let channels = self.channel_count();
         if channels > 0 {
@@ -500,6 +627,7 @@ impl ClientConnection {
         } else {
             tracing::debug!(%error, "connection closed");
         }
+        self.retrying = 0;
         for channel in self.channels.iter_mut().filter_map(Option::take) {
             channel.shared.fail(GateError::Transport {
                 channel: channel.shared.channel(),
