@@ -17,9 +17,9 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
-use super::{Command, DriverHandle, IoWaker, WakeFn};
+use super::{refuse_connection, Command, DriverHandle, IoWaker, WakeFn};
 use crate::partition::PartitionManager;
-use crate::protocol::{ClientConnection, ServerConnection};
+use crate::protocol::ServerConnection;
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -70,6 +70,7 @@ impl EpollDriver {
             listener,
             connections: HashMap::new(),
             peers: HashMap::new(),
+            accepted: 0,
             next_token: FIRST_CONNECTION,
             commands: commands.clone(),
             waker: waker.clone(),
@@ -117,6 +118,8 @@ struct Loop {
     connections: HashMap<Token, Conn>,
     /// Outgoing connections by (peer, connection index).
     peers: HashMap<(SocketAddr, usize), Token>,
+    /// Accepted (server-side) connections open now.
+    accepted: usize,
     next_token: usize,
     commands: Arc<ArrayQueue<Command>>,
     waker: Arc<IoWaker<WakeFn>>,
@@ -247,11 +250,7 @@ impl Loop {
         let stream = std::net::TcpStream::connect_timeout(&peer, self.config.connect_timeout)?;
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
-        let client = ClientConnection::new(
-            self.config.node,
-            self.config.max_channels_per_connection,
-            self.config.segment_size,
-        );
+        let client = self.config.new_client()?;
         let token = self.add(
             TcpStream::from_std(stream),
             Side::Client(client),
@@ -267,11 +266,19 @@ impl Loop {
         for _ in 0..1024 {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
+                    if self.accepted >= self.config.max_connections {
+                        refuse_connection(Some(peer), self.accepted, self.config.max_connections);
+                        // Dropping the stream closes it at once.
+                        continue;
+                    }
                     let _ = stream.set_nodelay(true);
                     let server =
                         ServerConnection::new(self.config.server.clone(), self.manager.clone());
-                    if let Err(error) = self.add(stream, Side::Server(server), None) {
-                        tracing::warn!(%peer, %error, "registering an accepted connection failed");
+                    match self.add(stream, Side::Server(server), None) {
+                        Ok(_) => self.accepted += 1,
+                        Err(error) => {
+                            tracing::warn!(%peer, %error, "registering an accepted connection failed")
+                        }
                     }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
@@ -324,7 +331,11 @@ impl Loop {
                 }
                 Ok(n) => {
                     if let Err(error) = conn.connection.on_read(n, destination_len, now) {
-                        tracing::warn!(%error, "protocol error; closing the connection");
+                        tracing::warn!(
+                            %error,
+                            peer = ?conn.stream.peer_addr().ok(),
+                            "protocol error; closing the connection"
+                        );
                         // Send the queued ErrorResponse if the socket takes it, then close.
                         self.transmit(token, now);
                         self.close(token);
@@ -400,8 +411,11 @@ impl Loop {
     fn close(&mut self, token: Token) {
         if let Some(mut conn) = self.connections.remove(&token) {
             let _ = self.poll.registry().deregister(&mut conn.stream);
-            if let Some(peer) = conn.peer {
-                self.peers.remove(&peer);
+            match conn.peer {
+                Some(peer) => {
+                    self.peers.remove(&peer);
+                }
+                None => self.accepted -= 1,
             }
             conn.connection.on_lost("connection closed");
         }

@@ -26,7 +26,7 @@ use crossbeam_queue::ArrayQueue;
 
 use crate::buffer::NetworkBufferPool;
 use crate::gate::RemoteChannelShared;
-use crate::protocol::ServerConfig;
+use crate::protocol::{auth, ClientConfig, ClientConnection, ServerConfig};
 
 /// What an I/O thread needs to know (either driver).
 #[derive(Clone, Debug)]
@@ -37,14 +37,40 @@ pub struct DriverConfig {
     pub segment_size: usize,
     /// Producer-side connection settings.
     pub server: ServerConfig,
-    /// Channels one outgoing connection may carry.
-    pub max_channels_per_connection: usize,
+    /// Consumer-side connection settings.
+    pub client: ClientConfig,
+    /// Most accepted connections open at once (`fluxgate.network.max-connections`); one more
+    /// is closed as soon as it is accepted.
+    pub max_connections: usize,
     /// How long opening a connection may take.
     pub connect_timeout: Duration,
     /// The network memory the segments come from. The io_uring driver registers its arenas
     /// as fixed buffers and writes segment bytes in place; without it every byte it writes is
     /// copied first. The epoll driver ignores it.
     pub network: Option<NetworkBufferPool>,
+}
+
+impl DriverConfig {
+    /// A consumer-side connection, with a fresh handshake nonce when it authenticates.
+    pub(crate) fn new_client(&self) -> std::io::Result<ClientConnection> {
+        let nonce = match self.client.secret {
+            Some(_) => auth::fresh_nonce().map_err(|error| {
+                std::io::Error::other(format!("no random nonce for the handshake: {error}"))
+            })?,
+            None => [0; auth::NONCE_LEN],
+        };
+        Ok(ClientConnection::with_config(self.client.clone(), nonce))
+    }
+}
+
+/// Logs a connection refused because the server has `max_connections` open (both drivers).
+pub(crate) fn refuse_connection(peer: Option<SocketAddr>, open: usize, max_connections: usize) {
+    tracing::warn!(
+        ?peer,
+        open,
+        max_connections,
+        "refusing a connection: fluxgate.network.max-connections reached"
+    );
 }
 
 /// Which driver moves the bytes (`fluxgate.network.transport`).

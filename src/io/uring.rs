@@ -38,9 +38,9 @@ use crossbeam_queue::ArrayQueue;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
-use super::{Command, DriverConfig, DriverHandle, IoWaker, WakeFn};
+use super::{refuse_connection, Command, DriverConfig, DriverHandle, IoWaker, WakeFn};
 use crate::partition::PartitionManager;
-use crate::protocol::{ClientConnection, ServerConnection};
+use crate::protocol::ServerConnection;
 
 /// Submission queue entries of a ring.
 const SQ_ENTRIES: u32 = 256;
@@ -305,6 +305,8 @@ struct Loop {
     next_generation: u32,
     /// Outgoing connections by (peer, connection index).
     peers: HashMap<(SocketAddr, usize), usize>,
+    /// Accepted (server-side) connections open now, closing ones included.
+    accepted: usize,
     /// Reads, writes, the accept and the eventfd read submitted and not completed.
     in_flight: usize,
     commands: Arc<ArrayQueue<Command>>,
@@ -388,6 +390,7 @@ impl Loop {
             free_slots: Vec::new(),
             next_generation: 0,
             peers: HashMap::new(),
+            accepted: 0,
             in_flight: 0,
             commands,
             std_waker: Waker::from(waker.clone()),
@@ -646,11 +649,7 @@ impl Loop {
         // Blocking socket: io_uring polls it itself.
         let stream = TcpStream::connect_timeout(&peer, self.config.connect_timeout)?;
         stream.set_nodelay(true)?;
-        let client = ClientConnection::new(
-            self.config.node,
-            self.config.max_channels_per_connection,
-            self.config.segment_size,
-        );
+        let client = self.config.new_client()?;
         let slot = self.add(stream, Side::Client(client), Some((peer, index)));
         self.peers.insert((peer, index), slot);
         tracing::debug!(%peer, index, "connection opened");
@@ -914,9 +913,19 @@ impl Loop {
             if self.shutting_down {
                 return;
             }
+            if self.accepted >= self.config.max_connections {
+                refuse_connection(
+                    stream.peer_addr().ok(),
+                    self.accepted,
+                    self.config.max_connections,
+                );
+                // Dropping the stream closes it at once.
+                return;
+            }
             let _ = stream.set_nodelay(true);
             let server = ServerConnection::new(self.config.server.clone(), self.manager.clone());
             self.add(stream, Side::Server(server), None);
+            self.accepted += 1;
             return;
         }
         match -result {
@@ -945,7 +954,11 @@ impl Loop {
             n if n > 0 => {
                 let destination_len = conn.read_destination_len;
                 if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
-                    tracing::warn!(%error, "protocol error; closing the connection");
+                    tracing::warn!(
+                        %error,
+                        peer = ?conn.stream.peer_addr().ok(),
+                        "protocol error; closing the connection"
+                    );
                     // Send the queued ErrorResponse if the socket takes it, then close.
                     conn.stop_reading = true;
                     conn.close_after_write = true;
@@ -1049,6 +1062,9 @@ impl Loop {
         }
         let mut conn = self.conns[slot].take().expect("present");
         self.free_slots.push(slot);
+        if conn.peer.is_none() {
+            self.accepted -= 1;
+        }
         let reason = conn.closing.take().unwrap_or_default();
         conn.connection.on_lost(&reason);
         tracing::debug!(slot, %reason, "connection closed");

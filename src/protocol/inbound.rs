@@ -1,7 +1,7 @@
 //! Reading frames from a byte stream in pieces: the frame header, then a control body into a
 //! bounded reused vector (the caller handles BufferResponse payloads itself).
 
-use super::frame::{decode_header, FrameHeader, FRAME_HEADER};
+use super::frame::{decode_header_within, FrameHeader, FRAME_HEADER};
 use super::ProtocolError;
 
 /// Where the reader is within the current frame.
@@ -21,6 +21,7 @@ pub(crate) struct FrameReader {
     pub(crate) body: Vec<u8>,
     pub(crate) stage: Stage,
     max_payload: usize,
+    max_frame: usize,
 }
 
 /// What a completed read step produced.
@@ -35,8 +36,10 @@ pub(crate) enum Step {
 }
 
 impl FrameReader {
-    pub(crate) fn new(max_payload: usize) -> Self {
+    /// Payloads up to `max_payload` bytes, frames up to `max_frame` bytes (header included).
+    pub(crate) fn new(max_payload: usize, max_frame: usize) -> Self {
         Self {
+            max_frame,
             header: [0; FRAME_HEADER],
             have: 0,
             body: Vec::new(),
@@ -62,7 +65,8 @@ impl FrameReader {
                     return Ok(Step::Incomplete);
                 }
                 self.have = 0;
-                let frame = decode_header(&self.header, self.max_payload)?;
+                // Every limit is checked here, before `read_body` reserves the body's bytes.
+                let frame = decode_header_within(&self.header, self.max_payload, self.max_frame)?;
                 Ok(Step::Header(frame))
             }
             Stage::Body(frame) => {
