@@ -97,3 +97,36 @@ impl FrameReader {
         self.stage = Stage::Header;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::frame::{encode_header, DecodeError, MessageId, BUFFER_RESPONSE_HEADER};
+
+    #[test]
+    fn a_frame_over_the_configured_limit_is_refused_before_its_body_is_reserved() {
+        let segment = 4096;
+        let max_frame = segment + BUFFER_RESPONSE_HEADER;
+        let mut reader = FrameReader::new(segment, max_frame);
+        // A task event one byte longer than the configured frame limit (its own limit is
+        // larger: the configured one decides).
+        let mut header = [0u8; FRAME_HEADER];
+        encode_header(&mut header, max_frame + 1, MessageId::TaskEventRequest);
+        reader.destination().copy_from_slice(&header);
+        let result = reader.advance(FRAME_HEADER);
+        assert!(
+            matches!(
+                result,
+                Err(ProtocolError::Decode(DecodeError::BadLength { limit, .. }))
+                    if limit == max_frame as u64
+            ),
+            "{result:?}"
+        );
+        assert_eq!(reader.body.capacity(), 0, "nothing reserved for the body");
+        // At the limit it is read.
+        let mut reader = FrameReader::new(segment, max_frame);
+        encode_header(&mut header, max_frame, MessageId::TaskEventRequest);
+        reader.destination().copy_from_slice(&header);
+        assert!(matches!(reader.advance(FRAME_HEADER), Ok(Step::Header(_))));
+    }
+}
