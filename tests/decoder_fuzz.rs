@@ -12,11 +12,16 @@
 //! (bit flips, byte writes, truncation, length / size / id field rewrites, inserted and deleted
 //! bytes).
 //!
+//! (c) Authenticated streams (a handshake with a nonce and a valid proof, then a valid stream)
+//! with random mutations, fed to a server and a client that require the shared secret.
+//!
 //! Properties: nothing panics; every error is a [`ProtocolError`] (and the driver stops
 //! feeding after it); a server that failed is closing with exactly one connection-level
 //! ErrorResponse queued; a client that failed failed its channel; an unmutated valid stream is
 //! accepted whole; every segment is back in its pool once everything is dropped (checked on
-//! both networks after every input); decoded messages re-encode within the limits.
+//! both networks after every input); decoded messages re-encode within the limits; a side that
+//! authenticated read the valid handshake and proof intact, and a server that did not served
+//! nothing.
 //!
 //! Budget: `FLUXGATE_FUZZ_CASES` cases per fuzz test (default 2000, so `cargo test` stays
 //! fast); `-- --nocapture` prints each test's cases, executions (one input through one fresh

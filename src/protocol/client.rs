@@ -656,7 +656,8 @@ impl ClientConnection {
         let ours = transcript.client_proof(&auth.secret);
         encode(&mut self.outbound, &Message::AuthProof { proof: ours });
         let deferred = std::mem::take(&mut self.deferred);
-        if !deferred.is_empty() {
+        // After our CloseRequest nothing more may follow.
+        if !deferred.is_empty() && !self.closed {
             // Whole frames, in order: one range of the control bytes.
             self.outbound.control_bytes().extend_from_slice(&deferred);
             self.outbound.push_control(deferred.len());
