@@ -1,7 +1,16 @@
 //! Configuration: every option with the name Flink gives it where one matches, its default,
 //! and the relations between options checked in one place.
 
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use crate::protocol::auth::{Secret, MIN_SECRET_LEN};
+use crate::protocol::frame::BUFFER_RESPONSE_HEADER;
+
+/// The environment variable holding the cluster secret when no secret file is configured.
+pub const SECRET_ENV: &str = "FLUXGATE_SECRET";
 
 /// Why a configuration value was refused.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -20,6 +29,43 @@ pub enum ConfigError {
         /// What was wrong with it.
         reason: String,
     },
+}
+
+/// Whether connections authenticate (`fluxgate.security.auth`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum AuthMode {
+    /// On when the server binds a non-loopback address, off on loopback (benchmarks and
+    /// tests on one machine).
+    #[default]
+    Auto,
+    /// Always: a secret must be configured, and every peer must prove it knows it.
+    On,
+    /// Never: no handshake proof is asked or given (a peer that requires one refuses us).
+    Off,
+}
+
+impl AuthMode {
+    /// Whether a server bound to `bind` authenticates.
+    pub fn is_on_for(self, bind: SocketAddr) -> bool {
+        match self {
+            AuthMode::On => true,
+            AuthMode::Off => false,
+            AuthMode::Auto => !bind.ip().is_loopback(),
+        }
+    }
+}
+
+impl std::str::FromStr for AuthMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "auto" => Ok(AuthMode::Auto),
+            "on" | "true" => Ok(AuthMode::On),
+            "off" | "false" => Ok(AuthMode::Off),
+            other => Err(format!("unknown mode `{other}` (auto | on | off)")),
+        }
+    }
 }
 
 /// Network memory and exchange options of one process.
@@ -54,6 +100,35 @@ pub struct NetworkConfig {
     /// still refused after a retry at this delay fails with PartitionNotFound (or a transport
     /// error for a refused connection) (default 10 s).
     pub request_backoff_max: Duration,
+    /// `fluxgate.security.auth`: whether connections prove knowledge of the cluster secret
+    /// with an HMAC-SHA256 challenge–response before any partition request is served
+    /// (default `auto`: on when binding a non-loopback address, off on loopback).
+    pub auth: AuthMode,
+    /// `fluxgate.security.secret-file`: the file holding the cluster secret (at least 16
+    /// bytes; trailing whitespace and newlines are not part of it). Without one, the secret
+    /// comes from the `FLUXGATE_SECRET` environment variable. With authentication on and
+    /// neither set, the environment refuses to start.
+    pub secret_file: Option<PathBuf>,
+    /// `fluxgate.network.max-connections`: most connections a server keeps open at once;
+    /// one more is accepted and closed at once, logged (default 1024).
+    pub max_connections: usize,
+    /// `fluxgate.network.max-channels-per-connection`: most channels one connection carries;
+    /// a consumer requesting more gets an ErrorResponse and the connection closes
+    /// (default 4096).
+    pub max_channels_per_connection: usize,
+    /// `fluxgate.network.max-frame-size`: longest frame accepted, header included, checked
+    /// when its header arrives, before anything is read or reserved for its body. At least a
+    /// segment plus its BufferResponse header; unset: the segment size plus its 64-byte
+    /// headroom. Control frames are limited to 1 KiB besides.
+    pub max_frame_size: Option<usize>,
+    /// `fluxgate.network.partition-request-rate`: partition requests per second one
+    /// connection may sustain; faster gets an ErrorResponse and the connection closes
+    /// (default 1000; 0 = no limit).
+    pub partition_request_rate: u32,
+    /// `fluxgate.network.partition-request-burst`: partition requests one connection may send
+    /// at once (default 4096; keep it at least `max-channels-per-connection`, or a consumer
+    /// opening every channel of a connection at once is refused).
+    pub partition_request_burst: u32,
 }
 
 impl Default for NetworkConfig {
@@ -69,6 +144,13 @@ impl Default for NetworkConfig {
             max_record_bytes: 64 * 1024 * 1024,
             request_backoff_initial: Duration::from_millis(100),
             request_backoff_max: Duration::from_secs(10),
+            auth: AuthMode::Auto,
+            secret_file: None,
+            max_connections: 1024,
+            max_channels_per_connection: 4096,
+            max_frame_size: None,
+            partition_request_rate: 1000,
+            partition_request_burst: 4096,
         }
     }
 }
@@ -86,6 +168,13 @@ impl NetworkConfig {
         "fluxgate.record.max-size",
         "taskmanager.network.request-backoff.initial",
         "taskmanager.network.request-backoff.max",
+        "fluxgate.security.auth",
+        "fluxgate.security.secret-file",
+        "fluxgate.network.max-connections",
+        "fluxgate.network.max-channels-per-connection",
+        "fluxgate.network.max-frame-size",
+        "fluxgate.network.partition-request-rate",
+        "fluxgate.network.partition-request-burst",
     ];
 
     /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
@@ -100,6 +189,11 @@ impl NetworkConfig {
             value
                 .parse::<usize>()
                 .map_err(|_| invalid("expected a non-negative integer"))
+        };
+        let count32 = || {
+            value
+                .parse::<u32>()
+                .map_err(|_| invalid("expected an integer from 0 to 4294967295"))
         };
         let mut next = self.clone();
         match key {
@@ -123,6 +217,19 @@ impl NetworkConfig {
             "taskmanager.network.request-backoff.max" => {
                 next.request_backoff_max = Duration::from_millis(count()? as u64)
             }
+            "fluxgate.security.auth" => {
+                next.auth = value.parse().map_err(|reason: String| invalid(&reason))?
+            }
+            "fluxgate.security.secret-file" => {
+                next.secret_file = (!value.trim().is_empty()).then(|| PathBuf::from(value))
+            }
+            "fluxgate.network.max-connections" => next.max_connections = count()?,
+            "fluxgate.network.max-channels-per-connection" => {
+                next.max_channels_per_connection = count()?
+            }
+            "fluxgate.network.max-frame-size" => next.max_frame_size = Some(size()?),
+            "fluxgate.network.partition-request-rate" => next.partition_request_rate = count32()?,
+            "fluxgate.network.partition-request-burst" => next.partition_request_burst = count32()?,
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
         next.validate().map_err(|e| match e {
@@ -194,6 +301,32 @@ impl NetworkConfig {
                 "the initial back-off must be above 0 ms and at most the maximum",
             );
         }
+        if self.max_connections == 0 {
+            return invalid("fluxgate.network.max-connections", 0, "must be at least 1");
+        }
+        if !(1..=1 << 20).contains(&self.max_channels_per_connection) {
+            return invalid(
+                "fluxgate.network.max-channels-per-connection",
+                self.max_channels_per_connection,
+                "must be from 1 to 1048576",
+            );
+        }
+        if let Some(max) = self.max_frame_size {
+            if max < s + BUFFER_RESPONSE_HEADER || max > u32::MAX as usize {
+                return invalid(
+                    "fluxgate.network.max-frame-size",
+                    max,
+                    "must hold a full segment and its 48-byte header, and fit 32 bits",
+                );
+            }
+        }
+        if self.partition_request_rate > 0 && self.partition_request_burst == 0 {
+            return invalid(
+                "fluxgate.network.partition-request-burst",
+                0,
+                "must be at least 1 while partition-request-rate limits requests",
+            );
+        }
         Ok(())
     }
 
@@ -202,10 +335,98 @@ impl NetworkConfig {
         crate::gate::Backoff::new(self.request_backoff_initial, self.request_backoff_max)
     }
 
+    /// The longest frame a connection accepts (`fluxgate.network.max-frame-size`, or the
+    /// segment size plus its headroom).
+    pub fn max_frame_size(&self) -> usize {
+        self.max_frame_size
+            .unwrap_or(self.segment_size + crate::buffer::HEADROOM)
+    }
+
+    /// The secret a server bound to `bind` authenticates with: none when authentication is
+    /// off there; else from `fluxgate.security.secret-file`, or the `FLUXGATE_SECRET`
+    /// environment variable. Fails when authentication is on and no usable secret is found.
+    pub fn resolve_secret(&self, bind: SocketAddr) -> Result<Option<Secret>, SecretError> {
+        if !self.auth.is_on_for(bind) {
+            return Ok(None);
+        }
+        let why = match self.auth {
+            AuthMode::Auto => {
+                "fluxgate.security.auth is auto and the server binds the \
+                               non-loopback address"
+            }
+            _ => "fluxgate.security.auth is on",
+        };
+        load_secret(self.secret_file.as_deref(), std::env::var_os(SECRET_ENV))
+            .and_then(|secret| secret.ok_or_else(|| SecretError::Missing(format!("{why} {bind}"))))
+            .map(Some)
+    }
+
     /// Segments in the whole network memory.
     pub fn segment_count(&self) -> usize {
         self.network_memory_bytes / self.segment_size
     }
+}
+
+/// Why no cluster secret could be had.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SecretError {
+    /// Authentication is on (the reason says why) and no secret is configured.
+    #[error(
+        "authentication is required ({0}) but no secret is configured: set \
+         fluxgate.security.secret-file to a file holding it, or the FLUXGATE_SECRET \
+         environment variable (or set fluxgate.security.auth = off on trusted networks)"
+    )]
+    Missing(String),
+    /// The secret file could not be read.
+    #[error("cannot read the secret file {path}: {reason}")]
+    Unreadable {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        reason: String,
+    },
+    /// The secret is too short to resist guessing.
+    #[error("the secret from {origin} has {len} bytes; at least {MIN_SECRET_LEN} are required")]
+    TooShort {
+        /// Where it came from.
+        origin: String,
+        /// Its length.
+        len: usize,
+    },
+}
+
+/// The secret from `file` if one is named, else from `from_env` (the environment variable's
+/// value); `None` when neither is set. Trailing whitespace (a file's final newline) is cut.
+pub fn load_secret(
+    file: Option<&Path>,
+    from_env: Option<OsString>,
+) -> Result<Option<Secret>, SecretError> {
+    let (bytes, source) = match (file, from_env) {
+        (Some(path), _) => {
+            let bytes = std::fs::read(path).map_err(|error| SecretError::Unreadable {
+                path: path.to_owned(),
+                reason: error.to_string(),
+            })?;
+            (bytes, format!("the file {}", path.display()))
+        }
+        (None, Some(value)) => {
+            use std::os::unix::ffi::OsStringExt;
+            (value.into_vec(), format!("the variable {SECRET_ENV}"))
+        }
+        (None, None) => return Ok(None),
+    };
+    let end = bytes
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |last| last + 1);
+    let secret = &bytes[..end];
+    Secret::new(secret)
+        .ok_or(SecretError::TooShort {
+            origin: source,
+            len: secret.len(),
+        })
+        .map(Some)
 }
 
 /// Parses `123`, `32k`, `32kb`, `64m`, `1g` (binary units, case-insensitive).
@@ -238,6 +459,102 @@ mod tests {
         assert_eq!(parse_size("1g"), Some(1 << 30));
         assert_eq!(parse_size("12q"), None);
         assert_eq!(parse_size(""), None);
+    }
+
+    #[test]
+    fn limits_and_security_options_parse_and_validate() {
+        let mut config = NetworkConfig::default();
+        config.set("fluxgate.security.auth", "on").unwrap();
+        assert_eq!(config.auth, AuthMode::On);
+        assert!(config.set("fluxgate.security.auth", "maybe").is_err());
+        config
+            .set("fluxgate.security.secret-file", "/etc/fluxgate/secret")
+            .unwrap();
+        assert_eq!(
+            config.secret_file.as_deref(),
+            Some(Path::new("/etc/fluxgate/secret"))
+        );
+        config.set("fluxgate.network.max-connections", "3").unwrap();
+        assert!(config.set("fluxgate.network.max-connections", "0").is_err());
+        config
+            .set("fluxgate.network.max-channels-per-connection", "8")
+            .unwrap();
+        assert_eq!(config.max_frame_size(), 32 * 1024 + 64);
+        assert!(config
+            .set("fluxgate.network.max-frame-size", "32kb")
+            .is_err());
+        config
+            .set("fluxgate.network.max-frame-size", "33kb")
+            .unwrap();
+        assert_eq!(config.max_frame_size(), 33 * 1024);
+        config
+            .set("fluxgate.network.partition-request-rate", "10")
+            .unwrap();
+        assert!(config
+            .set("fluxgate.network.partition-request-burst", "0")
+            .is_err());
+        config
+            .set("fluxgate.network.partition-request-rate", "0")
+            .unwrap();
+        config
+            .set("fluxgate.network.partition-request-burst", "0")
+            .unwrap();
+    }
+
+    #[test]
+    fn auto_authenticates_only_off_loopback() {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let any = SocketAddr::from(([0, 0, 0, 0], 0));
+        let v6_loopback: SocketAddr = "[::1]:0".parse().unwrap();
+        assert!(!AuthMode::Auto.is_on_for(loopback));
+        assert!(!AuthMode::Auto.is_on_for(v6_loopback));
+        assert!(AuthMode::Auto.is_on_for(any));
+        assert!(AuthMode::On.is_on_for(loopback));
+        assert!(!AuthMode::Off.is_on_for(any));
+        let config = NetworkConfig::default();
+        assert_eq!(config.resolve_secret(loopback), Ok(None));
+    }
+
+    #[test]
+    fn secrets_come_from_the_file_first_then_the_environment() {
+        let dir = std::env::temp_dir().join(format!("fluxgate-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("secret");
+        std::fs::write(&file, b"0123456789abcdef-from-file\n").unwrap();
+        let from_file = load_secret(Some(&file), Some("0123456789abcdef-env".into()))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            from_file,
+            Secret::new(b"0123456789abcdef-from-file").unwrap()
+        );
+        let from_env = load_secret(None, Some("0123456789abcdef-env".into()))
+            .unwrap()
+            .unwrap();
+        assert_eq!(from_env, Secret::new(b"0123456789abcdef-env").unwrap());
+        assert_eq!(load_secret(None, None), Ok(None));
+        assert!(matches!(
+            load_secret(None, Some("short\n".into())),
+            Err(SecretError::TooShort { len: 5, .. })
+        ));
+        assert!(matches!(
+            load_secret(Some(&dir.join("missing")), None),
+            Err(SecretError::Unreadable { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+        // On with nothing configured: a startup error saying what to set.
+        let mut config = NetworkConfig::default();
+        config.set("fluxgate.security.auth", "on").unwrap();
+        config
+            .set(
+                "fluxgate.security.secret-file",
+                dir.join("missing").to_str().unwrap(),
+            )
+            .unwrap();
+        let error = config
+            .resolve_secret(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .unwrap_err();
+        assert!(matches!(error, SecretError::Unreadable { .. }), "{error}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::buffer::{NetworkBufferPool, PoolError};
-use crate::config::NetworkConfig;
+use crate::config::{NetworkConfig, SecretError};
 use crate::gate::{
     ChannelLocation, ChannelSpec, ConsumedSubpartition, GateError, InputChannel, SingleInputGate,
 };
@@ -17,7 +17,7 @@ use crate::io::epoll::EpollDriver;
 use crate::io::uring::{self, UringDriver};
 use crate::io::{Command, DriverConfig, Transport};
 use crate::partition::{PartitionError, PartitionManager, ResultPartition, ResultPartitionId};
-use crate::protocol::ServerConfig;
+use crate::protocol::{ClientConfig, RequestRate, ServerConfig};
 
 /// Why the environment could not start or build something.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +38,9 @@ pub enum EnvError {
     /// A gate could not be set up.
     #[error(transparent)]
     Gate(#[from] GateError),
+    /// Authentication is on and no usable secret is configured (`fluxgate.security.*`).
+    #[error(transparent)]
+    Secret(#[from] SecretError),
 }
 
 /// Settings of one process's network.
@@ -53,8 +56,6 @@ pub struct EnvConfig {
     pub node: u128,
     /// `taskmanager.network.max-num-tcp-connections`: connections per peer (default 1).
     pub connections_per_peer: usize,
-    /// Most channels on one connection.
-    pub max_channels_per_connection: usize,
     /// `taskmanager.network.partition-request-timeout` (10 s).
     pub partition_request_timeout: Duration,
     /// How long opening a connection may take.
@@ -69,7 +70,6 @@ impl Default for EnvConfig {
             transport: Transport::Auto,
             node: 0,
             connections_per_peer: 1,
-            max_channels_per_connection: 4096,
             partition_request_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
         }
@@ -139,21 +139,40 @@ impl fmt::Debug for ShuffleEnvironment {
 }
 
 impl ShuffleEnvironment {
-    /// Maps the network memory, binds the server and starts the I/O thread.
+    /// Maps the network memory, binds the server and starts the I/O thread. Fails when
+    /// authentication is on (`fluxgate.security.auth`) and no secret is configured.
     pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
+        let secret = config.network.resolve_secret(config.bind)?.map(Arc::new);
+        if secret.is_some() {
+            tracing::info!(bind = %config.bind, "connections authenticate with the cluster secret");
+        }
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
+        let options = &config.network;
         let driver_config = DriverConfig {
             node: config.node,
-            segment_size: config.network.segment_size,
+            segment_size: options.segment_size,
             server: ServerConfig {
                 node: config.node,
-                segment_size: config.network.segment_size,
-                max_channels: config.max_channels_per_connection,
+                segment_size: options.segment_size,
+                max_channels: options.max_channels_per_connection,
                 partition_request_timeout: config.partition_request_timeout,
+                max_frame_size: options.max_frame_size(),
+                request_rate: RequestRate {
+                    per_second: options.partition_request_rate,
+                    burst: options.partition_request_burst,
+                },
+                secret: secret.clone(),
                 ..ServerConfig::default()
             },
-            max_channels_per_connection: config.max_channels_per_connection,
+            client: ClientConfig {
+                node: config.node,
+                max_channels: options.max_channels_per_connection,
+                segment_size: options.segment_size,
+                max_frame_size: options.max_frame_size(),
+                secret,
+            },
+            max_connections: options.max_connections,
             connect_timeout: config.connect_timeout,
             request_backoff: config.network.request_backoff(),
             network: Some(network.clone()),

@@ -12,11 +12,16 @@
 //! (bit flips, byte writes, truncation, length / size / id field rewrites, inserted and deleted
 //! bytes).
 //!
+//! (c) Authenticated streams (a handshake with a nonce and a valid proof, then a valid stream)
+//! with random mutations, fed to a server and a client that require the shared secret.
+//!
 //! Properties: nothing panics; every error is a [`ProtocolError`] (and the driver stops
 //! feeding after it); a server that failed is closing with exactly one connection-level
 //! ErrorResponse queued; a client that failed failed its channel; an unmutated valid stream is
 //! accepted whole; every segment is back in its pool once everything is dropped (checked on
-//! both networks after every input); decoded messages re-encode within the limits.
+//! both networks after every input); decoded messages re-encode within the limits; a side that
+//! authenticated read the valid handshake and proof intact, and a server that did not served
+//! nothing.
 //!
 //! Budget: `FLUXGATE_FUZZ_CASES` cases per fuzz test (default 2000, so `cargo test` stays
 //! fast); `-- --nocapture` prints each test's cases, executions (one input through one fresh
@@ -51,14 +56,15 @@ use fluxgate::gate::{
     SingleInputGate,
 };
 use fluxgate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
+use fluxgate::protocol::auth::{consumer_proof, producer_proof, Nonce, PROOF_LEN};
 use fluxgate::protocol::frame::{
     decode_buffer_response, decode_header, encode_header, BufferResponseHeader, FrameHeader,
-    BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER, MAGIC, MAX_CONTROL_FRAME,
-    MAX_ERROR_MESSAGE, VERSION,
+    BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER, HANDSHAKE_BODY, MAGIC,
+    MAX_CONTROL_FRAME, MAX_ERROR_MESSAGE, VERSION,
 };
 use fluxgate::protocol::{
-    ClientConnection, DecodeError, ErrorKind, Message, MessageId, ProtocolError, ReceiverId,
-    ServerConfig, ServerConnection,
+    ClientConfig, ClientConnection, DecodeError, ErrorKind, Message, MessageId, ProtocolError,
+    ReceiverId, Secret, ServerConfig, ServerConnection,
 };
 use fluxgate::NetworkConfig;
 use proptest::prelude::*;
@@ -76,6 +82,19 @@ const PARTITION: ResultPartitionId = ResultPartitionId {
 const RECEIVER: ReceiverId = ReceiverId(1 << 64);
 /// Cases per fuzz test when `FLUXGATE_FUZZ_CASES` is not set.
 const DEFAULT_CASES: u32 = 2000;
+/// Channels the server lets one connection request (valid streams request at most 10).
+const MAX_CHANNELS: usize = 12;
+/// The node ids and nonces of the authenticated connections (fixed: deterministic proofs).
+const SERVER_NODE: u128 = 1;
+const CLIENT_NODE: u128 = 2;
+const PEER_NODE: u128 = 9;
+const SERVER_NONCE: Nonce = [0x5E; 32];
+const CLIENT_NONCE: Nonce = [0xC1; 32];
+
+/// The cluster secret of the authenticated connections.
+fn secret() -> Arc<Secret> {
+    Arc::new(Secret::new(b"decoder fuzz shared secret").unwrap())
+}
 
 fn corpus_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/decoder")
@@ -195,7 +214,8 @@ fn server_writes(server: &mut ServerConnection, keep: bool) -> Vec<u8> {
 
 /// A fresh server with [`PARTITION`] registered: two flushed records, an aligned barrier
 /// (blocks the view until ResumeConsumption) and one more record queued in subpartition 0.
-fn fresh_server(nets: &Networks) -> (ServerConnection, ResultPartition) {
+/// With `auth`, it requires the consumer to prove it knows [`secret`].
+fn fresh_server(nets: &Networks, auth: bool) -> (ServerConnection, ResultPartition) {
     let manager = Arc::new(PartitionManager::new());
     let mut partition = ResultPartition::new(PARTITION, 1, &nets.producer, &nets.config).unwrap();
     manager.register(partition.handle()).unwrap();
@@ -207,14 +227,19 @@ fn fresh_server(nets: &Networks) -> (ServerConnection, ResultPartition) {
         .unwrap();
     partition.emit_record(&[9u8; 10][..], 0).unwrap();
     partition.flush(0);
-    let server = ServerConnection::new(
+    let server = ServerConnection::with_nonce(
         ServerConfig {
-            node: 1,
+            node: SERVER_NODE,
             segment_size: SEGMENT,
-            max_channels: 4,
+            max_channels: MAX_CHANNELS,
+            // Long enough that the 13 waiting requests of `too_many_channels` (650 bytes) are
+            // all still waiting when fed byte by byte.
+            partition_request_timeout: Duration::from_secs(40),
+            secret: auth.then(secret),
             ..ServerConfig::default()
         },
         manager,
+        SERVER_NONCE,
     );
     (server, partition)
 }
@@ -222,7 +247,18 @@ fn fresh_server(nets: &Networks) -> (ServerConnection, ResultPartition) {
 /// Feeds `input` to a fresh server. On an error, checks the server is closing with exactly
 /// one connection-level ErrorResponse queued. Every segment is back afterwards.
 fn run_server(nets: &Networks, input: &[u8], pieces: &[usize]) -> Result<(), ProtocolError> {
-    let (mut server, partition) = fresh_server(nets);
+    run_server_with(nets, input, pieces, false).0
+}
+
+/// [`run_server`] on a server that requires authentication when `auth`; also says whether
+/// the consumer authenticated.
+fn run_server_with(
+    nets: &Networks,
+    input: &[u8],
+    pieces: &[usize],
+    auth: bool,
+) -> (Result<(), ProtocolError>, bool) {
+    let (mut server, partition) = fresh_server(nets, auth);
     // The server's own handshake.
     server_writes(&mut server, false);
     let now = Cell::new(nets.start);
@@ -234,7 +270,7 @@ fn run_server(nets: &Networks, input: &[u8], pieces: &[usize]) -> Result<(), Pro
         |s, n| s.on_read(n, now.get()),
         |s| {
             // A driver between reads: time passes (fast: a request for a partition that never
-            // comes retries every 50 ms and fails after 10 s, 200 pieces), the server sends
+            // comes retries every 50 ms and fails after 40 s, 800 pieces), the server sends
             // what it can.
             now.set(now.get() + Duration::from_millis(50));
             s.poll_transmit(now.get());
@@ -246,22 +282,31 @@ fn run_server(nets: &Networks, input: &[u8], pieces: &[usize]) -> Result<(), Pro
         let bytes = server_writes(&mut server, true);
         let frames = split_frames(&bytes);
         assert_eq!(frames.len(), 1, "{error:?}: wrote {frames:?}");
+        // The error's kind on the wire: the peer's own error is answered as a protocol error.
+        let kind = match error {
+            ProtocolError::Remote { .. } => ErrorKind::Protocol,
+            other => other.error_kind(),
+        };
         assert!(
             matches!(
                 &frames[0],
                 Ok(Message::ErrorResponse {
                     receiver: None,
-                    kind: ErrorKind::Protocol,
+                    kind: k,
                     ..
-                })
+                }) if *k == kind
             ),
             "{error:?}: wrote {frames:?}"
         );
     }
+    let authenticated = server.is_authenticated();
+    if auth && !authenticated {
+        assert_eq!(server.reader_count(), 0, "served before authentication");
+    }
     drop(server);
     drop(partition);
     nets.assert_all_back("server");
-    result
+    (result, authenticated)
 }
 
 /// A gate with one remote channel consuming subpartition 0 of `partition`.
@@ -294,10 +339,17 @@ fn register(client: &mut ClientConnection, gate: &SingleInputGate) -> ReceiverId
         .unwrap()
 }
 
-/// A fresh gate with one remote channel and a client with that channel registered.
-fn fresh_client(nets: &Networks) -> (ClientConnection, SingleInputGate) {
+/// A fresh gate with one remote channel and a client with that channel registered; with
+/// `auth`, the client authenticates with [`secret`].
+fn fresh_client(nets: &Networks, auth: bool) -> (ClientConnection, SingleInputGate) {
     let gate = remote_gate(nets, PARTITION);
-    let mut client = ClientConnection::new(2, 4, SEGMENT);
+    let mut client = ClientConnection::with_config(
+        ClientConfig {
+            secret: auth.then(secret),
+            ..ClientConfig::new(CLIENT_NODE, 4, SEGMENT)
+        },
+        CLIENT_NONCE,
+    );
     assert_eq!(register(&mut client, &gate), RECEIVER);
     (client, gate)
 }
@@ -350,7 +402,19 @@ fn run_client(
     pieces: &[usize],
     read_gate: bool,
 ) -> Result<(), ProtocolError> {
-    let (mut client, mut gate) = fresh_client(nets);
+    run_client_with(nets, input, pieces, read_gate, false).0
+}
+
+/// [`run_client`] on a client that authenticates when `auth`; also says whether the producer
+/// authenticated.
+fn run_client_with(
+    nets: &Networks,
+    input: &[u8],
+    pieces: &[usize],
+    read_gate: bool,
+    auth: bool,
+) -> (Result<(), ProtocolError>, bool) {
+    let (mut client, mut gate) = fresh_client(nets, auth);
     // Handshake and partition request.
     client_writes(&mut client);
     let mut now = nets.start;
@@ -387,10 +451,11 @@ fn run_client(
             "{error:?}: the channel did not fail"
         );
     }
+    let authenticated = client.is_authenticated();
     drop(client);
     drop(gate);
     nets.assert_all_back("client");
-    result
+    (result, authenticated)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -405,8 +470,52 @@ fn frame(message: &Message) -> Vec<u8> {
 fn handshake() -> Vec<u8> {
     frame(&Message::Handshake {
         version: VERSION,
-        node: 9,
+        node: PEER_NODE,
+        authenticate: false,
+        nonce: [0; 32],
     })
+}
+
+/// A handshake that authenticates with `nonce`.
+fn authenticating_handshake(nonce: Nonce) -> Vec<u8> {
+    frame(&Message::Handshake {
+        version: VERSION,
+        node: PEER_NODE,
+        authenticate: true,
+        nonce,
+    })
+}
+
+/// What a consumer (node [`PEER_NODE`]) that knows [`secret`] sends a fresh authenticating
+/// server first: its handshake and its proof.
+fn consumer_authentication() -> Vec<u8> {
+    let proof = consumer_proof(
+        &secret(),
+        CLIENT_NONCE,
+        SERVER_NONCE,
+        PEER_NODE,
+        SERVER_NODE,
+    );
+    cat(&[
+        &authenticating_handshake(CLIENT_NONCE),
+        &frame(&Message::AuthProof { proof }),
+    ])
+}
+
+/// What a producer (node [`PEER_NODE`]) that knows [`secret`] sends a fresh authenticating
+/// client first: its handshake and its proof.
+fn producer_authentication() -> Vec<u8> {
+    let proof = producer_proof(
+        &secret(),
+        CLIENT_NONCE,
+        SERVER_NONCE,
+        CLIENT_NODE,
+        PEER_NODE,
+    );
+    cat(&[
+        &authenticating_handshake(SERVER_NONCE),
+        &frame(&Message::AuthProof { proof }),
+    ])
 }
 
 fn barrier(id: u64, alignment: Alignment) -> Event {
@@ -517,8 +626,8 @@ fn fields_of(bytes: &[u8]) -> Vec<(usize, usize)> {
             9 => fields.extend([(at + 10, 1), (at + 27, 1), (at + 28, 2)]),
             // AddCredit and BacklogAnnouncement: the count.
             3 | 8 => fields.push((at + 26, 4)),
-            // Handshake: version.
-            0 => fields.push((at + 10, 1)),
+            // Handshake: version, flags.
+            0 => fields.extend([(at + 10, 1), (at + 27, 1)]),
             _ => {}
         }
         let length = if bytes[at + 9] == 2 {
@@ -660,9 +769,9 @@ fn corpus_entries() -> Vec<CorpusEntry> {
     let mut bad_magic = h.clone();
     bad_magic[4] ^= 0x01;
     let mut bad_version = h.clone();
-    bad_version[8] = 2;
+    bad_version[8] = 1;
     let mut bad_kind = error(Some(ReceiverId(5)), ErrorKind::Other, "x");
-    bad_kind[27] = 4;
+    bad_kind[27] = 6;
     let mut has_receiver_two = error(Some(ReceiverId(5)), ErrorKind::Other, "x");
     has_receiver_two[10] = 2;
     let mut invalid_utf8 = error(Some(ReceiverId(5)), ErrorKind::Other, "abcd");
@@ -673,10 +782,34 @@ fn corpus_entries() -> Vec<CorpusEntry> {
     let mut handshake_short = h.clone();
     handshake_short.pop();
     handshake_short[3] -= 1;
-    let handshake_v2 = frame(&Message::Handshake {
-        version: 2,
+    let handshake_v3 = frame(&Message::Handshake {
+        version: 3,
         node: 9,
+        authenticate: false,
+        nonce: [0; 32],
     });
+    let mut handshake_bad_flags = h.clone();
+    handshake_bad_flags[27] = 0b10;
+    let proof = frame(&Message::AuthProof {
+        proof: [0xA5; PROOF_LEN],
+    });
+    let mut proof_short = proof.clone();
+    proof_short.pop();
+    proof_short[3] -= 1;
+    // Requests for a partition not registered (yet): each waits, and counts as a channel.
+    let too_many_requests: Vec<u8> = (0..=MAX_CHANNELS as u128)
+        .flat_map(|r| {
+            frame(&Message::PartitionRequest {
+                partition: ResultPartitionId {
+                    partition: 77,
+                    producer: 1,
+                },
+                subpartition: 0,
+                receiver: ReceiverId(100 + r),
+                credit: 1,
+            })
+        })
+        .collect();
     let mut error_frame_limit = error(Some(ReceiverId(5)), ErrorKind::Other, "");
     // The longest control frame: a message that fills it to MAX_CONTROL_FRAME, past the 512
     // bytes an encoder sends.
@@ -721,8 +854,8 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "Decode::UnsupportedVersion",
         ),
         entry(
-            "unknown_message_10",
-            cat(&[&h, &header_only(10, 10)]),
+            "unknown_message_11",
+            cat(&[&h, &header_only(10, 11)]),
             "Decode::UnknownMessage",
             "Decode::UnknownMessage",
         ),
@@ -763,10 +896,43 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "Decode::BodyLength",
         ),
         entry(
-            "handshake_version_2",
-            handshake_v2,
+            "handshake_version_3",
+            handshake_v3,
             "Handshake",
             "Handshake",
+        ),
+        entry(
+            "handshake_bad_flags",
+            handshake_bad_flags,
+            "Decode::InvalidField",
+            "Decode::InvalidField",
+        ),
+        // Authentication: these connections have no secret. A server without one lets an
+        // authenticating consumer in (the consumer refuses it); a consumer without one refuses
+        // a producer that authenticates.
+        entry(
+            "handshake_authenticating",
+            authenticating_handshake([7; 32]),
+            "ok",
+            "Unauthenticated",
+        ),
+        entry(
+            "auth_proof_unexpected",
+            cat(&[&h, &proof]),
+            "UnexpectedMessage",
+            "UnexpectedMessage",
+        ),
+        entry(
+            "auth_proof_short_body",
+            cat(&[&h, &proof_short]),
+            "Decode::BodyLength",
+            "Decode::BodyLength",
+        ),
+        entry(
+            "too_many_channels",
+            cat(&[&h, &too_many_requests]),
+            "TooManyChannels",
+            "UnexpectedMessage",
         ),
         entry(
             "add_credit_empty_body",
@@ -1538,8 +1704,15 @@ fn message() -> impl Strategy<Value = Message> {
         });
     let data_type = (1u8..=6).prop_map(|t| DataType::from_ordinal(t).unwrap());
     prop_oneof![
-        (any::<u8>(), any::<u128>())
-            .prop_map(|(version, node)| Message::Handshake { version, node }),
+        (any::<u8>(), any::<u128>(), any::<bool>(), any::<Nonce>()).prop_map(
+            |(version, node, authenticate, nonce)| Message::Handshake {
+                version,
+                node,
+                authenticate,
+                nonce,
+            }
+        ),
+        any::<[u8; PROOF_LEN]>().prop_map(|proof| Message::AuthProof { proof }),
         (
             partition.clone(),
             any::<u32>(),
@@ -1682,7 +1855,7 @@ fn arbitrary_bytes_never_panic_or_leak() {
     let raw = prop::collection::vec(any::<u8>(), 0..200);
     let after_handshake =
         prop::collection::vec(any::<u8>(), 0..600).prop_map(|b| cat(&[&handshake(), &b]));
-    let after_header = (0u8..12, value(), prop::collection::vec(any::<u8>(), 0..300)).prop_map(
+    let after_header = (0u8..13, value(), prop::collection::vec(any::<u8>(), 0..300)).prop_map(
         |(id, length, body)| {
             let natural = (FRAME_HEADER + body.len()) as u32;
             let length = match length {
@@ -1754,6 +1927,80 @@ fn mutated_frame_streams_never_panic_or_leak() {
     );
 }
 
+/// (c) Authenticated connections: valid streams that authenticate with the shared secret, in
+/// both directions, with 0–4 mutations, fed to a server and a client that require it. An
+/// unmutated stream authenticates and is accepted whole; a side that authenticated read the
+/// valid handshake and proof intact (a mutated proof, nonce, node or flag never passes); a
+/// server that did not authenticate served nothing ([`run_server_with`] checks that).
+#[test]
+fn authenticated_streams_never_pass_a_wrong_proof() {
+    let nets = Networks::new();
+    let plain_handshake = FRAME_HEADER + HANDSHAKE_BODY;
+    let consumer_auth = consumer_authentication();
+    let producer_auth = producer_authentication();
+    let to_server = {
+        let auth = consumer_auth.clone();
+        server_stream().prop_map(move |b| (ValidFor::Server, cat(&[&auth, &b[plain_handshake..]])))
+    };
+    let to_client = {
+        let auth = producer_auth.clone();
+        client_stream().prop_map(move |b| (ValidFor::Client, cat(&[&auth, &b[plain_handshake..]])))
+    };
+    let contains =
+        |haystack: &[u8], needle: &[u8]| haystack.windows(needle.len()).any(|w| w == needle);
+    fuzz(
+        "authenticated_streams",
+        (
+            prop_oneof![to_server, to_client],
+            prop::collection::vec(mutation(), 0..5),
+            pieces(),
+            any::<bool>(),
+        ),
+        2,
+        |((valid_for, base), mutations, pieces, read_gate), stats| {
+            let mut input = base.clone();
+            for m in &mutations {
+                mutate(&mut input, m);
+            }
+            let (server, server_authenticated) = run_server_with(&nets, &input, &pieces, true);
+            let (client, client_authenticated) =
+                run_client_with(&nets, &input, &pieces, read_gate, true);
+            stats.outcome("server", &server);
+            stats.outcome("client", &client);
+            stats.add(format!("server authenticated {server_authenticated}"), 1);
+            stats.add(format!("client authenticated {client_authenticated}"), 1);
+            if server_authenticated {
+                prop_assert!(
+                    contains(&input, &consumer_auth),
+                    "server let a changed proof in"
+                );
+            }
+            if client_authenticated {
+                prop_assert!(
+                    contains(&input, &producer_auth),
+                    "client let a changed proof in"
+                );
+            }
+            if mutations.is_empty() {
+                match valid_for {
+                    ValidFor::Server => {
+                        prop_assert_eq!(server, Ok(()), "a valid stream to the server");
+                        prop_assert!(server_authenticated);
+                    }
+                    ValidFor::Client => {
+                        prop_assert!(client_authenticated);
+                        if read_gate {
+                            prop_assert_eq!(client, Ok(()), "a valid stream to the client");
+                        }
+                    }
+                    ValidFor::Corpus => {}
+                }
+            }
+            Ok(())
+        },
+    );
+}
+
 /// A frame header for `Message::decode`: parsed from bytes by `decode_header` (the path the
 /// connections take), or any [`FrameHeader`] value whose length covers the header.
 #[derive(Clone, Debug)]
@@ -1764,7 +2011,7 @@ enum HeaderSource {
 }
 
 fn message_id(id: u8) -> MessageId {
-    const IDS: [MessageId; 10] = [
+    const IDS: [MessageId; 11] = [
         MessageId::Handshake,
         MessageId::PartitionRequest,
         MessageId::BufferResponse,
@@ -1775,6 +2022,7 @@ fn message_id(id: u8) -> MessageId {
         MessageId::CloseRequest,
         MessageId::BacklogAnnouncement,
         MessageId::ErrorResponse,
+        MessageId::AuthProof,
     ];
     IDS[usize::from(id) % IDS.len()]
 }
@@ -1792,8 +2040,8 @@ fn message_decode_never_panics() {
             b[8] = VERSION;
             HeaderSource::Bytes(b, max)
         }),
-        3 => (0u8..10, value(), max_payload.clone()).prop_map(|(id, v, max)| HeaderSource::Natural(id, v, max)),
-        1 => (FRAME_HEADER as u32..=u32::MAX, 0u8..10).prop_map(|(length, id)| HeaderSource::Direct(length, id)),
+        3 => (0u8..11, value(), max_payload.clone()).prop_map(|(id, v, max)| HeaderSource::Natural(id, v, max)),
+        1 => (FRAME_HEADER as u32..=u32::MAX, 0u8..11).prop_map(|(length, id)| HeaderSource::Direct(length, id)),
     ];
     let body = prop_oneof![
         1 => prop::collection::vec(any::<u8>(), 0..1100),
@@ -1978,7 +2226,7 @@ fn a_buffer_in_flight_for_a_closed_gate_is_discarded() {
 #[test]
 fn an_error_response_follows_a_partly_written_frame_intact() {
     let nets = Networks::new();
-    let (mut server, partition) = fresh_server(&nets);
+    let (mut server, partition) = fresh_server(&nets, false);
     let mut wire = server_writes(&mut server, true);
     let request = frame(&Message::PartitionRequest {
         partition: PARTITION,

@@ -13,13 +13,14 @@ use fluxgate::gate::{
     SingleInputGate,
 };
 use fluxgate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
+use fluxgate::protocol::auth::{consumer_proof, Nonce};
 use fluxgate::protocol::frame::{
     encode_buffer_response, encode_header, BufferResponseHeader, BUFFER_RESPONSE_HEADER,
     FRAME_HEADER,
 };
 use fluxgate::protocol::{
-    ClientConnection, DecodeError, Message, MessageId, ProtocolError, ReceiverId, ServerConfig,
-    ServerConnection,
+    ClientConfig, ClientConnection, DecodeError, ErrorKind, Message, MessageId, ProtocolError,
+    ReceiverId, RequestRate, Secret, ServerConfig, ServerConnection,
 };
 use fluxgate::record::RecordDeserializer;
 use fluxgate::NetworkConfig;
@@ -168,6 +169,25 @@ struct Setup {
 }
 
 fn setup(channels: usize, seed: u64, max_piece: usize) -> Setup {
+    setup_with(channels, seed, max_piece, None, None)
+}
+
+fn secret(text: &str) -> Option<Arc<Secret>> {
+    Some(Arc::new(Secret::new(text.as_bytes()).unwrap()))
+}
+
+/// Fixed nonces: the pair is deterministic per seed.
+const CLIENT_NONCE: Nonce = [0xC1; 32];
+const SERVER_NONCE: Nonce = [0x5E; 32];
+
+/// A pair whose client and server authenticate with these secrets (`None`: not at all).
+fn setup_with(
+    channels: usize,
+    seed: u64,
+    max_piece: usize,
+    client_secret: Option<Arc<Secret>>,
+    server_secret: Option<Arc<Secret>>,
+) -> Setup {
     let config = config();
     let producer_network = NetworkBufferPool::new(&config).unwrap();
     let consumer_network = NetworkBufferPool::new(&config).unwrap();
@@ -203,7 +223,13 @@ fn setup(channels: usize, seed: u64, max_piece: usize) -> Setup {
     );
     gate.setup().unwrap();
     gate.request_partitions(Instant::now()).unwrap();
-    let mut client = ClientConnection::new(2, 64, SEGMENT);
+    let mut client = ClientConnection::with_config(
+        ClientConfig {
+            secret: client_secret,
+            ..ClientConfig::new(2, 64, SEGMENT)
+        },
+        CLIENT_NONCE,
+    );
     for i in 0..channels {
         let channel = gate.remote_channel(i).unwrap();
         client
@@ -212,13 +238,15 @@ fn setup(channels: usize, seed: u64, max_piece: usize) -> Setup {
             })
             .unwrap();
     }
-    let server = ServerConnection::new(
+    let server = ServerConnection::with_nonce(
         ServerConfig {
             node: 1,
             segment_size: SEGMENT,
+            secret: server_secret,
             ..ServerConfig::default()
         },
         manager,
+        SERVER_NONCE,
     );
     let rng = TestRng::from_seed(
         proptest::test_runner::RngAlgorithm::ChaCha,
@@ -287,8 +315,17 @@ fn record(seq: u64, len: usize) -> Vec<u8> {
 }
 
 /// Runs a whole exchange for one seed; returns an error text on a violated property.
-fn exchange(seed: u64, channels: usize, records: u64, max_piece: usize) -> Result<(), String> {
-    let mut s = setup(channels, seed, max_piece);
+fn exchange(
+    seed: u64,
+    channels: usize,
+    records: u64,
+    max_piece: usize,
+    authenticated: bool,
+) -> Result<(), String> {
+    let shared = authenticated
+        .then(|| secret("the cluster's shared secret"))
+        .flatten();
+    let mut s = setup_with(channels, seed, max_piece, shared.clone(), shared);
     let mut readers: Vec<_> = (0..channels)
         .map(|_| RecordDeserializer::new(1 << 20))
         .collect();
@@ -411,9 +448,10 @@ proptest! {
         seed in any::<u64>(),
         channels in 1usize..4,
         max_piece in prop_oneof![Just(1usize), 2usize..64, 64usize..20_000],
+        authenticated in any::<bool>(),
     ) {
         let records = if max_piece == 1 { 30 } else { 120 };
-        if let Err(message) = exchange(seed, channels, records, max_piece) {
+        if let Err(message) = exchange(seed, channels, records, max_piece, authenticated) {
             prop_assert!(false, "{}", message);
         }
     }
@@ -479,8 +517,10 @@ fn forge(frames: impl FnOnce(ReceiverId, &mut Vec<u8>)) -> (Setup, Result<(), Pr
     let receiver = ReceiverId(1 << 64);
     let mut bytes = Vec::new();
     Message::Handshake {
-        version: 1,
+        version: fluxgate::protocol::frame::VERSION,
         node: 1,
+        authenticate: false,
+        nonce: [0; 32],
     }
     .encode(&mut bytes);
     frames(receiver, &mut bytes);
@@ -598,4 +638,260 @@ fn oversized_lengths_and_unknown_ids_are_decode_errors() {
         Err(ProtocolError::Decode(DecodeError::BadLength { .. }))
     ));
     all_back(s);
+}
+
+/// Runs a pair until both sides stopped (an error each, or nothing moves): returns each
+/// side's error. A client that failed still hands the server what it queued (its reason).
+fn run_until_refused(s: &mut Setup) -> (Option<ProtocolError>, Option<ProtocolError>) {
+    let (mut client_error, mut server_error) = (None, None);
+    // Bounded: a handshake takes a few steps; the limit catches a stall.
+    for _ in 0..1000 {
+        let p = &mut s.pair;
+        if client_error.is_none() {
+            p.client.poll_transmit(p.now);
+        }
+        if server_error.is_none() {
+            p.server.poll_transmit(p.now);
+        }
+        let mut moved = drain_into(&mut p.to_server, &mut p.client);
+        moved |= drain_into(&mut p.to_client, &mut p.server);
+        if server_error.is_none() {
+            match deliver(&mut p.to_server, usize::MAX, &mut p.server, p.now) {
+                Ok(m) => moved |= m,
+                Err(error) => server_error = Some(error),
+            }
+        }
+        if client_error.is_none() {
+            match deliver(&mut p.to_client, usize::MAX, &mut p.client, p.now) {
+                Ok(m) => moved |= m,
+                Err(error) => client_error = Some(error),
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    (client_error, server_error)
+}
+
+#[test]
+fn a_wrong_or_missing_secret_fails_every_channel_with_unauthenticated() {
+    let cases = [
+        (
+            "wrong secret",
+            secret("the consumer's secret"),
+            secret("the producer's secret"),
+        ),
+        (
+            "consumer without a secret",
+            None,
+            secret("the producer's secret"),
+        ),
+        (
+            "producer without a secret",
+            secret("the consumer's secret"),
+            None,
+        ),
+    ];
+    for (case, client_secret, server_secret) in cases {
+        let mut s = setup_with(2, 1, 64, client_secret, server_secret.clone());
+        for producer in s.producers.iter_mut() {
+            producer.emit_record(&record(0, 10)[..], 0).unwrap();
+            producer.finish().unwrap();
+        }
+        let (client_error, server_error) = run_until_refused(&mut s);
+        assert!(
+            client_error
+                .as_ref()
+                .is_some_and(ProtocolError::is_authentication_failure),
+            "{case}: consumer {client_error:?}"
+        );
+        // Every channel reports it on the gate's next read.
+        for _ in 0..2 {
+            assert!(
+                matches!(s.gate.poll_next(), Err(GateError::Unauthenticated { .. })),
+                "{case}"
+            );
+        }
+        assert_eq!(
+            s.pair.server.reader_count(),
+            0,
+            "{case}: served unauthenticated"
+        );
+        if server_secret.is_some() {
+            // The producer refused too, and knows why (it logs it).
+            assert!(
+                server_error
+                    .as_ref()
+                    .is_some_and(ProtocolError::is_authentication_failure),
+                "{case}: producer {server_error:?}"
+            );
+            assert!(s.pair.server.is_closing(), "{case}");
+        }
+        all_back(s);
+    }
+}
+
+/// Feeds `bytes` to `server` at `now`; returns its result and what it wrote.
+fn feed_server(
+    server: &mut ServerConnection,
+    bytes: &[u8],
+    now: Instant,
+) -> (Result<(), ProtocolError>, Vec<Message>) {
+    let mut wire: VecDeque<u8> = bytes.iter().copied().collect();
+    let result = deliver(&mut wire, usize::MAX, server, now).map(|_| ());
+    let mut out = VecDeque::new();
+    drain_into(&mut out, server);
+    let out: Vec<u8> = out.into_iter().collect();
+    let mut messages = Vec::new();
+    let mut at = 0;
+    // Bounded by the bytes: each frame is at least a header long.
+    while at + FRAME_HEADER <= out.len() {
+        let header: &[u8; FRAME_HEADER] = out[at..at + FRAME_HEADER].try_into().unwrap();
+        let frame = fluxgate::protocol::frame::decode_header(header, SEGMENT).unwrap();
+        let end = at + frame.length as usize;
+        messages.push(Message::decode(&frame, &out[at + FRAME_HEADER..end]).unwrap());
+        at = end;
+    }
+    (result, messages)
+}
+
+fn handshake(authenticate: bool, nonce: Nonce) -> Vec<u8> {
+    let mut out = Vec::new();
+    Message::Handshake {
+        version: fluxgate::protocol::frame::VERSION,
+        node: 9,
+        authenticate,
+        nonce,
+    }
+    .encode(&mut out);
+    out
+}
+
+fn request(receiver: u128) -> Vec<u8> {
+    let mut out = Vec::new();
+    Message::PartitionRequest {
+        partition: ResultPartitionId {
+            partition: 0,
+            producer: 1,
+        },
+        subpartition: 0,
+        receiver: ReceiverId(receiver),
+        credit: 2,
+    }
+    .encode(&mut out);
+    out
+}
+
+fn refused_with(messages: &[Message], expected: ErrorKind) -> bool {
+    matches!(
+        messages.last(),
+        Some(Message::ErrorResponse { receiver: None, kind, .. }) if *kind == expected
+    )
+}
+
+#[test]
+fn a_request_without_a_proof_gets_an_error_response_and_the_connection_closes() {
+    for authenticate in [false, true] {
+        let s = setup_with(1, 1, 64, None, secret("the producer's secret"));
+        let mut server = s.pair.server;
+        let bytes = [handshake(authenticate, [3; 32]), request(5)].concat();
+        let (result, written) = feed_server(&mut server, &bytes, Instant::now());
+        assert!(
+            matches!(result, Err(ProtocolError::Unauthenticated(_))),
+            "{result:?}"
+        );
+        assert!(
+            refused_with(&written, ErrorKind::Unauthenticated),
+            "{written:?}"
+        );
+        assert!(server.is_closing());
+        assert_eq!(server.reader_count(), 0);
+    }
+}
+
+#[test]
+fn a_proof_for_another_connection_is_refused() {
+    let shared = secret("the cluster's shared secret");
+    let s = setup_with(1, 1, 64, None, shared.clone());
+    let mut server = s.pair.server;
+    // A proof recorded on a connection where the producer had another nonce.
+    let replayed = consumer_proof(shared.as_ref().unwrap(), [3; 32], [4; 32], 9, 1);
+    let mut bytes = handshake(true, [3; 32]);
+    Message::AuthProof { proof: replayed }.encode(&mut bytes);
+    bytes.extend(request(5));
+    let (result, written) = feed_server(&mut server, &bytes, Instant::now());
+    assert!(matches!(result, Err(ProtocolError::Unauthenticated(_))));
+    assert!(
+        refused_with(&written, ErrorKind::Unauthenticated),
+        "{written:?}"
+    );
+    assert_eq!(server.reader_count(), 0);
+    // The right proof for this connection is let in.
+    let s = setup_with(1, 1, 64, None, shared.clone());
+    let mut server = s.pair.server;
+    let proof = consumer_proof(shared.as_ref().unwrap(), [3; 32], SERVER_NONCE, 9, 1);
+    let mut bytes = handshake(true, [3; 32]);
+    Message::AuthProof { proof }.encode(&mut bytes);
+    bytes.extend(request(5));
+    let (result, _) = feed_server(&mut server, &bytes, Instant::now());
+    assert_eq!(result, Ok(()));
+    assert!(server.is_authenticated());
+    assert_eq!(server.reader_count(), 1);
+}
+
+#[test]
+fn a_partition_request_flood_closes_the_connection_and_a_paced_one_does_not() {
+    let server_for = |rate| {
+        let manager = Arc::new(PartitionManager::new());
+        ServerConnection::new(
+            ServerConfig {
+                node: 1,
+                segment_size: SEGMENT,
+                request_rate: rate,
+                ..ServerConfig::default()
+            },
+            manager,
+        )
+    };
+    let rate = RequestRate {
+        per_second: 10,
+        burst: 4,
+    };
+    let start = Instant::now();
+    // Paced: the burst at once, then one every 100 ms (the refill), for 20 requests.
+    let mut server = server_for(rate);
+    let (result, _) = feed_server(&mut server, &handshake(false, [0; 32]), start);
+    assert_eq!(result, Ok(()));
+    for i in 0..20u32 {
+        let now = start + Duration::from_millis(100) * i.saturating_sub(3);
+        let mut bytes = request(u128::from(i) + 100);
+        // Cancel at once: the channel count stays low, only the rate counts.
+        Message::CancelPartitionRequest {
+            receiver: ReceiverId(u128::from(i) + 100),
+        }
+        .encode(&mut bytes);
+        let (result, _) = feed_server(&mut server, &bytes, now);
+        assert_eq!(result, Ok(()), "paced request {i}");
+    }
+    // A flood: the burst passes, the next request closes the connection.
+    let mut server = server_for(rate);
+    let mut bytes = handshake(false, [0; 32]);
+    for i in 0..5 {
+        bytes.extend(request(100 + i));
+    }
+    let (result, written) = feed_server(&mut server, &bytes, start);
+    assert_eq!(
+        result,
+        Err(ProtocolError::RequestRateExceeded {
+            per_second: 10,
+            burst: 4
+        })
+    );
+    assert!(
+        refused_with(&written, ErrorKind::LimitExceeded),
+        "{written:?}"
+    );
+    assert!(server.is_closing());
+    assert_eq!(server.reader_count(), 0, "views released");
 }

@@ -74,6 +74,16 @@ pub enum GateError {
         /// What happened.
         reason: String,
     },
+    /// The channel's connection was refused because one side did not prove it knows the
+    /// cluster secret (`fluxgate.security.*`): a wrong or missing secret, or authentication on
+    /// one side only. Retrying does not help until the configuration is fixed.
+    #[error("channel {channel}: authentication failed: {reason}")]
+    Unauthenticated {
+        /// Gate-local channel index.
+        channel: usize,
+        /// What happened.
+        reason: String,
+    },
     /// An event's bytes did not decode (the sender's fault).
     #[error("channel {channel}: {source}")]
     Event {

@@ -17,7 +17,10 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
-use super::{open_client, Command, ConnectFailure, DriverHandle, IoWaker, RefusedConnects, WakeFn};
+use super::{
+    open_client, refuse_connection, Command, ConnectFailure, DriverHandle, IoWaker,
+    RefusedConnects, WakeFn,
+};
 use crate::partition::PartitionManager;
 use crate::protocol::ServerConnection;
 
@@ -72,6 +75,7 @@ impl EpollDriver {
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
             refused_due: Vec::new(),
+            accepted: 0,
             next_token: FIRST_CONNECTION,
             commands: commands.clone(),
             waker: waker.clone(),
@@ -123,6 +127,8 @@ struct Loop {
     refused: RefusedConnects,
     /// Scratch for the refused connections due in one loop turn.
     refused_due: Vec<(Command, crate::gate::Backoff)>,
+    /// Accepted (server-side) connections open now.
+    accepted: usize,
     next_token: usize,
     commands: Arc<ArrayQueue<Command>>,
     waker: Arc<IoWaker<WakeFn>>,
@@ -296,11 +302,19 @@ impl Loop {
         for _ in 0..1024 {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
+                    if self.accepted >= self.config.max_connections {
+                        refuse_connection(Some(peer), self.accepted, self.config.max_connections);
+                        // Dropping the stream closes it at once.
+                        continue;
+                    }
                     let _ = stream.set_nodelay(true);
                     let server =
                         ServerConnection::new(self.config.server.clone(), self.manager.clone());
-                    if let Err(error) = self.add(stream, Side::Server(server), None) {
-                        tracing::warn!(%peer, %error, "registering an accepted connection failed");
+                    match self.add(stream, Side::Server(server), None) {
+                        Ok(_) => self.accepted += 1,
+                        Err(error) => {
+                            tracing::warn!(%peer, %error, "registering an accepted connection failed")
+                        }
                     }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
@@ -353,7 +367,11 @@ impl Loop {
                 }
                 Ok(n) => {
                     if let Err(error) = conn.connection.on_read(n, destination_len, now) {
-                        tracing::warn!(%error, "protocol error; closing the connection");
+                        tracing::warn!(
+                            %error,
+                            peer = ?conn.stream.peer_addr().ok(),
+                            "protocol error; closing the connection"
+                        );
                         // Send the queued ErrorResponse if the socket takes it, then close.
                         self.transmit(token, now);
                         self.close(token);
@@ -429,8 +447,11 @@ impl Loop {
     fn close(&mut self, token: Token) {
         if let Some(mut conn) = self.connections.remove(&token) {
             let _ = self.poll.registry().deregister(&mut conn.stream);
-            if let Some(peer) = conn.peer {
-                self.peers.remove(&peer);
+            match conn.peer {
+                Some(peer) => {
+                    self.peers.remove(&peer);
+                }
+                None => self.accepted -= 1,
             }
             conn.connection.on_lost("connection closed");
         }

@@ -27,7 +27,7 @@ use crossbeam_queue::ArrayQueue;
 
 use crate::buffer::NetworkBufferPool;
 use crate::gate::RemoteChannelShared;
-use crate::protocol::{ClientConnection, ServerConfig};
+use crate::protocol::{auth, ClientConfig, ClientConnection, ServerConfig};
 
 /// What an I/O thread needs to know (either driver).
 #[derive(Clone, Debug)]
@@ -38,8 +38,11 @@ pub struct DriverConfig {
     pub segment_size: usize,
     /// Producer-side connection settings.
     pub server: ServerConfig,
-    /// Channels one outgoing connection may carry.
-    pub max_channels_per_connection: usize,
+    /// Consumer-side connection settings.
+    pub client: ClientConfig,
+    /// Most accepted connections open at once (`fluxgate.network.max-connections`); one more
+    /// is closed as soon as it is accepted.
+    pub max_connections: usize,
     /// How long opening a connection may take.
     pub connect_timeout: Duration,
     /// Delays before re-sending a partition request the producer answered with
@@ -49,6 +52,29 @@ pub struct DriverConfig {
     /// as fixed buffers and writes segment bytes in place; without it every byte it writes is
     /// copied first. The epoll driver ignores it.
     pub network: Option<NetworkBufferPool>,
+}
+
+impl DriverConfig {
+    /// A consumer-side connection, with a fresh handshake nonce when it authenticates.
+    pub(crate) fn new_client(&self) -> std::io::Result<ClientConnection> {
+        let nonce = match self.client.secret {
+            Some(_) => auth::fresh_nonce().map_err(|error| {
+                std::io::Error::other(format!("no random nonce for the handshake: {error}"))
+            })?,
+            None => [0; auth::NONCE_LEN],
+        };
+        Ok(ClientConnection::with_config(self.client.clone(), nonce))
+    }
+}
+
+/// Logs a connection refused because the server has `max_connections` open (both drivers).
+pub(crate) fn refuse_connection(peer: Option<SocketAddr>, open: usize, max_connections: usize) {
+    tracing::warn!(
+        ?peer,
+        open,
+        max_connections,
+        "refusing a connection: fluxgate.network.max-connections reached"
+    );
 }
 
 /// Which driver moves the bytes (`fluxgate.network.transport`).
@@ -276,11 +302,8 @@ pub(crate) fn open_client(
 ) -> io::Result<(std::net::TcpStream, ClientConnection)> {
     let stream = std::net::TcpStream::connect_timeout(&peer, config.connect_timeout)?;
     stream.set_nodelay(true)?;
-    let client = ClientConnection::new(
-        config.node,
-        config.max_channels_per_connection,
-        config.segment_size,
-    )
-    .with_request_backoff(config.request_backoff);
+    let client = config
+        .new_client()?
+        .with_request_backoff(config.request_backoff);
     Ok((stream, client))
 }

@@ -39,8 +39,8 @@ use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    open_client, Command, ConnectFailure, DriverConfig, DriverHandle, IoWaker, RefusedConnects,
-    WakeFn,
+    open_client, refuse_connection, Command, ConnectFailure, DriverConfig, DriverHandle, IoWaker,
+    RefusedConnects, WakeFn,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::ServerConnection;
@@ -312,6 +312,8 @@ struct Loop {
     refused: RefusedConnects,
     /// Scratch for the refused connections due in one loop turn.
     refused_due: Vec<(Command, crate::gate::Backoff)>,
+    /// Accepted (server-side) connections open now, closing ones included.
+    accepted: usize,
     /// Reads, writes, the accept and the eventfd read submitted and not completed.
     in_flight: usize,
     commands: Arc<ArrayQueue<Command>>,
@@ -397,6 +399,7 @@ impl Loop {
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
             refused_due: Vec::new(),
+            accepted: 0,
             in_flight: 0,
             commands,
             std_waker: Waker::from(waker.clone()),
@@ -946,9 +949,19 @@ impl Loop {
             if self.shutting_down {
                 return;
             }
+            if self.accepted >= self.config.max_connections {
+                refuse_connection(
+                    stream.peer_addr().ok(),
+                    self.accepted,
+                    self.config.max_connections,
+                );
+                // Dropping the stream closes it at once.
+                return;
+            }
             let _ = stream.set_nodelay(true);
             let server = ServerConnection::new(self.config.server.clone(), self.manager.clone());
             self.add(stream, Side::Server(server), None);
+            self.accepted += 1;
             return;
         }
         match -result {
@@ -977,7 +990,11 @@ impl Loop {
             n if n > 0 => {
                 let destination_len = conn.read_destination_len;
                 if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
-                    tracing::warn!(%error, "protocol error; closing the connection");
+                    tracing::warn!(
+                        %error,
+                        peer = ?conn.stream.peer_addr().ok(),
+                        "protocol error; closing the connection"
+                    );
                     // Send the queued ErrorResponse if the socket takes it, then close.
                     conn.stop_reading = true;
                     conn.close_after_write = true;
@@ -1081,6 +1098,9 @@ impl Loop {
         }
         let mut conn = self.conns[slot].take().expect("present");
         self.free_slots.push(slot);
+        if conn.peer.is_none() {
+            self.accepted -= 1;
+        }
         let reason = conn.closing.take().unwrap_or_default();
         conn.connection.on_lost(&reason);
         tracing::debug!(slot, %reason, "connection closed");

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::Instant;
 
+use super::auth::{Nonce, Proof, Secret, Transcript};
 use super::frame::{
     decode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, MessageId,
     ReceiverId, BUFFER_RESPONSE_BODY, VERSION,
@@ -19,6 +20,43 @@ use crate::partition::{PartitionError, ResultPartitionId};
 
 /// Bytes of discarded payload read per step (payloads for channels already gone).
 const DISCARD_CHUNK: usize = 4096;
+
+/// Settings of a consumer-side connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientConfig {
+    /// This process's node identity (sent in the handshake).
+    pub node: u128,
+    /// Most channels this connection carries.
+    pub max_channels: usize,
+    /// Payload bytes per segment (the largest BufferResponse payload).
+    pub segment_size: usize,
+    /// Longest frame accepted, header included (`fluxgate.network.max-frame-size`).
+    pub max_frame_size: usize,
+    /// The cluster secret: with one, the connection authenticates (and requires the producer
+    /// to); without, it does not (and fails against a producer that requires it).
+    pub secret: Option<Arc<Secret>>,
+}
+
+impl ClientConfig {
+    /// A connection without authentication and only the per-message frame limits.
+    pub fn new(node: u128, max_channels: usize, segment_size: usize) -> Self {
+        Self {
+            node,
+            max_channels,
+            segment_size,
+            max_frame_size: usize::MAX,
+            secret: None,
+        }
+    }
+}
+
+/// The consumer's side of an authenticated handshake.
+struct ClientAuth {
+    secret: Arc<Secret>,
+    nonce: Nonce,
+    /// Known once the producer's handshake arrived.
+    transcript: Option<Transcript>,
+}
 
 /// A remote channel registered on this connection.
 struct ClientChannel {
@@ -73,6 +111,13 @@ pub struct ClientConnection {
     discard: Box<[u8; DISCARD_CHUNK]>,
     outbound: Outbound,
     handshake_received: bool,
+    auth: Option<ClientAuth>,
+    /// Requests may be sent: no authentication, or the producer proved itself and our proof
+    /// is queued.
+    authenticated: bool,
+    /// Frames (partition requests, task events) encoded before authentication completed;
+    /// they follow our proof.
+    deferred: Vec<u8>,
     closed: bool,
     generation: u64,
     /// The back-off each channel starts with.
@@ -104,25 +149,43 @@ impl CreditListener for ReadyNotifier {
 
 impl ClientConnection {
     /// A connection for up to `max_channels` channels, reading payloads of at most
-    /// `segment_size` bytes; `node` identifies this process in the handshake.
+    /// `segment_size` bytes; `node` identifies this process in the handshake. Without
+    /// authentication.
     pub fn new(node: u128, max_channels: usize, segment_size: usize) -> Self {
+        Self::with_config(ClientConfig::new(node, max_channels, segment_size), [0; 32])
+    }
+
+    /// A connection as `config` says. With a secret, `nonce` must be fresh random bytes
+    /// ([`fresh_nonce`](super::auth::fresh_nonce)); partition requests then wait until the
+    /// producer proved it knows the secret, and follow our proof.
+    pub fn with_config(config: ClientConfig, nonce: Nonce) -> Self {
+        let auth = config.secret.map(|secret| ClientAuth {
+            secret,
+            nonce,
+            transcript: None,
+        });
         let mut outbound = Outbound::default();
         encode(
             &mut outbound,
             &Message::Handshake {
                 version: VERSION,
-                node,
+                node: config.node,
+                authenticate: auth.is_some(),
+                nonce: if auth.is_some() { nonce } else { [0; 32] },
             },
         );
         Self {
-            node,
+            node: config.node,
             channels: Vec::new(),
-            ready: ChannelQueueHandle::new(max_channels),
-            reader: FrameReader::new(segment_size),
+            ready: ChannelQueueHandle::new(config.max_channels),
+            reader: FrameReader::new(config.segment_size, config.max_frame_size),
             stage: ReadStage::Frames,
             discard: Box::new([0; DISCARD_CHUNK]),
             outbound,
             handshake_received: false,
+            authenticated: auth.is_none(),
+            auth,
+            deferred: Vec::new(),
             closed: false,
             generation: 0,
             request_backoff: Backoff::flink_default(),
@@ -136,6 +199,12 @@ impl ClientConnection {
     pub fn with_request_backoff(mut self, backoff: Backoff) -> Self {
         self.request_backoff = backoff;
         self
+    }
+
+    /// True once requests may flow: no authentication, or both sides proved the secret
+    /// (ours is queued).
+    pub fn is_authenticated(&self) -> bool {
+        self.authenticated
     }
 
     /// This side's node identity.
@@ -195,7 +264,7 @@ impl ClientConnection {
             receiver: channel.receiver,
             credit: channel.shared.buffers().initial_credit(),
         };
-        encode(&mut self.outbound, &message);
+        self.send_after_authentication(&message);
     }
 
     /// Re-sends the requests whose back-off ran out (each under a new receiver id).
@@ -257,7 +326,16 @@ impl ClientConnection {
             receiver,
             event: bytes,
         };
-        encode(&mut self.outbound, &message);
+        self.send_after_authentication(&message);
+    }
+
+    /// Queues `message`, or keeps it until authentication completed.
+    fn send_after_authentication(&mut self, message: &Message) {
+        if self.authenticated {
+            encode(&mut self.outbound, message);
+        } else {
+            message.encode(&mut self.deferred);
+        }
     }
 
     /// Where the next bytes read from the socket go.
@@ -283,12 +361,27 @@ impl ClientConnection {
         let result = self.advance(n);
         if let Err(error) = &result {
             self.fail_all(error);
+            if let ProtocolError::Unauthenticated(reason) = error {
+                // Tell the producer why, so its log says what is wrong on which side.
+                encode(
+                    &mut self.outbound,
+                    &Message::ErrorResponse {
+                        receiver: None,
+                        kind: ErrorKind::Unauthenticated,
+                        message: reason.clone(),
+                    },
+                );
+            }
         }
         result
     }
 
     /// Moves what channels want sent (credit, resume, cancel) into the outbound queue.
     pub fn poll_transmit(&mut self, now: Instant) {
+        if !self.authenticated {
+            // Credit and the like wait for authentication (their channels' requests do too).
+            return;
+        }
         if self.retrying > 0 {
             self.retry_requests(now);
         }
@@ -347,7 +440,7 @@ impl ClientConnection {
 
     /// True when a channel has something for [`poll_transmit`](Self::poll_transmit).
     pub fn has_pending(&self) -> bool {
-        !self.ready.is_empty()
+        self.authenticated && !self.ready.is_empty()
     }
 
     /// True once closed (by `close` or an error).
@@ -403,6 +496,11 @@ impl ClientConnection {
                     if frame.id == MessageId::BufferResponse {
                         if !self.handshake_received {
                             return Err(ProtocolError::Handshake("data before handshake".into()));
+                        }
+                        if !self.authenticated {
+                            return Err(ProtocolError::Unauthenticated(
+                                "the producer sent data before proving it knows the secret".into(),
+                            ));
                         }
                         self.stage = ReadStage::BufferHeader {
                             frame,
@@ -540,20 +638,43 @@ impl ClientConnection {
 
     fn on_control(&mut self, frame: FrameHeader) -> Result<(), ProtocolError> {
         let message = Message::decode(&frame, &self.reader.body)?;
-        if !self.handshake_received && !matches!(message, Message::Handshake { .. }) {
+        // A producer refusing the connection may say why before its handshake.
+        let refusal = matches!(message, Message::ErrorResponse { receiver: None, .. });
+        if !self.handshake_received && !refusal && !matches!(message, Message::Handshake { .. }) {
             return Err(ProtocolError::Handshake(format!(
                 "expected a handshake, got {:?}",
                 frame.id
             )));
         }
         match message {
-            Message::Handshake { version, .. } => {
+            Message::Handshake {
+                version,
+                node,
+                authenticate,
+                nonce,
+            } => {
+                if self.handshake_received {
+                    return Err(ProtocolError::UnexpectedMessage(frame.id));
+                }
                 if version != VERSION {
                     return Err(ProtocolError::Handshake(format!(
                         "peer speaks version {version}, we speak {VERSION}"
                     )));
                 }
                 self.handshake_received = true;
+                self.on_producer_handshake(node, authenticate, nonce)?;
+            }
+            Message::AuthProof { proof } => self.on_producer_proof(&proof)?,
+            Message::ErrorResponse {
+                receiver: None,
+                kind,
+                message,
+            } => return Err(ProtocolError::Remote { kind, message }),
+            _ if !self.authenticated => {
+                return Err(ProtocolError::Unauthenticated(format!(
+                    "the producer sent {:?} before proving it knows the secret",
+                    frame.id
+                )))
             }
             Message::BacklogAnnouncement { receiver, backlog } => {
                 if let Some(channel) = self.channel(receiver) {
@@ -587,11 +708,6 @@ impl ClientConnection {
                     channel.shared.fail(error);
                 }
             }
-            Message::ErrorResponse {
-                receiver: None,
-                kind,
-                message,
-            } => return Err(ProtocolError::Remote { kind, message }),
             _ => return Err(ProtocolError::UnexpectedMessage(frame.id)),
         }
         Ok(())
@@ -620,6 +736,67 @@ impl ClientConnection {
         true
     }
 
+    /// The producer's handshake says whether it authenticates; both sides must agree.
+    fn on_producer_handshake(
+        &mut self,
+        producer: u128,
+        authenticate: bool,
+        nonce: Nonce,
+    ) -> Result<(), ProtocolError> {
+        match (&mut self.auth, authenticate) {
+            (None, false) => Ok(()),
+            (None, true) => Err(ProtocolError::Unauthenticated(
+                "the producer requires authentication and this node has no secret \
+                 (fluxgate.security.secret-file or FLUXGATE_SECRET)"
+                    .into(),
+            )),
+            (Some(_), false) => Err(ProtocolError::Unauthenticated(
+                "this node requires authentication and the producer does not authenticate \
+                 (its fluxgate.security.auth is off)"
+                    .into(),
+            )),
+            (Some(auth), true) => {
+                auth.transcript = Some(Transcript {
+                    client_nonce: auth.nonce,
+                    server_nonce: nonce,
+                    client_node: self.node,
+                    server_node: producer,
+                });
+                Ok(())
+            }
+        }
+    }
+
+    /// The producer proved it knows the secret: our proof follows, then the requests that
+    /// waited for it.
+    fn on_producer_proof(&mut self, proof: &Proof) -> Result<(), ProtocolError> {
+        let transcript = match &self.auth {
+            Some(ClientAuth {
+                transcript: Some(transcript),
+                ..
+            }) if !self.authenticated => *transcript,
+            _ => return Err(ProtocolError::UnexpectedMessage(MessageId::AuthProof)),
+        };
+        let auth = self.auth.as_ref().expect("matched above");
+        if !transcript.verify_server(&auth.secret, proof) {
+            return Err(ProtocolError::Unauthenticated(
+                "the producer's proof is wrong: the two nodes have different secrets".into(),
+            ));
+        }
+        let ours = transcript.client_proof(&auth.secret);
+        encode(&mut self.outbound, &Message::AuthProof { proof: ours });
+        let deferred = std::mem::take(&mut self.deferred);
+        // After our CloseRequest nothing more may follow.
+        if !deferred.is_empty() && !self.closed {
+            // Whole frames, in order: one range of the control bytes.
+            self.outbound.control_bytes().extend_from_slice(&deferred);
+            self.outbound.push_control(deferred.len());
+        }
+        self.authenticated = true;
+        tracing::debug!("connection authenticated");
+        Ok(())
+    }
+
     fn fail_all(&mut self, error: &ProtocolError) {
         let channels = self.channel_count();
         if channels > 0 {
@@ -628,16 +805,28 @@ impl ClientConnection {
             tracing::debug!(%error, "connection closed");
         }
         self.retrying = 0;
+        let authentication = error.is_authentication_failure();
         for channel in self.channels.iter_mut().filter_map(Option::take) {
-            channel.shared.fail(GateError::Transport {
-                channel: channel.shared.channel(),
-                reason: error.to_string(),
+            let index = channel.shared.channel();
+            let reason = error.to_string();
+            channel.shared.fail(if authentication {
+                GateError::Unauthenticated {
+                    channel: index,
+                    reason,
+                }
+            } else {
+                GateError::Transport {
+                    channel: index,
+                    reason,
+                }
             });
         }
         // Drops any payload builder: its segment goes back to the channel.
         self.stage = ReadStage::Frames;
         self.reader.expect_header();
-        self.outbound.clear();
+        // A frame partly written stays whole: an error response may follow it.
+        self.outbound.clear_keeping_partial();
+        self.deferred = Vec::new();
         self.closed = true;
     }
 }

@@ -1,15 +1,16 @@
 //! Frames: the fixed header, every message's body, encoding and validated decoding.
 //!
-//! Layout (version 1, all integers big-endian):
+//! Layout (version 2, all integers big-endian):
 //!
 //! ```text
 //! frame header (10 bytes)
 //!   0  u32  frame length, this header included
 //!   4  u32  magic 0xF1C6_A7E5
-//!   8  u8   protocol version (1)
+//!   8  u8   protocol version (2)
 //!   9  u8   message id
 //! then the message body:
-//!   0 Handshake            u8 version, u128 node id
+//!   0 Handshake            u8 version, u128 node id, u8 flags (bit 0: authenticate),
+//!                          32-byte nonce (zero when not authenticating)
 //!   1 PartitionRequest     u64 partition, u64 producer, u32 subpartition, u128 receiver,
 //!                          u32 initial credit
 //!   2 BufferResponse       u128 receiver, u64 sequence number, u32 backlog, u8 data type,
@@ -24,8 +25,17 @@
 //!   7 CloseRequest         (empty)
 //!   8 BacklogAnnouncement  u128 receiver, u32 backlog (> 0)
 //!   9 ErrorResponse        u8 has receiver, u128 receiver, u8 error kind, u16 length, UTF-8
+//!  10 AuthProof            32-byte HMAC-SHA256 proof (see [`super::auth`])
 //! ```
+//!
+//! Version history: 1 had a 17-byte Handshake (version, node) and no AuthProof; 2 adds the
+//! handshake's flags and nonce, AuthProof, and the error kinds Unauthenticated and
+//! LimitExceeded.
+//!
+//! Every length is checked against its message's limit (and the configured largest frame)
+//! when the header arrives, before a byte of the body is read or memory is reserved for it.
 
+use super::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::buffer::DataType;
 use crate::partition::ResultPartitionId;
 
@@ -34,7 +44,7 @@ pub const FRAME_HEADER: usize = 10;
 /// The magic number every frame starts with (after its length).
 pub const MAGIC: u32 = 0xF1C6_A7E5;
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Bytes of a BufferResponse before its payload (frame header included).
 pub const BUFFER_RESPONSE_HEADER: usize = FRAME_HEADER + BUFFER_RESPONSE_BODY;
 /// Bytes of a BufferResponse's fixed body header.
@@ -43,6 +53,11 @@ pub const BUFFER_RESPONSE_BODY: usize = 38;
 pub const MAX_CONTROL_FRAME: usize = 1024;
 /// Longest error message carried.
 pub const MAX_ERROR_MESSAGE: usize = 512;
+/// Bytes of a Handshake's body.
+pub const HANDSHAKE_BODY: usize = 1 + 16 + 1 + NONCE_LEN;
+/// Handshake flag: the sender authenticates (has the cluster secret and requires the peer
+/// to prove it has it too).
+const FLAG_AUTHENTICATE: u8 = 1;
 
 /// Identifies a remote input channel on a connection (Flink's `InputChannelID`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -72,6 +87,8 @@ pub enum MessageId {
     BacklogAnnouncement = 8,
     /// An error, for one channel or the whole connection.
     ErrorResponse = 9,
+    /// Proof of knowing the cluster secret (authenticated handshake).
+    AuthProof = 10,
 }
 
 impl MessageId {
@@ -87,6 +104,7 @@ impl MessageId {
             7 => Self::CloseRequest,
             8 => Self::BacklogAnnouncement,
             9 => Self::ErrorResponse,
+            10 => Self::AuthProof,
             _ => return None,
         })
     }
@@ -104,6 +122,10 @@ pub enum ErrorKind {
     Protocol = 2,
     /// Anything else.
     Other = 3,
+    /// The peer did not prove it knows the cluster secret (or refused our proof).
+    Unauthenticated = 4,
+    /// The peer went past a limit (channels per connection, partition-request rate).
+    LimitExceeded = 5,
 }
 
 impl ErrorKind {
@@ -113,6 +135,8 @@ impl ErrorKind {
             1 => Self::ProducerFailed,
             2 => Self::Protocol,
             3 => Self::Other,
+            4 => Self::Unauthenticated,
+            5 => Self::LimitExceeded,
             _ => return None,
         })
     }
@@ -146,6 +170,10 @@ pub enum Message {
         version: u8,
         /// The sender's node identity.
         node: u128,
+        /// The sender authenticates: it holds the cluster secret and requires a proof.
+        authenticate: bool,
+        /// The sender's fresh nonce (zero when not authenticating).
+        nonce: Nonce,
     },
     /// Consumer → producer: start sending a subpartition to `receiver`.
     PartitionRequest {
@@ -194,6 +222,11 @@ pub enum Message {
         receiver: ReceiverId,
         /// Buffers queued (> 0).
         backlog: u32,
+    },
+    /// Either way, once per connection and side: proof of knowing the cluster secret.
+    AuthProof {
+        /// HMAC-SHA256 over the connection's nonces and nodes.
+        proof: Proof,
     },
     /// Either way: an error for one channel, or (no receiver) for the connection.
     ErrorResponse {
@@ -272,6 +305,16 @@ pub fn decode_header(
     bytes: &[u8; FRAME_HEADER],
     max_payload: usize,
 ) -> Result<FrameHeader, DecodeError> {
+    decode_header_within(bytes, max_payload, usize::MAX)
+}
+
+/// Like [`decode_header`], and no frame may be longer than `max_frame` bytes (header
+/// included; `fluxgate.network.max-frame-size`).
+pub fn decode_header_within(
+    bytes: &[u8; FRAME_HEADER],
+    max_payload: usize,
+    max_frame: usize,
+) -> Result<FrameHeader, DecodeError> {
     let length = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     let magic = u32::from_be_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
     if magic != MAGIC {
@@ -285,7 +328,8 @@ pub fn decode_header(
         MessageId::BufferResponse => BUFFER_RESPONSE_HEADER + max_payload,
         MessageId::TaskEventRequest => FRAME_HEADER + 52 + max_payload,
         _ => MAX_CONTROL_FRAME,
-    };
+    }
+    .min(max_frame);
     if (length as usize) < FRAME_HEADER || length as usize > limit {
         return Err(DecodeError::BadLength {
             id: id as u8,
@@ -376,10 +420,21 @@ impl Message {
         let start = out.len();
         out.extend_from_slice(&[0; FRAME_HEADER]);
         let id = match self {
-            Message::Handshake { version, node } => {
+            Message::Handshake {
+                version,
+                node,
+                authenticate,
+                nonce,
+            } => {
                 out.push(*version);
                 out.extend_from_slice(&node.to_be_bytes());
+                out.push(if *authenticate { FLAG_AUTHENTICATE } else { 0 });
+                out.extend_from_slice(nonce);
                 MessageId::Handshake
+            }
+            Message::AuthProof { proof } => {
+                out.extend_from_slice(proof);
+                MessageId::AuthProof
             }
             Message::PartitionRequest {
                 partition,
@@ -454,11 +509,26 @@ impl Message {
         let mut r = Reader::new(body, frame.id);
         let message = match frame.id {
             MessageId::Handshake => {
-                r.need(17)?;
-                Message::Handshake {
-                    version: r.u8(),
-                    node: r.u128(),
+                r.need(HANDSHAKE_BODY)?;
+                let version = r.u8();
+                let node = r.u128();
+                let flags = r.u8();
+                if flags & !FLAG_AUTHENTICATE != 0 {
+                    return Err(DecodeError::InvalidField {
+                        field: "handshake flags",
+                        value: flags.into(),
+                    });
                 }
+                Message::Handshake {
+                    version,
+                    node,
+                    authenticate: flags & FLAG_AUTHENTICATE != 0,
+                    nonce: r.array(),
+                }
+            }
+            MessageId::AuthProof => {
+                r.need(PROOF_LEN)?;
+                Message::AuthProof { proof: r.array() }
             }
             MessageId::PartitionRequest => {
                 r.need(40)?;
@@ -631,6 +701,10 @@ impl<'a> Reader<'a> {
 
     fn u128(&mut self) -> u128 {
         u128::from_be_bytes(self.take(16).try_into().expect("16 bytes"))
+    }
+
+    fn array<const N: usize>(&mut self) -> [u8; N] {
+        self.take(N).try_into().expect("N bytes")
     }
 
     fn partition(&mut self) -> ResultPartitionId {

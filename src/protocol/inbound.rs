@@ -1,7 +1,7 @@
 //! Reading frames from a byte stream in pieces: the frame header, then a control body into a
 //! bounded reused vector (the caller handles BufferResponse payloads itself).
 
-use super::frame::{decode_header, FrameHeader, FRAME_HEADER};
+use super::frame::{decode_header_within, FrameHeader, FRAME_HEADER};
 use super::ProtocolError;
 
 /// Where the reader is within the current frame.
@@ -21,6 +21,7 @@ pub(crate) struct FrameReader {
     pub(crate) body: Vec<u8>,
     pub(crate) stage: Stage,
     max_payload: usize,
+    max_frame: usize,
 }
 
 /// What a completed read step produced.
@@ -35,8 +36,10 @@ pub(crate) enum Step {
 }
 
 impl FrameReader {
-    pub(crate) fn new(max_payload: usize) -> Self {
+    /// Payloads up to `max_payload` bytes, frames up to `max_frame` bytes (header included).
+    pub(crate) fn new(max_payload: usize, max_frame: usize) -> Self {
         Self {
+            max_frame,
             header: [0; FRAME_HEADER],
             have: 0,
             body: Vec::new(),
@@ -62,7 +65,8 @@ impl FrameReader {
                     return Ok(Step::Incomplete);
                 }
                 self.have = 0;
-                let frame = decode_header(&self.header, self.max_payload)?;
+                // Every limit is checked here, before `read_body` reserves the body's bytes.
+                let frame = decode_header_within(&self.header, self.max_payload, self.max_frame)?;
                 Ok(Step::Header(frame))
             }
             Stage::Body(frame) => {
@@ -91,5 +95,38 @@ impl FrameReader {
     pub(crate) fn expect_header(&mut self) {
         self.have = 0;
         self.stage = Stage::Header;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::frame::{encode_header, DecodeError, MessageId, BUFFER_RESPONSE_HEADER};
+
+    #[test]
+    fn a_frame_over_the_configured_limit_is_refused_before_its_body_is_reserved() {
+        let segment = 4096;
+        let max_frame = segment + BUFFER_RESPONSE_HEADER;
+        let mut reader = FrameReader::new(segment, max_frame);
+        // A task event one byte longer than the configured frame limit (its own limit is
+        // larger: the configured one decides).
+        let mut header = [0u8; FRAME_HEADER];
+        encode_header(&mut header, max_frame + 1, MessageId::TaskEventRequest);
+        reader.destination().copy_from_slice(&header);
+        let result = reader.advance(FRAME_HEADER);
+        assert!(
+            matches!(
+                result,
+                Err(ProtocolError::Decode(DecodeError::BadLength { limit, .. }))
+                    if limit == max_frame as u64
+            ),
+            "{result:?}"
+        );
+        assert_eq!(reader.body.capacity(), 0, "nothing reserved for the body");
+        // At the limit it is read.
+        let mut reader = FrameReader::new(segment, max_frame);
+        encode_header(&mut header, max_frame, MessageId::TaskEventRequest);
+        reader.destination().copy_from_slice(&header);
+        assert!(matches!(reader.advance(FRAME_HEADER), Ok(Step::Header(_))));
     }
 }

@@ -3,6 +3,8 @@
 //! bytes to write; time is passed in. Nothing here touches a socket, a thread or the clock.
 //!
 //! * [`frame`] — the frame layout we own, encoding and validated decoding.
+//! * [`auth`] — the authenticated handshake (HMAC-SHA256 challenge–response over a shared
+//!   secret) and its [`Secret`].
 //! * [`ClientConnection`] — the consumer side of one TCP connection: the remote input channels
 //!   on it, incoming BufferResponses received straight into a segment the channel reserved
 //!   when it granted the credit, sequence checks, AddCredit when unannounced credit goes from
@@ -22,15 +24,17 @@
 //! 3. Time: `poll_timeout()` says when `handle_timeout(now)` is due.
 //! 4. A returned [`ProtocolError`] means: send what is queued (an ErrorResponse), then close.
 
+pub mod auth;
 mod client;
 pub mod frame;
 mod inbound;
 mod outbound;
 mod server;
 
-pub use client::ClientConnection;
+pub use auth::Secret;
+pub use client::{ClientConfig, ClientConnection};
 pub use frame::{DecodeError, ErrorKind, Message, MessageId, ReceiverId};
-pub use server::{ServerConfig, ServerConnection};
+pub use server::{RequestRate, ServerConfig, ServerConnection};
 
 /// Why a connection must close. Variants say whose fault it is.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -65,7 +69,44 @@ pub enum ProtocolError {
         /// The peer's message.
         message: String,
     },
+    /// The peer did not prove it knows the cluster secret, proved it wrong, or refused our
+    /// proof; or one side authenticates and the other does not.
+    #[error("authentication failed: {0}")]
+    Unauthenticated(String),
+    /// The peer requested more channels than one connection may carry (peer's fault).
+    #[error("too many channels on one connection (limit {limit})")]
+    TooManyChannels {
+        /// `fluxgate.network.max-channels-per-connection`.
+        limit: usize,
+    },
+    /// The peer sent partition requests faster than allowed (peer's fault).
+    #[error("partition requests arrive faster than {per_second} per second (burst {burst})")]
+    RequestRateExceeded {
+        /// `fluxgate.network.partition-request-rate`.
+        per_second: u32,
+        /// `fluxgate.network.partition-request-burst`.
+        burst: u32,
+    },
     /// The connection was closed (by either side).
     #[error("connection closed")]
     Closed,
+}
+
+impl ProtocolError {
+    /// The kind an ErrorResponse reporting this error carries.
+    pub fn error_kind(&self) -> ErrorKind {
+        match self {
+            ProtocolError::Unauthenticated(_) => ErrorKind::Unauthenticated,
+            ProtocolError::TooManyChannels { .. } | ProtocolError::RequestRateExceeded { .. } => {
+                ErrorKind::LimitExceeded
+            }
+            ProtocolError::Remote { kind, .. } => *kind,
+            _ => ErrorKind::Protocol,
+        }
+    }
+
+    /// True when the connection failed because authentication failed (on either side).
+    pub fn is_authentication_failure(&self) -> bool {
+        self.error_kind() == ErrorKind::Unauthenticated
+    }
 }

@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
+use super::auth::{fresh_nonce, Nonce, Proof, Secret, Transcript};
 use super::client::encode;
 use super::frame::{
-    encode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, ReceiverId,
-    BUFFER_RESPONSE_HEADER, VERSION,
+    encode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, MessageId,
+    ReceiverId, BUFFER_RESPONSE_HEADER, VERSION,
 };
 use super::inbound::{FrameReader, Step};
 use super::outbound::Outbound;
@@ -36,6 +37,14 @@ pub struct ServerConfig {
     pub partition_request_retry: Duration,
     /// Bytes queued for writing after which a poll stops taking more buffers.
     pub max_queued_bytes: usize,
+    /// Longest frame accepted, header included (`fluxgate.network.max-frame-size`).
+    pub max_frame_size: usize,
+    /// How fast partition requests may come (`fluxgate.network.partition-request-rate` and
+    /// `-burst`).
+    pub request_rate: RequestRate,
+    /// The cluster secret: with one, a consumer must prove it knows it before any request is
+    /// served.
+    pub secret: Option<Arc<Secret>>,
 }
 
 impl Default for ServerConfig {
@@ -47,8 +56,82 @@ impl Default for ServerConfig {
             partition_request_timeout: Duration::from_secs(10),
             partition_request_retry: Duration::from_millis(50),
             max_queued_bytes: 1 << 20,
+            max_frame_size: usize::MAX,
+            request_rate: RequestRate::default(),
+            secret: None,
         }
     }
+}
+
+/// A token bucket's parameters: `burst` requests at once, refilled at `per_second`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestRate {
+    /// Requests per second, sustained; 0 switches the limit off.
+    pub per_second: u32,
+    /// Requests at once (the bucket's size).
+    pub burst: u32,
+}
+
+impl Default for RequestRate {
+    fn default() -> Self {
+        Self {
+            per_second: 1000,
+            burst: 4096,
+        }
+    }
+}
+
+/// Millionths of a request: refills of less than one request per elapsed interval add up.
+const MICRO: u64 = 1_000_000;
+
+/// The partition-request budget of one connection (time passed in).
+#[derive(Debug)]
+struct TokenBucket {
+    rate: RequestRate,
+    micro_tokens: u64,
+    last: Option<Instant>,
+}
+
+impl TokenBucket {
+    fn new(rate: RequestRate) -> Self {
+        Self {
+            rate,
+            micro_tokens: u64::from(rate.burst) * MICRO,
+            last: None,
+        }
+    }
+
+    /// Takes one request's token; false when the bucket is empty.
+    fn take(&mut self, now: Instant) -> bool {
+        if self.rate.per_second == 0 {
+            return true;
+        }
+        if let Some(last) = self.last {
+            let elapsed = now.saturating_duration_since(last);
+            // ns × requests/s ÷ 1000 = millionths of a request.
+            let refill = elapsed
+                .as_nanos()
+                .saturating_mul(self.rate.per_second.into())
+                / 1000;
+            let capacity = u128::from(self.rate.burst) * u128::from(MICRO);
+            self.micro_tokens = (u128::from(self.micro_tokens) + refill).min(capacity) as u64;
+        }
+        self.last = Some(self.last.map_or(now, |last| last.max(now)));
+        if self.micro_tokens < MICRO {
+            return false;
+        }
+        self.micro_tokens -= MICRO;
+        true
+    }
+}
+
+/// The producer's side of an authenticated handshake.
+#[derive(Debug)]
+struct ServerAuth {
+    secret: Arc<Secret>,
+    nonce: Nonce,
+    /// Known once the consumer's handshake arrived.
+    transcript: Option<Transcript>,
 }
 
 /// One requested subpartition and its credit (Flink's
@@ -85,6 +168,10 @@ pub struct ServerConnection {
     reader: FrameReader,
     outbound: Outbound,
     handshake_received: bool,
+    auth: Option<ServerAuth>,
+    /// Requests are served: no authentication, or the consumer proved the secret.
+    authenticated: bool,
+    requests: TokenBucket,
     closing: bool,
 }
 
@@ -99,29 +186,65 @@ impl fmt::Debug for ServerConnection {
 }
 
 impl ServerConnection {
-    /// A connection serving partitions of `manager`.
+    /// A connection serving partitions of `manager`. With a secret in `config`, its nonce
+    /// comes from the OS's random source; if that fails, the connection is refused at once.
     pub fn new(config: ServerConfig, manager: Arc<PartitionManager>) -> Self {
+        let nonce = match config.secret {
+            Some(_) => fresh_nonce().map_err(|error| error.to_string()),
+            None => Ok([0; 32]),
+        };
+        match nonce {
+            Ok(nonce) => Self::with_nonce(config, manager, nonce),
+            Err(reason) => {
+                let mut connection = Self::with_nonce(config, manager, [0; 32]);
+                // A guessable nonce would let a recorded proof be replayed: refuse.
+                connection.fail(&ProtocolError::Unauthenticated(format!(
+                    "no random nonce for the handshake: {reason}"
+                )));
+                connection
+            }
+        }
+    }
+
+    /// A connection whose handshake nonce is `nonce` (fresh random bytes when `config` has a
+    /// secret; a fixed one only in tests).
+    pub fn with_nonce(config: ServerConfig, manager: Arc<PartitionManager>, nonce: Nonce) -> Self {
+        let auth = config.secret.clone().map(|secret| ServerAuth {
+            secret,
+            nonce,
+            transcript: None,
+        });
         let mut outbound = Outbound::default();
         encode(
             &mut outbound,
             &Message::Handshake {
                 version: VERSION,
                 node: config.node,
+                authenticate: auth.is_some(),
+                nonce: if auth.is_some() { nonce } else { [0; 32] },
             },
         );
         Self {
             ready: ChannelQueueHandle::new(config.max_channels),
-            reader: FrameReader::new(config.segment_size),
+            reader: FrameReader::new(config.segment_size, config.max_frame_size),
             readers: Vec::new(),
             by_receiver: HashMap::new(),
             pending: Vec::new(),
             next_retry: None,
             outbound,
             handshake_received: false,
+            authenticated: auth.is_none(),
+            auth,
+            requests: TokenBucket::new(config.request_rate),
             closing: false,
             config,
             manager,
         }
+    }
+
+    /// True once requests are served: no authentication, or the consumer proved the secret.
+    pub fn is_authenticated(&self) -> bool {
+        self.authenticated
     }
 
     /// Where the next bytes read from the socket go.
@@ -263,7 +386,13 @@ impl ServerConnection {
     fn on_message(&mut self, frame: FrameHeader, now: Instant) -> Result<(), ProtocolError> {
         let message = Message::decode(&frame, &self.reader.body)?;
         if !self.handshake_received {
-            let Message::Handshake { version, .. } = message else {
+            let Message::Handshake {
+                version,
+                node,
+                authenticate,
+                nonce,
+            } = message
+            else {
                 return Err(ProtocolError::Handshake(format!(
                     "expected a handshake, got {:?}",
                     frame.id
@@ -275,7 +404,10 @@ impl ServerConnection {
                 )));
             }
             self.handshake_received = true;
-            return Ok(());
+            return self.on_consumer_handshake(node, authenticate, nonce);
+        }
+        if !self.authenticated {
+            return self.before_authentication(message, frame.id);
         }
         match message {
             Message::PartitionRequest {
@@ -284,10 +416,21 @@ impl ServerConnection {
                 receiver,
                 credit,
             } => {
+                if !self.requests.take(now) {
+                    return Err(ProtocolError::RequestRateExceeded {
+                        per_second: self.config.request_rate.per_second,
+                        burst: self.config.request_rate.burst,
+                    });
+                }
                 if self.by_receiver.contains_key(&receiver)
                     || self.pending.iter().any(|p| p.receiver == receiver)
                 {
                     return Err(ProtocolError::DuplicateReceiver(receiver));
+                }
+                if self.by_receiver.len() + self.pending.len() >= self.config.max_channels {
+                    return Err(ProtocolError::TooManyChannels {
+                        limit: self.config.max_channels,
+                    });
                 }
                 let request = PendingRequest {
                     partition,
@@ -346,6 +489,7 @@ impl ServerConnection {
                 ..
             } => self.remove_reader(receiver),
             Message::Handshake { .. }
+            | Message::AuthProof { .. }
             | Message::BufferResponse(_)
             | Message::BacklogAnnouncement { .. } => {
                 return Err(ProtocolError::UnexpectedMessage(frame.id))
@@ -354,16 +498,88 @@ impl ServerConnection {
         Ok(())
     }
 
+    /// With a secret, the consumer must authenticate too; our proof goes out at once.
+    fn on_consumer_handshake(
+        &mut self,
+        consumer: u128,
+        authenticate: bool,
+        nonce: Nonce,
+    ) -> Result<(), ProtocolError> {
+        let Some(auth) = &mut self.auth else {
+            // Authentication is off here. A consumer that requires it refuses us when it
+            // reads our handshake, and says so.
+            return Ok(());
+        };
+        if !authenticate {
+            return Err(ProtocolError::Unauthenticated(
+                "the consumer did not authenticate (no secret configured on its side?)".into(),
+            ));
+        }
+        let transcript = Transcript {
+            client_nonce: nonce,
+            server_nonce: auth.nonce,
+            client_node: consumer,
+            server_node: self.config.node,
+        };
+        auth.transcript = Some(transcript);
+        let proof = transcript.server_proof(&auth.secret);
+        encode(&mut self.outbound, &Message::AuthProof { proof });
+        Ok(())
+    }
+
+    /// Until the consumer proved it knows the secret only its proof, a close or an error is
+    /// accepted; anything else (a request without a proof) closes the connection.
+    fn before_authentication(
+        &mut self,
+        message: Message,
+        id: MessageId,
+    ) -> Result<(), ProtocolError> {
+        match message {
+            Message::AuthProof { proof } => self.on_consumer_proof(&proof),
+            Message::CloseRequest => {
+                self.closing = true;
+                Ok(())
+            }
+            Message::ErrorResponse {
+                receiver: None,
+                kind: ErrorKind::Unauthenticated,
+                message,
+            } => Err(ProtocolError::Unauthenticated(format!(
+                "the consumer refused our proof: {message}"
+            ))),
+            Message::ErrorResponse {
+                receiver: None,
+                kind,
+                message,
+            } => Err(ProtocolError::Remote { kind, message }),
+            _ => Err(ProtocolError::Unauthenticated(format!(
+                "{id:?} before the consumer proved it knows the secret"
+            ))),
+        }
+    }
+
+    fn on_consumer_proof(&mut self, proof: &Proof) -> Result<(), ProtocolError> {
+        let Some(ServerAuth {
+            secret,
+            transcript: Some(transcript),
+            ..
+        }) = &self.auth
+        else {
+            return Err(ProtocolError::UnexpectedMessage(MessageId::AuthProof));
+        };
+        if !transcript.verify_client(secret, proof) {
+            return Err(ProtocolError::Unauthenticated(
+                "the consumer's proof is wrong: its secret differs from ours".into(),
+            ));
+        }
+        self.authenticated = true;
+        tracing::debug!(consumer = transcript.client_node, "consumer authenticated");
+        Ok(())
+    }
+
     /// Creates the view for a request, or keeps the request waiting until its deadline.
     fn request(&mut self, request: PendingRequest, now: Instant) {
-        if self.by_receiver.len() >= self.config.max_channels {
-            self.error_for(
-                request.receiver,
-                ErrorKind::Other,
-                "too many channels on this connection",
-            );
-            return;
-        }
+        // Within `max_channels`: checked (readers and pending together) when it arrived.
         let slot = match self.readers.iter().position(Option::is_none) {
             Some(slot) => slot,
             None => {
@@ -527,12 +743,25 @@ impl ServerConnection {
     }
 
     fn fail(&mut self, error: &ProtocolError) {
-        tracing::warn!(%error, "closing a connection after a protocol error");
+        let kind = match error {
+            // The peer's own error: ours is that it broke the connection.
+            ProtocolError::Remote { .. } => ErrorKind::Protocol,
+            other => other.error_kind(),
+        };
+        match error.error_kind() {
+            ErrorKind::Unauthenticated => {
+                tracing::warn!(%error, "refusing a connection: authentication failed")
+            }
+            ErrorKind::LimitExceeded => {
+                tracing::warn!(%error, "closing a connection that went past a limit")
+            }
+            _ => tracing::warn!(%error, "closing a connection after a protocol error"),
+        }
         self.release_all();
         self.outbound.clear_keeping_partial();
         let message = Message::ErrorResponse {
             receiver: None,
-            kind: ErrorKind::Protocol,
+            kind,
             message: error.to_string(),
         };
         encode(&mut self.outbound, &message);
