@@ -100,6 +100,22 @@ pub struct NetworkConfig {
     /// still refused after a retry at this delay fails with PartitionNotFound (or a transport
     /// error for a refused connection) (default 10 s).
     pub request_backoff_max: Duration,
+    /// `taskmanager.network.netty.client.tcp.keepIdleSec` (applied to both ends of every
+    /// connection here): seconds a connection may be idle before TCP keepalive probes start
+    /// (default 5). With the two options below it bounds how long a peer that vanished
+    /// without a FIN or RST (host down, cable cut) goes unnoticed on an idle connection.
+    pub keepalive_idle: Duration,
+    /// `taskmanager.network.netty.client.tcp.keepIntervalSec`: seconds between keepalive
+    /// probes (default 1).
+    pub keepalive_interval: Duration,
+    /// `taskmanager.network.netty.client.tcp.keepCount`: unanswered probes before the
+    /// connection is declared dead (default 3).
+    pub keepalive_count: u32,
+    /// `fluxgate.network.tcp.user-timeout-ms`: how long sent data may stay unacknowledged
+    /// before the kernel drops the connection (TCP_USER_TIMEOUT; 0 = the kernel's default of
+    /// about 15 minutes of retransmissions) (default 10000). Covers a peer that vanished while
+    /// data was in flight, which keepalive does not.
+    pub tcp_user_timeout: Duration,
     /// `fluxgate.security.auth`: whether connections prove knowledge of the cluster secret
     /// with an HMAC-SHA256 challenge–response before any partition request is served
     /// (default `auto`: on when binding a non-loopback address, off on loopback).
@@ -144,6 +160,10 @@ impl Default for NetworkConfig {
             max_record_bytes: 64 * 1024 * 1024,
             request_backoff_initial: Duration::from_millis(100),
             request_backoff_max: Duration::from_secs(10),
+            keepalive_idle: Duration::from_secs(5),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_count: 3,
+            tcp_user_timeout: Duration::from_secs(10),
             auth: AuthMode::Auto,
             secret_file: None,
             max_connections: 1024,
@@ -168,6 +188,10 @@ impl NetworkConfig {
         "fluxgate.record.max-size",
         "taskmanager.network.request-backoff.initial",
         "taskmanager.network.request-backoff.max",
+        "taskmanager.network.netty.client.tcp.keepIdleSec",
+        "taskmanager.network.netty.client.tcp.keepIntervalSec",
+        "taskmanager.network.netty.client.tcp.keepCount",
+        "fluxgate.network.tcp.user-timeout-ms",
         "fluxgate.security.auth",
         "fluxgate.security.secret-file",
         "fluxgate.network.max-connections",
@@ -216,6 +240,18 @@ impl NetworkConfig {
             }
             "taskmanager.network.request-backoff.max" => {
                 next.request_backoff_max = Duration::from_millis(count()? as u64)
+            }
+            "taskmanager.network.netty.client.tcp.keepIdleSec" => {
+                next.keepalive_idle = Duration::from_secs(count()? as u64)
+            }
+            "taskmanager.network.netty.client.tcp.keepIntervalSec" => {
+                next.keepalive_interval = Duration::from_secs(count()? as u64)
+            }
+            "taskmanager.network.netty.client.tcp.keepCount" => {
+                next.keepalive_count = u32::try_from(count()?).map_err(|_| invalid("too large"))?
+            }
+            "fluxgate.network.tcp.user-timeout-ms" => {
+                next.tcp_user_timeout = Duration::from_millis(count()? as u64)
             }
             "fluxgate.security.auth" => {
                 next.auth = value.parse().map_err(|reason: String| invalid(&reason))?
@@ -299,6 +335,16 @@ impl NetworkConfig {
                 "taskmanager.network.request-backoff.max",
                 self.request_backoff_max.as_millis() as usize,
                 "the initial back-off must be above 0 ms and at most the maximum",
+            );
+        }
+        if self.keepalive_idle.is_zero()
+            || self.keepalive_interval.is_zero()
+            || self.keepalive_count == 0
+        {
+            return invalid(
+                "taskmanager.network.netty.client.tcp.keepIdleSec",
+                self.keepalive_idle.as_secs() as usize,
+                "keepalive idle time, interval and count must each be at least 1",
             );
         }
         if self.max_connections == 0 {

@@ -175,6 +175,7 @@ impl ShuffleEnvironment {
             max_connections: options.max_connections,
             connect_timeout: config.connect_timeout,
             request_backoff: config.network.request_backoff(),
+            liveness: crate::io::Liveness::from_config(&config.network),
             network: Some(network.clone()),
         };
         let (driver, transport) = match config.transport {

@@ -417,6 +417,7 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: T
         Some(ReaderItem::Record { .. })
     ));
     // The producer's process goes away: its I/O thread and sockets close.
+    let producer_addr = producer_env.local_addr();
     drop(partition);
     drop(producer_env);
     let error = loop {
@@ -426,13 +427,16 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: T
             Err(error) => break error,
         }
     };
-    assert!(
-        matches!(
-            error,
-            ReaderError::Gate(GateError::Transport { channel: 0, .. })
-        ),
-        "got {error:?}"
-    );
+    match error {
+        ReaderError::Gate(GateError::ConnectionLost { channel, peer, .. }) => {
+            assert_eq!(
+                (channel, peer),
+                (0, producer_addr),
+                "names the lost producer"
+            )
+        }
+        other => panic!("expected ConnectionLost, got {other:?}"),
+    }
     drop(reader);
     assert!(pools_full(&[&consumer_env]));
 }

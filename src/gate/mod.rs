@@ -74,6 +74,18 @@ pub enum GateError {
         /// What happened.
         reason: String,
     },
+    /// The connection to the channel's producer broke at the socket level: reset, EOF, the
+    /// peer's process died, or keepalive / TCP_USER_TIMEOUT gave up on a silent peer (Flink's
+    /// `RemoteTransportException` "Lost connection to task manager").
+    #[error("channel {channel}: lost the connection to the producer at {peer}: {reason}")]
+    ConnectionLost {
+        /// Gate-local channel index.
+        channel: usize,
+        /// The producer's address.
+        peer: std::net::SocketAddr,
+        /// What the socket said.
+        reason: String,
+    },
     /// The channel's connection was refused because one side did not prove it knows the
     /// cluster secret (`fluxgate.security.*`): a wrong or missing secret, or authentication on
     /// one side only. Retrying does not help until the configuration is fixed.

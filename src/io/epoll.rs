@@ -307,7 +307,9 @@ impl Loop {
                         // Dropping the stream closes it at once.
                         continue;
                     }
-                    let _ = stream.set_nodelay(true);
+                    if let Err(error) = self.config.liveness.apply(&stream) {
+                        tracing::debug!(%error, "socket options of an accepted connection");
+                    }
                     let server =
                         ServerConnection::new(self.config.server.clone(), self.manager.clone());
                     match self.add(stream, Side::Server(server), None) {

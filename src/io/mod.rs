@@ -48,6 +48,8 @@ pub struct DriverConfig {
     /// Delays before re-sending a partition request the producer answered with
     /// PartitionNotFound, and before re-opening a refused connection.
     pub request_backoff: crate::gate::Backoff,
+    /// Keepalive and user-timeout settings of every socket.
+    pub liveness: Liveness,
     /// The network memory the segments come from. The io_uring driver registers its arenas
     /// as fixed buffers and writes segment bytes in place; without it every byte it writes is
     /// copied first. The epoll driver ignores it.
@@ -294,16 +296,65 @@ impl RefusedConnects {
     }
 }
 
+/// How a connection notices a peer that went silent (host down, cable cut, a process
+/// stopped without its kernel closing the socket): TCP keepalive on idle connections,
+/// TCP_USER_TIMEOUT on connections with unacknowledged data. A peer whose process dies on a
+/// live host needs neither: its kernel sends FIN or RST at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Liveness {
+    /// Idle time before the first probe.
+    pub keepalive_idle: Duration,
+    /// Time between probes.
+    pub keepalive_interval: Duration,
+    /// Unanswered probes that end the connection.
+    pub keepalive_count: u32,
+    /// Longest time sent data may stay unacknowledged (zero: the kernel's default).
+    pub user_timeout: Duration,
+}
+
+impl Liveness {
+    /// The settings of `config` (`taskmanager.network.netty.client.tcp.keep*`,
+    /// `fluxgate.network.tcp.user-timeout-ms`).
+    pub fn from_config(config: &crate::NetworkConfig) -> Self {
+        Self {
+            keepalive_idle: config.keepalive_idle,
+            keepalive_interval: config.keepalive_interval,
+            keepalive_count: config.keepalive_count,
+            user_timeout: config.tcp_user_timeout,
+        }
+    }
+
+    /// Sets TCP_NODELAY, keepalive and the user timeout on a connected socket (either side).
+    pub(crate) fn apply(&self, stream: &impl std::os::fd::AsFd) -> io::Result<()> {
+        let socket = socket2::SockRef::from(stream);
+        socket.set_tcp_nodelay(true)?;
+        socket.set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(self.keepalive_idle)
+                .with_interval(self.keepalive_interval)
+                .with_retries(self.keepalive_count),
+        )?;
+        socket.set_tcp_user_timeout((!self.user_timeout.is_zero()).then_some(self.user_timeout))
+    }
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Self::from_config(&crate::NetworkConfig::default())
+    }
+}
+
 /// Opens a client connection's socket (blocking connect bounded by the configured timeout,
-/// TCP_NODELAY on) and its protocol state, as both drivers do.
+/// TCP_NODELAY, keepalive and user timeout on) and its protocol state, as both drivers do.
 pub(crate) fn open_client(
     peer: SocketAddr,
     config: &DriverConfig,
 ) -> io::Result<(std::net::TcpStream, ClientConnection)> {
     let stream = std::net::TcpStream::connect_timeout(&peer, config.connect_timeout)?;
-    stream.set_nodelay(true)?;
+    config.liveness.apply(&stream)?;
     let client = config
         .new_client()?
-        .with_request_backoff(config.request_backoff);
+        .with_request_backoff(config.request_backoff)
+        .with_peer(peer);
     Ok((stream, client))
 }

@@ -958,7 +958,9 @@ impl Loop {
                 // Dropping the stream closes it at once.
                 return;
             }
-            let _ = stream.set_nodelay(true);
+            if let Err(error) = self.config.liveness.apply(&stream) {
+                tracing::debug!(%error, "socket options of an accepted connection");
+            }
             let server = ServerConnection::new(self.config.server.clone(), self.manager.clone());
             self.add(stream, Side::Server(server), None);
             self.accepted += 1;

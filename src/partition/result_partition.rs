@@ -203,7 +203,7 @@ impl ResultPartition {
         }
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Unicast(target))?;
-        record::serialize(record, &mut sink, max_record_bytes)?;
+        record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
     }
@@ -243,7 +243,7 @@ impl ResultPartition {
         self.finish_unicast_builders();
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Broadcast)?;
-        record::serialize(record, &mut sink, max_record_bytes)?;
+        record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
     }
@@ -400,6 +400,16 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
             .subpartitions
             .iter()
             .for_each(|s| s.on_data_finished()),
+    }
+}
+
+/// A serializer error as the writer reports it: the sink's "pool destroyed" means the
+/// partition was released (by its consumer going away, or `release`) while the record was
+/// being written, which callers handle as [`PartitionError::Released`].
+fn released_or(error: RecordError) -> PartitionError {
+    match error {
+        RecordError::Pool(PoolError::Destroyed) => PartitionError::Released,
+        other => other.into(),
     }
 }
 

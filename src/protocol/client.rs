@@ -124,6 +124,8 @@ pub struct ClientConnection {
     request_backoff: Backoff,
     /// Channels waiting to re-send their request.
     retrying: usize,
+    /// The producer's address, named in the channels' error when the socket breaks.
+    peer: Option<std::net::SocketAddr>,
 }
 
 impl fmt::Debug for ClientConnection {
@@ -190,6 +192,7 @@ impl ClientConnection {
             generation: 0,
             request_backoff: Backoff::flink_default(),
             retrying: 0,
+            peer: None,
         }
     }
 
@@ -198,6 +201,13 @@ impl ClientConnection {
     /// channel fails once the delay is at its maximum.
     pub fn with_request_backoff(mut self, backoff: Backoff) -> Self {
         self.request_backoff = backoff;
+        self
+    }
+
+    /// The connection goes to the producer at `peer`: a broken socket fails the channels
+    /// with [`GateError::ConnectionLost`] naming it.
+    pub fn with_peer(mut self, peer: std::net::SocketAddr) -> Self {
+        self.peer = Some(peer);
         self
     }
 
@@ -462,12 +472,14 @@ impl ClientConnection {
         }
     }
 
-    /// The connection broke (reset, EOF): every channel fails with a transport error.
+    /// The connection broke (reset, EOF): every channel fails with
+    /// [`GateError::ConnectionLost`] (or a transport error when the peer is not known).
     pub fn on_connection_lost(&mut self, reason: &str) {
-        self.fail_all(&ProtocolError::Remote {
+        let error = ProtocolError::Remote {
             kind: ErrorKind::Other,
             message: reason.to_owned(),
-        });
+        };
+        self.fail_all_with(&error, Some(reason));
     }
 
     /// Channels registered now.
@@ -798,6 +810,11 @@ impl ClientConnection {
     }
 
     fn fail_all(&mut self, error: &ProtocolError) {
+        self.fail_all_with(error, None);
+    }
+
+    /// Fails every channel; `lost` is the socket's reason when the connection itself broke.
+    fn fail_all_with(&mut self, error: &ProtocolError, lost: Option<&str>) {
         let channels = self.channel_count();
         if channels > 0 {
             tracing::warn!(%error, channels, "connection failed; failing its channels");
@@ -813,6 +830,12 @@ impl ClientConnection {
                 GateError::Unauthenticated {
                     channel: index,
                     reason,
+                }
+            } else if let (Some(lost), Some(peer)) = (lost, self.peer) {
+                GateError::ConnectionLost {
+                    channel: index,
+                    peer,
+                    reason: lost.to_owned(),
                 }
             } else {
                 GateError::Transport {
