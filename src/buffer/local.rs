@@ -8,12 +8,9 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-
-use atomic_waker::AtomicWaker;
-use crossbeam_queue::ArrayQueue;
 
 use super::network::NetworkInner;
 use super::segment::{
@@ -21,7 +18,10 @@ use super::segment::{
 };
 use super::{DataType, PoolError};
 use crate::config::NetworkConfig;
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{
+    ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, AtomicWaker, Condvar, Mutex,
+    Ordering,
+};
 
 /// A blocked waiter re-checks at least this often, in case a wake-up could not be delivered
 /// (the global pool's starved-pool queue was full). Not a polling loop: normal wake-ups are
