@@ -86,12 +86,25 @@ impl ChannelQueue {
     /// still has data goes back to the tail, so none starves).
     pub fn pop(&self) -> Option<(u32, bool)> {
         if let Some(channel) = self.priority.pop() {
-            self.in_priority[channel as usize].store(false, Ordering::Release);
+            Self::clear(&self.in_priority[channel as usize]);
             return Some((channel, true));
         }
         let channel = self.data.pop()?;
-        self.in_data[channel as usize].store(false, Ordering::Release);
+        Self::clear(&self.in_data[channel as usize]);
         Some((channel, false))
+    }
+
+    /// Clears a popped channel's "enqueued" flag before the reader looks at the channel.
+    ///
+    /// An RMW, not a plain store: a notifier that publishes data and then finds the flag still
+    /// set (and so does not queue the channel) wrote its `swap(true)` just before this clear
+    /// in the flag's modification order; only an acquiring RMW is guaranteed to read that
+    /// write and so see the data the reader is about to look for. A release store could be
+    /// followed by a read of the channel that misses the data (the store-buffering pattern),
+    /// leaving data in a channel that is in no lane: the lost notification the loom model
+    /// `channel_queue_notify_races_pop_and_requeue` finds with `store(false, Release)`.
+    fn clear(flag: &AtomicBool) {
+        flag.swap(false, Ordering::AcqRel);
     }
 
     /// Lane lengths and the channels whose "enqueued" flags are set (diagnostics).
