@@ -46,7 +46,12 @@ pub mod metrics;
 pub mod partition;
 pub mod protocol;
 pub mod record;
+// Public only under `--cfg loom`, for the models in `tests/loom.rs`.
+#[cfg(not(loom))]
 mod sync;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod sync;
 
 pub use config::NetworkConfig;
 pub use env::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};

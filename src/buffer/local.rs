@@ -8,12 +8,9 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-
-use atomic_waker::AtomicWaker;
-use crossbeam_queue::ArrayQueue;
 
 use super::network::NetworkInner;
 use super::segment::{
@@ -21,7 +18,10 @@ use super::segment::{
 };
 use super::{DataType, PoolError};
 use crate::config::NetworkConfig;
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{
+    ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, AtomicWaker, Condvar, Mutex,
+    Ordering,
+};
 
 /// A blocked waiter re-checks at least this often, in case a wake-up could not be delivered
 /// (the global pool's starved-pool queue was full). Not a polling loop: normal wake-ups are
@@ -460,21 +460,36 @@ impl LocalPoolShared {
 
     /// Offers a free segment to the listeners, else keeps it or gives it back to the global
     /// pool when the pool holds more than its minimum.
-    fn place(&self, segment: Segment) {
-        let Some(segment) = self.offer_to_listeners(segment) else {
-            return;
-        };
-        if self.destroyed.load(Ordering::SeqCst)
-            || self.requested.load(Ordering::Relaxed) > self.spec.min_segments
-        {
-            self.give_back(segment);
-            // A waiter of this pool can now grow from the global pool again.
-            self.wake_waiters();
-            return;
-        }
-        match self.available.push(segment) {
-            Ok(()) => {}
-            Err(segment) => self.give_back(segment),
+    fn place(&self, mut segment: Segment) {
+        loop {
+            let Some(free) = self.offer_to_listeners(segment) else {
+                return;
+            };
+            if self.destroyed.load(Ordering::SeqCst)
+                || self.requested.load(Ordering::Relaxed) > self.spec.min_segments
+            {
+                self.give_back(free);
+                // A waiter of this pool can now grow from the global pool again.
+                self.wake_waiters();
+                return;
+            }
+            if let Err(free) = self.available.push(free) {
+                self.give_back(free);
+                break;
+            }
+            // A listener that registered after `offer_to_listeners` looked found the free list
+            // still without this segment (it looks once more after registering, before this
+            // push): look at the listeners again after the push, or it waits for the next
+            // recycle with a segment free here (the loom model
+            // `local_pool_listener_races_recycle`). Bounded: every listener offered a segment
+            // is unregistered by the offer.
+            if self.listeners.is_empty() {
+                break;
+            }
+            let Some(free) = self.available.pop() else {
+                break; // someone took it: a request or the listener's own second look
+            };
+            segment = free;
         }
         // A concurrent `destroy` may have drained the free list before the push landed.
         if self.destroyed.load(Ordering::SeqCst) {

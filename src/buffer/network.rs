@@ -3,13 +3,11 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 
-use crossbeam_queue::ArrayQueue;
-
 use super::local::{LocalBufferPool, LocalPoolShared, LocalPoolSpec};
 use super::segment::{ArenaRegion, FreeList, PooledSegment, Recycler, Segment, SegmentMemory};
 use super::PoolError;
 use crate::config::NetworkConfig;
-use crate::sync::{AtomicUsize, Ordering};
+use crate::sync::{ArrayQueue, AtomicUsize, Ordering};
 
 /// Local pools that may wait at once for the global pool to refill; beyond this, a waiting
 /// pool falls back to its bounded re-check interval.

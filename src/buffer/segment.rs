@@ -24,11 +24,10 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crossbeam_queue::ArrayQueue;
 use memmap2::{MmapMut, MmapOptions};
 
 use super::{DataType, PoolError};
-use crate::sync::{fence, AtomicU32, Ordering};
+use crate::sync::{fence, ArrayQueue, AtomicU32, Ordering};
 
 /// Bytes reserved before every segment's payload so a frame header can be written in place and
 /// `[header | payload]` leaves in one contiguous send.

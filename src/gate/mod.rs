@@ -10,7 +10,12 @@
 
 mod barrier;
 mod channel;
+// Public only under `--cfg loom`, for the models in `tests/loom.rs`.
+#[cfg(not(loom))]
 mod queue;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod queue;
 mod reader;
 mod remote;
 mod single;

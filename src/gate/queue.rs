@@ -3,18 +3,17 @@
 //! at most once, plus the wake-up of a reader waiting for any channel.
 
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::task::Waker;
 use std::time::Duration;
 
-use atomic_waker::AtomicWaker;
-use crossbeam_queue::ArrayQueue;
-
 use crate::partition::AvailabilityListener;
-use crate::sync::{fence, AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{
+    fence, ArrayQueue, AtomicBool, AtomicUsize, AtomicWaker, Condvar, Mutex, Ordering,
+};
 
 /// Shared between the gate (its one reader) and every thread that notifies a channel.
-pub(crate) struct ChannelQueue {
+pub struct ChannelQueue {
     data: ArrayQueue<u32>,
     priority: ArrayQueue<u32>,
     in_data: Box<[AtomicBool]>,
@@ -39,7 +38,7 @@ impl fmt::Debug for ChannelQueue {
 }
 
 impl ChannelQueue {
-    pub(crate) fn new(channels: usize) -> Arc<Self> {
+    pub fn new(channels: usize) -> Arc<Self> {
         let flags = || (0..channels).map(|_| AtomicBool::new(false)).collect();
         Arc::new(Self {
             data: ArrayQueue::new(channels.max(1)),
@@ -57,7 +56,7 @@ impl ChannelQueue {
 
     /// Puts `channel` at the tail of a lane unless it is already in it, and wakes a waiting
     /// reader. Called from any thread.
-    pub(crate) fn enqueue(&self, channel: u32, priority: bool) {
+    pub fn enqueue(&self, channel: u32, priority: bool) {
         let (lane, flags) = if priority {
             (&self.priority, &self.in_priority)
         } else {
@@ -79,24 +78,37 @@ impl ChannelQueue {
     }
 
     /// Makes this gate's queue report to a union gate's queue as entry `gate`.
-    pub(crate) fn set_parent(&self, parent: Arc<ChannelQueue>, gate: u32) {
+    pub fn set_parent(&self, parent: Arc<ChannelQueue>, gate: u32) {
         let _ = self.parent.set((parent, gate));
     }
 
     /// The next channel to read: priority lane first, then the data lane (FIFO: a channel that
     /// still has data goes back to the tail, so none starves).
-    pub(crate) fn pop(&self) -> Option<(u32, bool)> {
+    pub fn pop(&self) -> Option<(u32, bool)> {
         if let Some(channel) = self.priority.pop() {
-            self.in_priority[channel as usize].store(false, Ordering::Release);
+            Self::clear(&self.in_priority[channel as usize]);
             return Some((channel, true));
         }
         let channel = self.data.pop()?;
-        self.in_data[channel as usize].store(false, Ordering::Release);
+        Self::clear(&self.in_data[channel as usize]);
         Some((channel, false))
     }
 
+    /// Clears a popped channel's "enqueued" flag before the reader looks at the channel.
+    ///
+    /// An RMW, not a plain store: a notifier that publishes data and then finds the flag still
+    /// set (and so does not queue the channel) wrote its `swap(true)` just before this clear
+    /// in the flag's modification order; only an acquiring RMW is guaranteed to read that
+    /// write and so see the data the reader is about to look for. A release store could be
+    /// followed by a read of the channel that misses the data (the store-buffering pattern),
+    /// leaving data in a channel that is in no lane: the lost notification the loom model
+    /// `channel_queue_notify_races_pop_and_requeue` finds with `store(false, Release)`.
+    fn clear(flag: &AtomicBool) {
+        flag.swap(false, Ordering::AcqRel);
+    }
+
     /// Lane lengths and the channels whose "enqueued" flags are set (diagnostics).
-    pub(crate) fn debug_summary(&self) -> String {
+    pub fn debug_summary(&self) -> String {
         let set = |flags: &[AtomicBool]| -> Vec<usize> {
             (0..flags.len())
                 .filter(|&i| flags[i].load(Ordering::Relaxed))
@@ -113,28 +125,28 @@ impl ChannelQueue {
     }
 
     /// True when a channel waits in either lane.
-    pub(crate) fn has_channels(&self) -> bool {
+    pub fn has_channels(&self) -> bool {
         !self.priority.is_empty() || !self.data.is_empty()
     }
 
     /// True when a channel waits in the priority lane.
-    pub(crate) fn has_priority(&self) -> bool {
+    pub fn has_priority(&self) -> bool {
         !self.priority.is_empty()
     }
 
-    pub(crate) fn close(&self) {
+    pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         drop(self.lock.lock().expect("not poisoned"));
         self.cond.notify_all();
         self.waker.wake();
     }
 
-    pub(crate) fn is_closed(&self) -> bool {
+    pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::SeqCst)
     }
 
     /// Blocks until a channel is queued, the queue is closed, or `timeout` passes.
-    pub(crate) fn wait(&self, timeout: Duration) {
+    pub fn wait(&self, timeout: Duration) {
         self.waiting.fetch_add(1, Ordering::SeqCst);
         let guard = self.lock.lock().expect("not poisoned");
         // Checked under the lock a notifier must take: no wake-up slips between check and wait.
@@ -149,7 +161,7 @@ impl ChannelQueue {
 
     /// Registers an async reader to be woken by the next enqueue. Returns true if a channel is
     /// already queued (no need to wait).
-    pub(crate) fn register_waker(&self, waker: &Waker) -> bool {
+    pub fn register_waker(&self, waker: &Waker) -> bool {
         // An enqueue pushes before it wakes; AtomicWaker orders a later registration after
         // that wake, so this look sees the channel if the wake-up was missed.
         self.waker.register(waker);
@@ -186,39 +198,39 @@ impl AvailabilityListener for ChannelNotifier {
 /// The queue as another layer uses it: a deduplicated FIFO of slot numbers filled from any
 /// thread, drained by one owner, with a waker for that owner (the protocol's ready queues).
 #[derive(Clone, Debug)]
-pub(crate) struct ChannelQueueHandle(Arc<ChannelQueue>);
+pub struct ChannelQueueHandle(Arc<ChannelQueue>);
 
 impl ChannelQueueHandle {
-    pub(crate) fn new(capacity: usize) -> Self {
+    pub fn new(capacity: usize) -> Self {
         Self(ChannelQueue::new(capacity))
     }
 
-    pub(crate) fn enqueue(&self, slot: u32) {
+    pub fn enqueue(&self, slot: u32) {
         self.0.enqueue(slot, false);
     }
 
-    pub(crate) fn enqueue_priority(&self, slot: u32) {
+    pub fn enqueue_priority(&self, slot: u32) {
         self.0.enqueue(slot, true);
     }
 
-    pub(crate) fn pop(&self) -> Option<u32> {
+    pub fn pop(&self) -> Option<u32> {
         self.0.pop().map(|(slot, _)| slot)
     }
 
-    pub(crate) fn capacity(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         self.0.in_data.len()
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         !self.0.has_channels()
     }
 
-    pub(crate) fn register_waker(&self, waker: &Waker) -> bool {
+    pub fn register_waker(&self, waker: &Waker) -> bool {
         self.0.register_waker(waker)
     }
 
     /// A listener that queues `slot` here when its source has data.
-    pub(crate) fn notifier(&self, slot: u32) -> Arc<dyn AvailabilityListener> {
+    pub fn notifier(&self, slot: u32) -> Arc<dyn AvailabilityListener> {
         Arc::new(ChannelNotifier {
             queue: self.0.clone(),
             channel: slot,

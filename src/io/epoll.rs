@@ -5,13 +5,11 @@
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Waker;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
@@ -23,6 +21,7 @@ use super::{
 };
 use crate::partition::PartitionManager;
 use crate::protocol::ServerConnection;
+use crate::sync::ArrayQueue;
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -58,13 +57,10 @@ impl EpollDriver {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let mio_waker = mio::Waker::new(poll.registry(), WAKER)?;
-        let waker: Arc<IoWaker<WakeFn>> = Arc::new(IoWaker {
-            parked: std::sync::atomic::AtomicBool::new(false),
-            wake: Box::new(move || {
-                // A failed wake leaves the thread to its bounded park.
-                let _ = mio_waker.wake();
-            }),
-        });
+        let waker: Arc<IoWaker<WakeFn>> = Arc::new(IoWaker::new(Box::new(move || {
+            // A failed wake leaves the thread to its bounded park.
+            let _ = mio_waker.wake();
+        })));
         let commands = Arc::new(ArrayQueue::new(4096));
         let mut io_loop = Loop {
             tokens: Vec::new(),
@@ -155,18 +151,21 @@ impl Loop {
             }
             self.tokens = tokens;
             // Park: announce it, then look once more for work that raced the announcement.
-            self.waker.parked.store(true, Ordering::SeqCst);
-            let mut busy = !self.commands.is_empty();
-            for conn in self.connections.values() {
-                busy |= conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
-            }
+            let busy = self.waker.prepare_park(|| {
+                let mut busy = !self.commands.is_empty();
+                for conn in self.connections.values() {
+                    busy |=
+                        conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
+                }
+                busy
+            });
             let timeout = if busy {
                 Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
             let polled = self.poll.poll(&mut events, Some(timeout));
-            self.waker.parked.store(false, Ordering::SeqCst);
+            self.waker.unpark();
             if let Err(error) = polled {
                 if error.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(%error, "epoll wait failed; the I/O thread stops");

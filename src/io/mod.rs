@@ -13,21 +13,26 @@
 mod conn;
 pub mod epoll;
 pub mod uring;
+// Public only under `--cfg loom`, for the models in `tests/loom.rs`.
+#[cfg(not(loom))]
+mod waker;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod waker;
+
+pub(crate) use waker::IoWaker;
 
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::Wake;
 use std::thread;
 use std::time::{Duration, Instant};
-
-use crossbeam_queue::ArrayQueue;
 
 use crate::buffer::NetworkBufferPool;
 use crate::gate::RemoteChannelShared;
 use crate::protocol::{auth, ClientConfig, ClientConnection, ServerConfig};
+use crate::sync::ArrayQueue;
 
 /// What an I/O thread needs to know (either driver).
 #[derive(Clone, Debug)]
@@ -144,19 +149,8 @@ pub(crate) struct DriverHandle {
 
 impl DriverHandle {
     /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
-    pub(crate) fn submit(&self, mut command: Command) {
-        // Bounded: the I/O thread drains the queue every loop turn.
-        for _ in 0..10_000 {
-            match self.commands.push(command) {
-                Ok(()) => break,
-                Err(back) => {
-                    command = back;
-                    (self.waker.wake)();
-                    thread::sleep(Duration::from_millis(1));
-                }
-            }
-        }
-        (self.waker.wake)();
+    pub(crate) fn submit(&self, command: Command) {
+        self.waker.submit(&self.commands, command);
     }
 }
 
@@ -165,26 +159,6 @@ impl Drop for DriverHandle {
         self.submit(Command::Shutdown);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
-        }
-    }
-}
-
-/// Wakes a parked I/O thread; a no-op (no syscall) while it runs.
-pub(crate) struct IoWaker<W: Fn() + Send + Sync> {
-    pub(crate) parked: AtomicBool,
-    pub(crate) wake: W,
-}
-
-impl<W: Fn() + Send + Sync> Wake for IoWaker<W> {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        // Pairs with the SeqCst store of `parked` before the thread's last look for work. Only
-        // the first waker of a parked thread makes the syscall.
-        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
-            (self.wake)();
         }
     }
 }

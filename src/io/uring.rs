@@ -34,7 +34,6 @@ use std::task::Waker;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
@@ -44,6 +43,7 @@ use super::{
 };
 use crate::partition::PartitionManager;
 use crate::protocol::ServerConnection;
+use crate::sync::ArrayQueue;
 
 /// Submission queue entries of a ring.
 const SQ_ENTRIES: u32 = 256;
@@ -203,13 +203,10 @@ impl UringDriver {
         let local_addr = listener.local_addr()?;
         let wake_file = Arc::new(eventfd()?);
         let writer = wake_file.clone();
-        let waker: Arc<IoWaker<WakeFn>> = Arc::new(IoWaker {
-            parked: AtomicBool::new(false),
-            wake: Box::new(move || {
-                // A failed wake leaves the thread to its bounded park.
-                let _ = (&*writer).write(&1u64.to_ne_bytes());
-            }),
-        });
+        let waker: Arc<IoWaker<WakeFn>> = Arc::new(IoWaker::new(Box::new(move || {
+            // A failed wake leaves the thread to its bounded park.
+            let _ = (&*writer).write(&1u64.to_ne_bytes());
+        })));
         let commands = Arc::new(ArrayQueue::new(4096));
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let thread = {
@@ -467,21 +464,23 @@ impl Loop {
             }
             self.arm_listener_and_wake(now);
             // Park: announce it, then look once more for work that raced the announcement.
-            self.waker.parked.store(true, Ordering::SeqCst);
-            let mut busy = !self.commands.is_empty();
-            for conn in self.conns.iter().flatten() {
-                if conn.closing.is_none() {
-                    busy |=
-                        conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
+            let busy = self.waker.prepare_park(|| {
+                let mut busy = !self.commands.is_empty();
+                for conn in self.conns.iter().flatten() {
+                    if conn.closing.is_none() {
+                        busy |= conn.connection.set_waker(&self.std_waker)
+                            || conn.connection.has_pending();
+                    }
                 }
-            }
+                busy
+            });
             let timeout = if busy {
                 Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
             let entered = self.enter(timeout);
-            self.waker.parked.store(false, Ordering::SeqCst);
+            self.waker.unpark();
             if let Err(error) = entered {
                 tracing::error!(%error, "io_uring_enter failed; the I/O thread stops");
                 break;

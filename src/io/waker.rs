@@ -1,0 +1,97 @@
+//! The parked flag of an I/O thread and its wake-up, apart from the drivers so loom can check
+//! the protocol with the signal (eventfd / mio waker write) replaced by a closure.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::Wake;
+use std::thread;
+use std::time::Duration;
+
+use crate::sync::{ArrayQueue, AtomicBool, Ordering};
+
+/// The hand-off between task threads and one I/O thread: the "parked" flag and the wake-up
+/// signal (`wake`: an eventfd or mio waker write in the drivers, a closure in the loom
+/// models). The I/O thread parks with [`IoWaker::prepare_park`] and [`IoWaker::unpark`];
+/// anyone with new work for it calls [`IoWaker::wake_if_parked`] (directly, through
+/// [`IoWaker::submit`] or as a `std::task::Waker`), which signals only a parked thread, so the
+/// busy path makes no syscall.
+///
+/// Why no wake-up is lost: the I/O thread stores `parked = true` and then looks for work; a
+/// waker publishes its work and then loads `parked`. All four are SeqCst (the work queues'
+/// `push` / `is_empty` too), so either the I/O thread's look sees the work, or the waker's
+/// load comes after the store in the single SeqCst order and sees `parked` (the Dekker
+/// pattern). `tests/loom.rs` checks it with this type and the real queue code.
+pub struct IoWaker<W: Fn() + Send + Sync> {
+    parked: AtomicBool,
+    wake: W,
+}
+
+impl<W: Fn() + Send + Sync> fmt::Debug for IoWaker<W> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IoWaker")
+            .field("parked", &self.parked.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl<W: Fn() + Send + Sync> IoWaker<W> {
+    /// A running (not parked) thread's waker that signals with `wake`.
+    pub fn new(wake: W) -> Self {
+        Self {
+            parked: AtomicBool::new(false),
+            wake,
+        }
+    }
+
+    /// The I/O thread is about to sleep: announces it, then runs `recheck`, its last look for
+    /// work (command queue, ready queues, registering its waker where work can appear). Returns
+    /// what `recheck` returned: true means work raced in and the thread must not sleep (or
+    /// sleep with a zero timeout). Either way [`IoWaker::unpark`] follows the sleep.
+    pub fn prepare_park(&self, recheck: impl FnOnce() -> bool) -> bool {
+        // SeqCst: ordered before the loads in `recheck` (see the type's docs).
+        self.parked.store(true, Ordering::SeqCst);
+        recheck()
+    }
+
+    /// The I/O thread is awake again: wakers stop signalling.
+    pub fn unpark(&self) {
+        self.parked.store(false, Ordering::SeqCst);
+    }
+
+    /// Signals the I/O thread if it is parked. Call it after publishing the work. Only the
+    /// first waker of a parked thread makes the syscall: the swap clears the flag.
+    pub fn wake_if_parked(&self) {
+        // The plain load keeps the busy path (not parked) free of a cache-line write.
+        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
+            (self.wake)();
+        }
+    }
+
+    /// A task thread hands `command` to the I/O thread through its bounded `queue` and wakes
+    /// it if parked. Blocks (bounded) only if the queue is full.
+    pub fn submit<T>(&self, queue: &ArrayQueue<T>, mut command: T) {
+        // Bounded: the I/O thread drains the queue every loop turn.
+        for _ in 0..10_000 {
+            match queue.push(command) {
+                Ok(()) => break,
+                Err(back) => {
+                    command = back;
+                    // A full queue is drained as soon as the thread runs; make sure it does.
+                    self.wake_if_parked();
+                    thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        self.wake_if_parked();
+    }
+}
+
+impl<W: Fn() + Send + Sync> Wake for IoWaker<W> {
+    fn wake(self: Arc<Self>) {
+        self.wake_if_parked();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wake_if_parked();
+    }
+}
