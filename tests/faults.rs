@@ -464,3 +464,136 @@ on_both_drivers!(
     a_stalled_peer_backpressures_only_its_producer_epoll,
     a_stalled_peer_backpressures_only_its_producer_uring
 );
+
+/// A producer that speaks just enough of the protocol by hand: accepts one consumer, reads
+/// its handshake and partition request, answers with its own handshake, then writes what the
+/// test gives it and closes.
+fn fake_producer(
+    script: impl FnOnce(ReceiverId) -> Vec<u8> + Send + 'static,
+) -> (SocketAddr, thread::JoinHandle<()>) {
+    use fluxgate::protocol::frame::{decode_header, FRAME_HEADER};
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        socket.set_read_timeout(Some(LONG)).unwrap();
+        let mut next_message = || {
+            let mut header = [0u8; FRAME_HEADER];
+            socket.read_exact(&mut header).unwrap();
+            let frame = decode_header(&header, 1 << 20).unwrap();
+            let mut body = vec![0u8; frame.body_len()];
+            socket.read_exact(&mut body).unwrap();
+            Message::decode(&frame, &body).unwrap()
+        };
+        assert!(matches!(next_message(), Message::Handshake { .. }));
+        let Message::PartitionRequest { receiver, .. } = next_message() else {
+            panic!("a partition request follows the handshake");
+        };
+        let mut out = frame(&Message::Handshake {
+            version: VERSION,
+            node: 99,
+            authenticate: false,
+            nonce: [0; 32],
+        });
+        out.extend(script(receiver));
+        let mut socket = socket;
+        socket.write_all(&out).unwrap();
+        // Dropping the socket closes it: EOF for the consumer.
+    });
+    (addr, server)
+}
+
+/// A BufferResponse of `payload` records bytes for `receiver` with `sequence`.
+fn buffer_response(receiver: ReceiverId, sequence: u64, payload: &[u8]) -> Vec<u8> {
+    use fluxgate::buffer::DataType;
+    use fluxgate::protocol::frame::{
+        encode_buffer_response, BufferResponseHeader, BUFFER_RESPONSE_HEADER,
+    };
+    let mut header = [0u8; BUFFER_RESPONSE_HEADER];
+    encode_buffer_response(
+        &mut header,
+        &BufferResponseHeader {
+            receiver,
+            sequence_number: sequence,
+            backlog: 0,
+            data_type: DataType::DataBuffer,
+            compressed: false,
+            size: payload.len() as u32,
+            overtaken: 0,
+        },
+        false,
+    );
+    let mut out = header.to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+/// One record `[u32 length | bytes]` as the serializer writes it.
+fn framed_record(bytes: &[u8]) -> Vec<u8> {
+    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out
+}
+
+/// Reads until the gate's error (records before it are fine), bounded by LONG.
+fn first_error(gate: fluxgate::gate::SingleInputGate) -> ReaderError {
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    let started = Instant::now();
+    loop {
+        match reader.next_timeout(LONG) {
+            Ok(Some(_)) => assert!(started.elapsed() < LONG, "no error within {LONG:?}"),
+            Ok(None) => panic!("the gate ended without an error"),
+            Err(error) => return error,
+        }
+    }
+}
+
+fn an_eof_in_the_middle_of_a_frame_fails_the_channel_naming_the_peer(transport: Transport) {
+    let (addr, server) = fake_producer(|receiver| {
+        let whole = buffer_response(receiver, 0, &framed_record(b"whole"));
+        let mut cut = buffer_response(receiver, 1, &framed_record(&[5u8; 1000]));
+        cut.truncate(cut.len() / 2);
+        [whole, cut].concat()
+    });
+    let consumer_env = env(8, transport);
+    let gate = gate_of(&consumer_env, DOOMED, addr);
+    match first_error(gate) {
+        ReaderError::Gate(GateError::ConnectionLost { peer, .. }) => assert_eq!(peer, addr),
+        other => panic!("expected ConnectionLost naming {addr}, got {other:?}"),
+    }
+    server.join().unwrap();
+    assert!(
+        pool_full(&consumer_env),
+        "the half-filled segment came back"
+    );
+}
+on_both_drivers!(
+    an_eof_in_the_middle_of_a_frame_fails_the_channel_naming_the_peer,
+    an_eof_in_the_middle_of_a_frame_fails_the_channel_naming_the_peer_epoll,
+    an_eof_in_the_middle_of_a_frame_fails_the_channel_naming_the_peer_uring
+);
+
+fn a_frame_out_of_sequence_fails_the_channel_with_reordering(transport: Transport) {
+    let (addr, server) = fake_producer(|receiver| {
+        // Sequence 0, then 2: buffer 1 went missing.
+        let first = buffer_response(receiver, 0, &framed_record(b"zero"));
+        let skipped = buffer_response(receiver, 2, &framed_record(b"two"));
+        [first, skipped].concat()
+    });
+    let consumer_env = env(9, transport);
+    let gate = gate_of(&consumer_env, DOOMED, addr);
+    match first_error(gate) {
+        ReaderError::Gate(GateError::Reordering {
+            expected, actual, ..
+        }) => assert_eq!((expected, actual), (1, 2)),
+        other => panic!("expected Reordering, got {other:?}"),
+    }
+    server.join().unwrap();
+    assert!(pool_full(&consumer_env));
+}
+on_both_drivers!(
+    a_frame_out_of_sequence_fails_the_channel_with_reordering,
+    a_frame_out_of_sequence_fails_the_channel_with_reordering_epoll,
+    a_frame_out_of_sequence_fails_the_channel_with_reordering_uring
+);
