@@ -26,13 +26,22 @@ pub(crate) enum Side {
 pub(crate) struct Connection {
     pub(crate) side: Side,
     ahead: Box<[u8; READ_AHEAD]>,
+    /// `connection{side, peer}`: entered while the driver works on this connection, so the
+    /// protocol's events (errors, partition requests, retries) say which peer they are about.
+    /// Disabled (free to enter) unless `RUST_LOG` asks for fluxgate's debug level.
+    span: tracing::Span,
 }
 
 impl Connection {
-    pub(crate) fn new(side: Side) -> Self {
+    pub(crate) fn new(side: Side, peer: Option<std::net::SocketAddr>) -> Self {
+        let span = match &side {
+            Side::Client(_) => tracing::debug_span!("connection", side = "consumer", peer = ?peer),
+            Side::Server(_) => tracing::debug_span!("connection", side = "producer", peer = ?peer),
+        };
         Self {
             side,
             ahead: Box::new([0; READ_AHEAD]),
+            span,
         }
     }
 
@@ -53,6 +62,7 @@ impl Connection {
         destination_len: usize,
         now: Instant,
     ) -> Result<(), ProtocolError> {
+        let _entered = self.span.clone().entered();
         let direct = n.min(destination_len);
         self.feed(direct, now)?;
         let mut ahead = n - direct;
@@ -83,6 +93,7 @@ impl Connection {
     }
 
     pub(crate) fn poll_transmit(&mut self, now: Instant) {
+        let _entered = self.span.enter();
         match &mut self.side {
             Side::Client(c) => c.poll_transmit(now),
             Side::Server(s) => s.poll_transmit(now),
@@ -162,6 +173,7 @@ impl Connection {
 
     /// The socket failed or hit EOF: channels fail, views are released.
     pub(crate) fn on_lost(&mut self, reason: &str) {
+        let _entered = self.span.enter();
         match &mut self.side {
             Side::Client(c) => c.on_connection_lost(reason),
             Side::Server(s) => s.on_connection_lost(),

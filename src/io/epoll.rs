@@ -333,6 +333,7 @@ impl Loop {
         side: Side,
         peer: Option<(SocketAddr, usize)>,
     ) -> io::Result<Token> {
+        let peer_addr = stream.peer_addr().ok();
         let token = Token(self.next_token);
         self.next_token += 1;
         self.poll.registry().register(
@@ -344,7 +345,7 @@ impl Loop {
             token,
             Conn {
                 stream,
-                connection: Connection::new(side),
+                connection: Connection::new(side, peer_addr),
                 peer,
             },
         );

@@ -692,11 +692,12 @@ impl Loop {
     }
 
     fn add(&mut self, stream: TcpStream, side: Side, peer: Option<(SocketAddr, usize)>) -> usize {
+        let peer_addr = stream.peer_addr().ok();
         // Generation 0 is never a connection's.
         self.next_generation = self.next_generation.wrapping_add(1).max(1);
         let conn = Box::new(Conn {
             stream,
-            connection: Connection::new(side),
+            connection: Connection::new(side, peer_addr),
             peer,
             generation: self.next_generation,
             reading: false,
