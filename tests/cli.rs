@@ -30,12 +30,17 @@ static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Runs `fluxgate args` from the crate root; kills it at `limit` (and fails the test).
 fn fluxgate(args: &[&str], limit: Duration) -> Run {
+    fluxgate_with(Command::new(env!("CARGO_BIN_EXE_fluxgate")), args, limit)
+}
+
+/// Runs `command args` (the binary, or a wrapper starting it) as [`fluxgate`] does.
+fn fluxgate_with(mut command: Command, args: &[&str], limit: Duration) -> Run {
     let _turn = matches!(args.first(), Some(&("cluster" | "stress" | "bench"))).then(|| {
         HEAVY
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     });
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fluxgate"))
+    let mut child = command
         .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env_remove("RUST_BACKTRACE")
@@ -289,6 +294,156 @@ fn short_stress_verifies() {
         run.all()
     );
     assert!(run.stdout.contains("result: OK"), "{}", run.all());
+}
+
+/// This process's effective uid (`Uid: real effective ...` in /proc/self/status).
+fn effective_uid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Why network namespaces cannot be made here (not root, no `ip`, or refused, as in many
+/// containers); `None` when a probe namespace could be added and deleted.
+fn netns_unavailable() -> Option<String> {
+    match effective_uid() {
+        Some(0) => {}
+        uid => return Some(format!("not root (effective uid {uid:?})")),
+    }
+    let probe = format!("fluxgate-cli-probe-{}", std::process::id());
+    match Command::new("ip").args(["netns", "add", &probe]).output() {
+        Err(e) => Some(format!("no `ip` command: {e}")),
+        Ok(out) if !out.status.success() => Some(format!(
+            "`ip netns add` refused: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Ok(_) => {
+            let _ = Command::new("ip").args(["netns", "del", &probe]).output();
+            None
+        }
+    }
+}
+
+/// Namespaces `ip netns list` shows whose names start with `prefix`.
+fn namespaces_named(prefix: &str) -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list runs");
+    assert!(out.status.success(), "ip netns list: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| name.starts_with(prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn stress_across_network_namespaces_verifies_and_tears_down() {
+    if let Some(reason) = netns_unavailable() {
+        eprintln!("SKIPPED: stress --netns: cannot create network namespaces here: {reason}");
+        return;
+    }
+    let run = fluxgate(
+        &[
+            "stress",
+            "--netns",
+            "--nodes",
+            "2",
+            "--channels",
+            "4",
+            "--duration",
+            "1",
+            "--seed",
+            "7",
+            "--loss",
+            "2",
+            "--rate-limit",
+            "200",
+            "--timeout",
+            "60",
+        ],
+        LIMIT,
+    );
+    assert!(run.status.success(), "{}", run.all());
+    assert!(
+        run.stdout.contains("16 of 16 producer -> consumer"),
+        "{}",
+        run.all()
+    );
+    assert!(run.stdout.contains("result: OK"), "{}", run.all());
+    // The loss is applied by some mechanism, or its absence is said loudly.
+    let impair = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("impair: "))
+        .unwrap_or_else(|| panic!("an `impair:` line\n{}", run.all()));
+    assert!(
+        impair.contains("loss") || run.stderr.contains("NOT APPLIED"),
+        "{}",
+        run.all()
+    );
+    let prefix = run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("netns:  namespaces "))
+        .and_then(|rest| rest.split_once("hub "))
+        .map(|(prefix, _)| prefix.to_string())
+        .unwrap_or_else(|| panic!("a `netns:` line naming the prefix\n{}", run.all()));
+    assert!(
+        prefix.starts_with("fluxgate-") && prefix.ends_with('-'),
+        "{prefix}"
+    );
+    assert_eq!(
+        namespaces_named(&prefix),
+        Vec::<String>::new(),
+        "all deleted"
+    );
+    let secret = run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("auth:   on, a random secret in "))
+        .and_then(|rest| rest.split_once(" (0600"))
+        .map(|(path, _)| PathBuf::from(path))
+        .unwrap_or_else(|| panic!("an `auth:` line naming the secret file\n{}", run.all()));
+    assert!(!secret.exists(), "{} removed", secret.display());
+}
+
+#[test]
+fn stress_netns_without_root_or_ip_fails_clearly() {
+    let args = ["stress", "--netns", "--nodes", "2", "--duration", "1"];
+    // No `ip` on PATH: as root, that is the error; otherwise root comes first.
+    let mut without_ip = Command::new(env!("CARGO_BIN_EXE_fluxgate"));
+    without_ip.env("PATH", "");
+    let run = fluxgate_with(without_ip, &args, LIMIT);
+    if effective_uid() == Some(0) {
+        assert_clean_failure(&run, &["--netns needs the `ip` command"]);
+    } else {
+        assert_clean_failure(&run, &["--netns needs root"]);
+    }
+    assert_eq!(run.stderr.lines().count(), 1, "one line\n{}", run.all());
+
+    // Not root: run directly, or as root drop to nobody through setpriv (when it exists).
+    let as_user = if effective_uid() != Some(0) {
+        Some(Command::new(env!("CARGO_BIN_EXE_fluxgate")))
+    } else if Command::new("setpriv").arg("--version").output().is_ok() {
+        let mut command = Command::new("setpriv");
+        command
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(env!("CARGO_BIN_EXE_fluxgate"));
+        Some(command)
+    } else {
+        None
+    };
+    match as_user {
+        Some(command) => {
+            let run = fluxgate_with(command, &args, LIMIT);
+            assert_clean_failure(&run, &["--netns needs root", "uid"]);
+            assert_eq!(run.stderr.lines().count(), 1, "one line\n{}", run.all());
+        }
+        None => eprintln!("SKIPPED: stress --netns as non-root: running as root without setpriv"),
+    }
 }
 
 #[test]

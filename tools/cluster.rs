@@ -18,11 +18,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use fluxgate::io::Transport;
 
+use crate::netns::NodeNamespace;
 use crate::node::{node_file, Fault, NodeReport, ProgressLine, Tally};
 use crate::topology::{StageKind, Topology};
 
@@ -76,6 +78,8 @@ pub fn run(args: &ClusterArgs) -> Result<(), String> {
         stall_timeout: args.stall_timeout,
         transport: args.transport,
         inject: args.inject,
+        namespaces: None,
+        cancel: None,
     };
     println!(
         "cluster: {} node{}, {} stages, {} edges, topology {}",
@@ -237,6 +241,19 @@ pub struct Launch<'a> {
     pub transport: Option<Transport>,
     /// Passed to the nodes.
     pub inject: Option<Fault>,
+    /// Run node i in network namespace i, bound to its address there (else on loopback).
+    pub namespaces: Option<Namespaced<'a>>,
+    /// When set (by a signal), the run stops: every node is killed and `run` fails.
+    pub cancel: Option<&'a AtomicBool>,
+}
+
+/// Nodes each in a network namespace: `ip netns exec NAME fluxgate node ... --bind ADDR:0`.
+#[derive(Clone, Copy, Debug)]
+pub struct Namespaced<'a> {
+    /// The `ip` program.
+    pub ip: &'a Path,
+    /// Node i's namespace and address.
+    pub nodes: &'a [NodeNamespace],
 }
 
 /// After the first node fails, how long the others may go on before they are killed.
@@ -291,7 +308,9 @@ impl Launch<'_> {
             if children.iter().all(Option::is_none) {
                 break;
             }
-            let reason = if now >= deadline {
+            let reason = if self.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                Some("killed: the run was interrupted".to_string())
+            } else if now >= deadline {
                 Some(format!(
                     "killed: still running after the timeout of {:.0} s",
                     self.timeout.as_secs_f64()
@@ -331,6 +350,9 @@ impl Launch<'_> {
             std::thread::sleep(Duration::from_millis(20));
         }
         let elapsed = started.elapsed();
+        if self.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Err("interrupted: every node was stopped".into());
+        }
         let nodes = (0..self.nodes)
             .map(|index| {
                 let report = fs::read_to_string(node_file(self.dir, index, "result"))
@@ -352,7 +374,16 @@ impl Launch<'_> {
             let path = node_file(self.dir, index, suffix);
             fs::File::create(&path).map_err(|e| format!("cannot create `{}`: {e}", path.display()))
         };
-        let mut command = Command::new(exe);
+        let mut command = match &self.namespaces {
+            Some(namespaces) => {
+                let mut command = Command::new(namespaces.ip);
+                command
+                    .args(["netns", "exec", &namespaces.nodes[index].name])
+                    .arg(exe);
+                command
+            }
+            None => Command::new(exe),
+        };
         command
             .arg("node")
             .arg("--topology")
@@ -374,6 +405,11 @@ impl Launch<'_> {
                 Transport::Uring => "uring",
                 Transport::Epoll => "epoll",
             });
+        }
+        if let Some(namespaces) = &self.namespaces {
+            command
+                .arg("--bind")
+                .arg(format!("{}:0", namespaces.nodes[index].addr));
         }
         if let Some(fault) = self.inject {
             let name = fault

@@ -3,6 +3,7 @@
 mod baseline;
 mod bench;
 mod cluster;
+mod netns;
 mod node;
 mod plot;
 mod progress;

@@ -6,14 +6,20 @@
 //! producer, periodic checkpoint barriers (aligned, unaligned or both) and one slow sink
 //! subtask; runs it through `fluxgate cluster`'s machinery (one `fluxgate node` process per
 //! node), prints the sinks' throughput every second and the cluster's verification at the end.
+//!
+//! With `--netns` (root only) each node runs in a network namespace of its own, behind a
+//! bridge, over impaired links, authenticating with a secret made for the run (see
+//! `netns.rs` and the README).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, ValueEnum};
 use fluxgate::io::Transport;
 use fluxgate::NetworkConfig;
 
-use crate::cluster::{print_summary, secs, verify, Launch, TempDir};
+use crate::cluster::{print_summary, secs, verify, Launch, Namespaced, TempDir};
+use crate::netns::{self, Impairments, Lab, SecretFile};
 use crate::node::ProgressLine;
 use crate::progress::Progress;
 use crate::topology::{
@@ -26,7 +32,8 @@ use crate::topology::{
 #[command(after_help = "Examples:
   fluxgate stress                                  # 64 x 64 channels over 4 nodes for 10 s
   fluxgate stress --nodes 2 --channels 8 --duration 3 --checkpoints unaligned
-  fluxgate stress --seed 42 --keep                 # repeatable buffer timeouts, keep the logs")]
+  fluxgate stress --seed 42 --keep                 # repeatable buffer timeouts, keep the logs
+  sudo fluxgate stress --netns --nodes 3 --channels 8 --duration 5 --delay 5 --loss 1 --rate-limit 200")]
 pub struct StressArgs {
     /// Node processes.
     #[arg(long, default_value_t = 4)]
@@ -64,6 +71,27 @@ pub struct StressArgs {
     /// Keep the rendezvous directory (topology, node logs and reports) and print where it is.
     #[arg(long)]
     pub keep: bool,
+    /// Root only: run each node in its own network namespace, the namespaces joined by veth
+    /// pairs to a bridge, with impaired links (without --delay, --jitter, --loss and
+    /// --rate-limit: delay 2 ms, jitter 1 ms, loss 1%). See the README.
+    #[arg(long)]
+    pub netns: bool,
+    /// With --netns: the nodes' IPv4 /24, node i at .i+1 (default 10.X.Y.0/24 from the pid).
+    #[arg(long, requires = "netns", value_name = "A.B.C.0/24")]
+    pub netns_subnet: Option<String>,
+    /// With --netns: delay each node's link adds to what it sends, ms (needs netem).
+    #[arg(long, requires = "netns", value_name = "MS")]
+    pub delay: Option<f64>,
+    /// With --netns: random variation of the delay, ± ms (needs netem).
+    #[arg(long, requires = "netns", value_name = "MS")]
+    pub jitter: Option<f64>,
+    /// With --netns: packets lost per link direction, percent (netem; else tc gact, else a
+    /// u32 filter dropping 1 in 2^k packets).
+    #[arg(long, requires = "netns", value_name = "PCT")]
+    pub loss: Option<f64>,
+    /// With --netns: most each node sends, Mbit/s (netem, else tc tbf).
+    #[arg(long, requires = "netns", value_name = "MBIT")]
+    pub rate_limit: Option<f64>,
 }
 
 /// Barrier choice of `stress`.
@@ -98,6 +126,12 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         Some(t) => secs("timeout", t)?,
         None => duration + Duration::from_secs(60),
     };
+    // Before anything is made or printed: root, `ip`, and sane impairments.
+    let netns = if args.netns {
+        Some(NetnsPlan::from_args(args)?)
+    } else {
+        None
+    };
     let mut network = NetworkConfig::default();
     network
         .set("taskmanager.memory.segment-size", &args.segment_size)
@@ -112,18 +146,36 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         .map(|i| TIMEOUTS[(mix64(seed ^ mix64(i)) % TIMEOUTS.len() as u64) as usize])
         .collect();
 
+    // Dropped in reverse: the namespaces go first (after the nodes in them), then the secret,
+    // then the directory.
+    let dir = TempDir::new(args.keep)?;
+    let mut network_options = BTreeMap::from([(
+        "taskmanager.memory.segment-size".to_string(),
+        toml::Value::String(args.segment_size.clone()),
+    )]);
+    let secret = match &netns {
+        Some(_) => {
+            // Nodes on non-loopback addresses authenticate (`auth = auto`); `on` says so.
+            let secret = SecretFile::create(dir.path())?;
+            network_options.insert(
+                "fluxgate.security.auth".into(),
+                toml::Value::String("on".into()),
+            );
+            network_options.insert(
+                "fluxgate.security.secret-file".into(),
+                toml::Value::String(secret.path().display().to_string()),
+            );
+            Some(secret)
+        }
+        None => None,
+    };
     let file = TopologyFile {
         cluster: ClusterSection {
             nodes: args.nodes,
             base_port: 0,
             transport: None,
         },
-        network: [(
-            "taskmanager.memory.segment-size".to_string(),
-            toml::Value::String(args.segment_size.clone()),
-        )]
-        .into_iter()
-        .collect(),
+        network: network_options,
         checkpoints: match args.checkpoints {
             Barriers::None => None,
             mode => Some(CheckpointSection {
@@ -170,7 +222,6 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     };
     let topology = Topology::from_file(&file)?;
     let text = toml::to_string(&file).map_err(|e| format!("writing the topology: {e}"))?;
-    let dir = TempDir::new(args.keep)?;
     let path = dir.path().join("stress.toml");
     std::fs::write(&path, text).map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
 
@@ -205,6 +256,10 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
             "none".into()
         },
     );
+    let lab = match netns {
+        Some(plan) => Some(plan.build(args.nodes, secret.as_ref())?),
+        None => None,
+    };
     let launch = Launch {
         topology_path: &path,
         dir: dir.path(),
@@ -213,6 +268,11 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         stall_timeout: 30.0,
         transport: args.transport,
         inject: None,
+        namespaces: lab.as_ref().map(|lab| Namespaced {
+            ip: lab.ip_program(),
+            nodes: &lab.nodes,
+        }),
+        cancel: lab.as_ref().map(|_| &netns::INTERRUPTED),
     };
     let mut last = (Duration::ZERO, 0u64, 0u64);
     // On a terminal, a bar over the generators' time; the lines print above it.
@@ -235,6 +295,15 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     });
     drop(bar);
     let outcome = outcome?;
+    if let Some(lab) = &lab {
+        match lab.counters() {
+            Ok(c) => println!(
+                "impair: during the run: {} packets dropped by the loss filter, {} by the qdiscs ({} held back for the rate), {} TCP segments retransmitted",
+                c.filter_dropped, c.qdisc_dropped, c.qdisc_overlimits, c.tcp_retransmitted
+            ),
+            Err(error) => println!("impair: counters not read: {error}"),
+        }
+    }
     let verification = verify(&topology, &outcome);
     print_summary(&topology, &outcome, &verification);
     if args.keep {
@@ -242,3 +311,78 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     }
     verification.verdict()
 }
+
+/// What `--netns` will build, checked before anything is.
+#[derive(Debug)]
+struct NetnsPlan {
+    tools: netns::Tools,
+    subnet: [u8; 3],
+    impairments: Impairments,
+}
+
+impl NetnsPlan {
+    fn from_args(args: &StressArgs) -> Result<Self, String> {
+        let given = [args.delay, args.jitter, args.loss, args.rate_limit];
+        let impairments = if given.iter().all(Option::is_none) {
+            DEFAULT_IMPAIRMENTS
+        } else {
+            Impairments {
+                delay_ms: args.delay.unwrap_or(0.0),
+                jitter_ms: args.jitter.unwrap_or(0.0),
+                loss_pct: args.loss.unwrap_or(0.0),
+                rate_mbit: args.rate_limit,
+            }
+        };
+        impairments.validate()?;
+        let subnet = match &args.netns_subnet {
+            Some(text) => netns::parse_subnet(text)?,
+            None => netns::subnet_for(std::process::id()),
+        };
+        let tools = netns::preflight()?;
+        Ok(Self {
+            tools,
+            subnet,
+            impairments,
+        })
+    }
+
+    /// Builds the namespaces, impairs their links and says what it did (and, loudly on
+    /// stderr, what it could not do).
+    fn build(self, nodes: usize, secret: Option<&SecretFile>) -> Result<Lab, String> {
+        netns::catch_interrupts()?;
+        let mut lab = Lab::build(self.tools, nodes, self.subnet)?;
+        let applied = lab.impair(&self.impairments)?;
+        let [a, b, c] = self.subnet;
+        println!(
+            "netns:  namespaces {prefix}hub (a bridge) and {prefix}node0..{last}, one veth pair each to the bridge; node i at {a}.{b}.{c}.i+1/24",
+            prefix = lab.prefix(),
+            last = nodes - 1,
+        );
+        if let Some(secret) = secret {
+            println!(
+                "auth:   on, a random secret in {} (0600, removed at the end)",
+                secret.path().display()
+            );
+        }
+        println!(
+            "impair: {}",
+            if applied.applied.is_empty() {
+                "none".to_string()
+            } else {
+                applied.applied.join("; ")
+            }
+        );
+        if let Some(missing) = &applied.missing {
+            eprintln!("fluxgate: WARNING: {missing}");
+        }
+        Ok(lab)
+    }
+}
+
+/// `--netns` without impairment options.
+const DEFAULT_IMPAIRMENTS: Impairments = Impairments {
+    delay_ms: 2.0,
+    jitter_ms: 1.0,
+    loss_pct: 1.0,
+    rate_mbit: None,
+};
