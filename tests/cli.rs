@@ -758,3 +758,50 @@ fn a_producer_process_left_alone_exits_with_an_error() {
     assert!(run.stdout.starts_with("ready 127.0.0.1:"), "{}", run.all());
     assert_clean_failure(&run, &["went away before the run"]);
 }
+
+#[test]
+fn stress_takes_a_config_file_and_flags_win() {
+    let config = temp_file(
+        "stress-config.toml",
+        "\"taskmanager.memory.segment-size\" = \"16kb\"\n\
+         \"taskmanager.network.memory.buffers-per-channel\" = 3\n",
+    );
+    let config = config.to_str().expect("utf-8 path");
+    let short = [
+        "stress",
+        "--nodes",
+        "2",
+        "--channels",
+        "2",
+        "--duration",
+        "0.5",
+        "--seed",
+        "3",
+        "--timeout",
+        "60",
+        "--config",
+        config,
+    ];
+    let run = fluxgate(&short, LIMIT);
+    assert!(run.status.success(), "{}", run.all());
+    assert!(run.stdout.contains("segments 16 KiB"), "{}", run.all());
+    assert!(run.stdout.contains("result: OK"), "{}", run.all());
+    let mut flagged = short.to_vec();
+    flagged.extend(["--segment-size", "4kb"]);
+    let run = fluxgate(&flagged, LIMIT);
+    assert!(run.status.success(), "{}", run.all());
+    assert!(run.stdout.contains("segments 4 KiB"), "{}", run.all());
+}
+
+#[test]
+fn stress_config_file_errors_are_clear() {
+    let bad = temp_file(
+        "stress-bad.toml",
+        "\"taskmanager.memory.segmentsize\" = \"16kb\"\n",
+    );
+    let run = fluxgate(
+        &["stress", "--config", bad.to_str().expect("utf-8 path")],
+        LIMIT,
+    );
+    assert_clean_failure(&run, &["unknown option `taskmanager.memory.segmentsize`"]);
+}

@@ -14,12 +14,11 @@
 //!   time, so a stalled sender shows up in the histogram (no coordinated omission).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use fluxgate::config::ConfigError;
 use fluxgate::gate::{ConsumedSubpartition, ReaderItem, RecordReader, SingleInputGate};
 use fluxgate::io::Transport;
 use fluxgate::metrics::{InputMetricsSnapshot, OutputMetricsSnapshot};
@@ -30,6 +29,7 @@ use fluxgate::partition::{
 use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
 
 use crate::baseline;
+use crate::config_file::apply_config_file;
 use crate::plot;
 use crate::progress::Progress;
 use hdrhistogram::Histogram;
@@ -239,62 +239,6 @@ fn network_config(args: &BenchArgs) -> Result<NetworkConfig, String> {
             .map_err(|e| e.to_string())?;
     }
     Ok(config)
-}
-
-/// Applies a TOML file of Flink option names to `config`; returns the names it set. Nested
-/// tables join their keys with dots, so `taskmanager.memory.segment-size = "16kb"` (a dotted
-/// key) and the quoted `"taskmanager.memory.segment-size" = "16kb"` mean the same.
-fn apply_config_file(path: &Path, config: &mut NetworkConfig) -> Result<BTreeSet<String>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read config file `{}`: {e}", path.display()))?;
-    let table: toml::Table = toml::from_str(&text).map_err(|e| {
-        format!(
-            "config file `{}`: {}",
-            path.display(),
-            e.to_string().trim_end()
-        )
-    })?;
-    let mut options = Vec::new();
-    flatten("", &table, &mut options);
-    let mut set = BTreeSet::new();
-    for (key, value) in options {
-        let text = match value {
-            toml::Value::String(s) => s.clone(),
-            toml::Value::Integer(i) => i.to_string(),
-            other => {
-                return Err(format!(
-                    "config file `{}`: `{key}`: expected a string or an integer, got {}",
-                    path.display(),
-                    other.type_str()
-                ))
-            }
-        };
-        config.set(&key, &text).map_err(|e| match e {
-            ConfigError::UnknownOption(_) => format!(
-                "config file `{}`: {e} (known options: {})",
-                path.display(),
-                NetworkConfig::OPTIONS.join(", ")
-            ),
-            _ => format!("config file `{}`: {e}", path.display()),
-        })?;
-        set.insert(key);
-    }
-    Ok(set)
-}
-
-/// The leaves of `table` as (dotted key, value).
-fn flatten<'a>(prefix: &str, table: &'a toml::Table, out: &mut Vec<(String, &'a toml::Value)>) {
-    for (key, value) in table {
-        let key = if prefix.is_empty() {
-            key.clone()
-        } else {
-            format!("{prefix}.{key}")
-        };
-        match value {
-            toml::Value::Table(inner) => flatten(&key, inner, out),
-            leaf => out.push((key, leaf)),
-        }
-    }
 }
 
 fn baseline_figures(

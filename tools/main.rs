@@ -3,6 +3,7 @@
 mod baseline;
 mod bench;
 mod cluster;
+mod config_file;
 mod netns;
 mod node;
 mod plot;
@@ -42,7 +43,9 @@ enum Command {
     /// A bounded soak: many channels, random record sizes and buffer timeouts, barriers.
     #[command(after_help = "Examples:
   fluxgate stress                                  4 nodes, 64×64 channels, 10 s
-  fluxgate stress --nodes 2 --channels 16 --duration 5")]
+  fluxgate stress --nodes 2 --channels 16 --duration 5
+  fluxgate stress --config network.toml            Flink option names for every node
+  sudo fluxgate stress --netns --loss 1 --rate-limit 200   across network namespaces")]
     Stress(stress::StressArgs),
 }
 

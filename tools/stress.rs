@@ -19,6 +19,7 @@ use fluxgate::io::Transport;
 use fluxgate::NetworkConfig;
 
 use crate::cluster::{print_summary, secs, verify, Launch, Namespaced, TempDir};
+use crate::config_file::checked_options;
 use crate::netns::{self, Impairments, Lab, SecretFile};
 use crate::node::ProgressLine;
 use crate::progress::Progress;
@@ -44,9 +45,9 @@ pub struct StressArgs {
     /// Seconds the generators emit.
     #[arg(long, default_value_t = 10.0)]
     pub duration: f64,
-    /// taskmanager.memory.segment-size.
-    #[arg(long, default_value = "8kb")]
-    pub segment_size: String,
+    /// taskmanager.memory.segment-size [default: 8kb, or the --config file's].
+    #[arg(long)]
+    pub segment_size: Option<String>,
     /// Largest record, in segments (sizes are random from 12 bytes up to this).
     #[arg(long, default_value_t = 3)]
     pub max_record_segments: usize,
@@ -68,6 +69,11 @@ pub struct StressArgs {
     /// Seconds the whole run may take (default: duration + 60).
     #[arg(long)]
     pub timeout: Option<f64>,
+    /// A TOML file of Flink option names and values (e.g.
+    /// `"taskmanager.network.memory.buffers-per-channel" = 4`) for every node, applied before
+    /// the flags (flags win).
+    #[arg(long, value_name = "FILE.toml")]
+    pub config: Option<std::path::PathBuf>,
     /// Keep the rendezvous directory (topology, node logs and reports) and print where it is.
     #[arg(long)]
     pub keep: bool,
@@ -132,10 +138,30 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     } else {
         None
     };
+    // The config file's options, then the flags (flags win); all of them go to every node.
+    let mut options: BTreeMap<String, String> = match &args.config {
+        Some(path) => checked_options(path)?.into_iter().collect(),
+        None => BTreeMap::new(),
+    };
+    let segment_size = match (
+        &args.segment_size,
+        options.get("taskmanager.memory.segment-size"),
+    ) {
+        (Some(flag), _) => flag.clone(),
+        (None, Some(from_file)) => from_file.clone(),
+        (None, None) => "8kb".to_string(),
+    };
+    options.insert(
+        "taskmanager.memory.segment-size".into(),
+        segment_size.clone(),
+    );
     let mut network = NetworkConfig::default();
-    network
-        .set("taskmanager.memory.segment-size", &args.segment_size)
-        .map_err(|e| format!("--segment-size: {e}"))?;
+    for (key, value) in &options {
+        network.set(key, value).map_err(|e| match key.as_str() {
+            "taskmanager.memory.segment-size" => format!("--segment-size: {e}"),
+            _ => e.to_string(),
+        })?;
+    }
     let max_size = (network.segment_size * args.max_record_segments).max(HEADER);
     let seed = args.seed.unwrap_or_else(|| {
         SystemTime::now()
@@ -149,10 +175,10 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     // Dropped in reverse: the namespaces go first (after the nodes in them), then the secret,
     // then the directory.
     let dir = TempDir::new(args.keep)?;
-    let mut network_options = BTreeMap::from([(
-        "taskmanager.memory.segment-size".to_string(),
-        toml::Value::String(args.segment_size.clone()),
-    )]);
+    let mut network_options: BTreeMap<String, toml::Value> = options
+        .into_iter()
+        .map(|(key, value)| (key, toml::Value::String(value)))
+        .collect();
     let secret = match &netns {
         Some(_) => {
             // Nodes on non-loopback addresses authenticate (`auth = auto`); `on` says so.
