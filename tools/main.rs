@@ -7,6 +7,7 @@ mod node;
 mod plot;
 mod progress;
 mod stress;
+mod tls_certs;
 mod topology;
 
 use clap::{Parser, Subcommand};
@@ -43,6 +44,13 @@ enum Command {
   fluxgate stress                                  4 nodes, 64×64 channels, 10 s
   fluxgate stress --nodes 2 --channels 16 --duration 5")]
     Stress(stress::StressArgs),
+    /// Write a cluster CA and node certificates (PEM) for TLS between nodes.
+    #[command(
+        hide = true,
+        after_help = "Example:
+  fluxgate tls-certs certs/ --nodes 2    ca.pem, ca-key.pem, node-0.pem, node-0-key.pem, ..."
+    )]
+    TlsCerts(tls_certs::TlsCertsArgs),
 }
 
 fn main() {
@@ -64,6 +72,7 @@ fn main() {
         Some(Command::Cluster(args)) => cluster::run(&args),
         Some(Command::Node(args)) => node::run(&args),
         Some(Command::Stress(args)) => stress::run(&args),
+        Some(Command::TlsCerts(args)) => tls_certs::run(&args),
         None => unreachable!("`bench` parses to a command"),
     };
     if let Err(error) = result {

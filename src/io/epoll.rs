@@ -1,9 +1,14 @@
 //! The epoll driver (mio): one I/O thread, edge-triggered sockets, vectored reads (payload
 //! straight into its segment plus a small read-ahead) and vectored writes (frame headers and
 //! segment payloads in one `writev`).
+//!
+//! With TLS on, a rustls session sits between each socket and its connection: ciphertext is
+//! read into the session and the plaintext it yields copied into the connection's read
+//! targets; the connection's slices go into the session's writer and its records out in one
+//! `writev`. Plain connections take the same paths as without TLS (one branch per event).
 
 use std::collections::HashMap;
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, BufRead, IoSlice, IoSliceMut, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -22,7 +27,7 @@ use super::{
     RefusedConnects, WakeFn,
 };
 use crate::partition::PartitionManager;
-use crate::protocol::ServerConnection;
+use crate::protocol::{ProtocolError, ServerConnection};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -111,6 +116,8 @@ struct Conn {
     stream: TcpStream,
     connection: Connection,
     peer: Option<(SocketAddr, usize)>,
+    /// The TLS session between the socket and `connection`, when TLS is on.
+    tls: Option<Box<rustls::Connection>>,
 }
 
 struct Loop {
@@ -287,10 +294,17 @@ impl Loop {
     fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<Token> {
         let (stream, client) = open_client(peer, &self.config)?;
         stream.set_nonblocking(true)?;
+        let tls = match &self.config.tls {
+            Some(context) => Some(Box::new(context.client_session().map_err(|error| {
+                io::Error::other(format!("starting a TLS session failed: {error}"))
+            })?)),
+            None => None,
+        };
         let token = self.add(
             TcpStream::from_std(stream),
             Side::Client(client),
             Some((peer, index)),
+            tls,
         )?;
         self.peers.insert((peer, index), token);
         tracing::debug!(%peer, index, "connection opened");
@@ -308,9 +322,19 @@ impl Loop {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
+                    let tls = match &self.config.tls {
+                        Some(context) => match context.server_session() {
+                            Ok(session) => Some(Box::new(session)),
+                            Err(error) => {
+                                tracing::warn!(%peer, %error, "starting a TLS session failed; closing the connection");
+                                continue;
+                            }
+                        },
+                        None => None,
+                    };
                     let server =
                         ServerConnection::new(self.config.server.clone(), self.manager.clone());
-                    match self.add(stream, Side::Server(server), None) {
+                    match self.add(stream, Side::Server(server), None, tls) {
                         Ok(_) => self.accepted += 1,
                         Err(error) => {
                             tracing::warn!(%peer, %error, "registering an accepted connection failed")
@@ -331,6 +355,7 @@ impl Loop {
         mut stream: TcpStream,
         side: Side,
         peer: Option<(SocketAddr, usize)>,
+        tls: Option<Box<rustls::Connection>>,
     ) -> io::Result<Token> {
         let token = Token(self.next_token);
         self.next_token += 1;
@@ -345,6 +370,7 @@ impl Loop {
                 stream,
                 connection: Connection::new(side),
                 peer,
+                tls,
             },
         );
         Ok(token)
@@ -354,6 +380,10 @@ impl Loop {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
+        if conn.tls.is_some() {
+            self.read_tls(token, now);
+            return;
+        }
         // Edge-triggered: read until WouldBlock. Bounded per turn so one busy connection
         // cannot starve the others; the rest is read on the next readiness or turn.
         for _ in 0..256 {
@@ -398,6 +428,10 @@ impl Loop {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
+        if conn.tls.is_some() {
+            self.transmit_tls(token, now);
+            return;
+        }
         conn.connection.poll_transmit(now);
         // The slice vector is reused across writes: no allocation per `writev`.
         let mut scratch = std::mem::take(&mut self.slice_scratch);
@@ -437,6 +471,151 @@ impl Loop {
         }
     }
 
+    /// Reads a TLS connection: ciphertext into its session until the socket has no more,
+    /// each batch's plaintext handed to the connection at once.
+    fn read_tls(&mut self, token: Token, now: Instant) {
+        let conn = self.connections.get_mut(&token).expect("present");
+        let Conn {
+            stream,
+            connection,
+            tls,
+            ..
+        } = conn;
+        let session = tls.as_mut().expect("a TLS connection");
+        let mut drained = false;
+        // Edge-triggered: read until WouldBlock, bounded per turn as for plain connections.
+        for _ in 0..256 {
+            let at_eof = match session.read_tls(stream) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    drained = true;
+                    break;
+                }
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => {
+                    self.lose(token, &format!("read failed: {error}"));
+                    return;
+                }
+            };
+            if let Err(error) = session.process_new_packets() {
+                // rustls queued an alert telling the peer why; it goes if the socket takes it.
+                let _ = session.write_tls(stream);
+                self.fail_tls(token, &error);
+                return;
+            }
+            if let Err(error) = deliver_plaintext(session, connection, now) {
+                tracing::warn!(
+                    %error,
+                    peer = ?stream.peer_addr().ok(),
+                    "protocol error; closing the connection"
+                );
+                self.transmit(token, now);
+                self.close(token);
+                return;
+            }
+            if at_eof {
+                self.lose(token, "connection closed by the peer");
+                return;
+            }
+        }
+        if !drained {
+            // More may be waiting: edge-triggered epoll will not tell again.
+            let _ = self.poll.registry().reregister(
+                &mut self.connections.get_mut(&token).expect("present").stream,
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            );
+        }
+        // Handshake messages or alerts may be due, and a finished handshake lets the frames
+        // queued meanwhile leave.
+        self.transmit_tls(token, now);
+    }
+
+    /// Writes a TLS connection: its session's records first; plaintext goes into the session
+    /// only once they are all out, so at most [`OUTGOING_TLS_LIMIT`](super::tls::OUTGOING_TLS_LIMIT) bytes wait in it.
+    fn transmit_tls(&mut self, token: Token, now: Instant) {
+        let conn = self.connections.get_mut(&token).expect("present");
+        let Conn {
+            stream,
+            connection,
+            tls,
+            ..
+        } = conn;
+        let session = tls.as_mut().expect("a TLS connection");
+        connection.poll_transmit(now);
+        let mut scratch = std::mem::take(&mut self.slice_scratch);
+        let mut failure = None;
+        // Bounded: each pass writes records, takes plaintext, or stops.
+        for _ in 0..1024 {
+            if session.wants_write() {
+                match session.write_tls(stream) {
+                    Ok(0) => break,
+                    Ok(_) => continue,
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(error) => {
+                        failure = Some(format!("write failed: {error}"));
+                        break;
+                    }
+                }
+            }
+            // Frames wait for the handshake rather than in the session's plaintext buffer.
+            if session.is_handshaking() || !connection.wants_write() {
+                break;
+            }
+            let mut slices = reuse_slices(std::mem::take(&mut scratch));
+            connection.write_slices(&mut slices, MAX_SLICES);
+            let accepted = session.writer().write_vectored(&slices);
+            slices.clear();
+            scratch = reuse_slices(slices);
+            match accepted {
+                Ok(0) => break,
+                Ok(n) => {
+                    connection.on_written(n);
+                    connection.poll_transmit(now);
+                }
+                Err(error) => {
+                    failure = Some(format!("TLS write failed: {error}"));
+                    break;
+                }
+            }
+        }
+        self.slice_scratch = scratch;
+        if let Some(reason) = failure {
+            self.lose(token, &reason);
+            return;
+        }
+        let conn = self.connections.get_mut(&token).expect("still present");
+        let session = conn.tls.as_mut().expect("a TLS connection");
+        if conn.connection.is_closing() && !conn.connection.wants_write() && !session.wants_write()
+        {
+            // Tells the peer the end is deliberate; best effort, as the close itself is.
+            session.send_close_notify();
+            let _ = session.write_tls(&mut conn.stream);
+            self.close(token);
+        }
+    }
+
+    /// The TLS session failed (handshake refused, bad record, a plain-TCP peer): the
+    /// connection closes, a certificate refused either way failing its channels as
+    /// unauthenticated.
+    fn fail_tls(&mut self, token: Token, error: &rustls::Error) {
+        let Some(conn) = self.connections.get_mut(&token) else {
+            return;
+        };
+        let reason = format!("TLS failed: {error}");
+        let peer = conn.stream.peer_addr().ok();
+        if super::tls::is_identity_failure(error) {
+            tracing::warn!(?peer, %error, "TLS peer identity refused; closing the connection");
+            conn.connection.on_rejected(&reason);
+        } else {
+            tracing::warn!(?peer, %error, "TLS failed; closing the connection");
+            conn.connection.on_lost(&reason);
+        }
+        self.close(token);
+    }
+
     fn lose(&mut self, token: Token, reason: &str) {
         if let Some(conn) = self.connections.get_mut(&token) {
             conn.connection.on_lost(reason);
@@ -456,6 +635,38 @@ impl Loop {
             conn.connection.on_lost("connection closed");
         }
     }
+}
+
+/// Hands the plaintext `session` decrypted to `connection`: straight into its read
+/// destination, the rest of a chunk into its read-ahead area.
+fn deliver_plaintext(
+    session: &mut rustls::Connection,
+    connection: &mut Connection,
+    now: Instant,
+) -> Result<(), ProtocolError> {
+    let mut reader = session.reader();
+    // Bounded by rustls's received-plaintext limit (16 KiB): each pass consumes at least
+    // one byte, or stops.
+    for _ in 0..=super::tls::RECEIVED_PLAINTEXT_LIMIT {
+        // WouldBlock (nothing decrypted) and the ends (close_notify, EOF) are read_tls's to
+        // report; here they only mean nothing more to hand over.
+        let Ok(chunk) = reader.fill_buf() else {
+            return Ok(());
+        };
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        let (destination, ahead) = connection.read_targets();
+        let destination_len = destination.len();
+        let direct = chunk.len().min(destination_len);
+        destination[..direct].copy_from_slice(&chunk[..direct]);
+        let spill = (chunk.len() - direct).min(ahead.len());
+        ahead[..spill].copy_from_slice(&chunk[direct..direct + spill]);
+        let n = direct + spill;
+        reader.consume(n);
+        connection.on_read(n, destination_len, now)?;
+    }
+    Ok(())
 }
 
 /// Moves an empty slice vector's allocation to another lifetime (collected in place: same
