@@ -34,6 +34,8 @@ const WAKER: Token = Token(1);
 const FIRST_CONNECTION: usize = 2;
 /// Longest the thread sleeps without an event (it then checks timeouts).
 const MAX_PARK: Duration = Duration::from_millis(100);
+/// Bytes one read of a TLS connection's socket takes (four full TLS records).
+const CIPHERTEXT_READ: usize = 64 * 1024;
 /// Slices handed to one `writev`.
 const MAX_SLICES: usize = 64;
 
@@ -117,7 +119,23 @@ struct Conn {
     connection: Connection,
     peer: Option<(SocketAddr, usize)>,
     /// The TLS session between the socket and `connection`, when TLS is on.
-    tls: Option<Box<rustls::Connection>>,
+    tls: Option<Box<TlsLink>>,
+}
+
+/// What a TLS connection adds to a plain one.
+struct TlsLink {
+    session: rustls::Connection,
+    /// Ciphertext read from the socket, handed to the session in the pieces it takes.
+    ciphertext: Box<[u8]>,
+}
+
+impl TlsLink {
+    fn new(session: rustls::Connection) -> Box<Self> {
+        Box::new(Self {
+            session,
+            ciphertext: vec![0; CIPHERTEXT_READ].into_boxed_slice(),
+        })
+    }
 }
 
 struct Loop {
@@ -295,7 +313,7 @@ impl Loop {
         let (stream, client) = open_client(peer, &self.config)?;
         stream.set_nonblocking(true)?;
         let tls = match &self.config.tls {
-            Some(context) => Some(Box::new(context.client_session().map_err(|error| {
+            Some(context) => Some(TlsLink::new(context.client_session().map_err(|error| {
                 io::Error::other(format!("starting a TLS session failed: {error}"))
             })?)),
             None => None,
@@ -324,7 +342,7 @@ impl Loop {
                     let _ = stream.set_nodelay(true);
                     let tls = match &self.config.tls {
                         Some(context) => match context.server_session() {
-                            Ok(session) => Some(Box::new(session)),
+                            Ok(session) => Some(TlsLink::new(session)),
                             Err(error) => {
                                 tracing::warn!(%peer, %error, "starting a TLS session failed; closing the connection");
                                 continue;
@@ -355,7 +373,7 @@ impl Loop {
         mut stream: TcpStream,
         side: Side,
         peer: Option<(SocketAddr, usize)>,
-        tls: Option<Box<rustls::Connection>>,
+        tls: Option<Box<TlsLink>>,
     ) -> io::Result<Token> {
         let token = Token(self.next_token);
         self.next_token += 1;
@@ -471,8 +489,8 @@ impl Loop {
         }
     }
 
-    /// Reads a TLS connection: ciphertext into its session until the socket has no more,
-    /// each batch's plaintext handed to the connection at once.
+    /// Reads a TLS connection: ciphertext from the socket in large reads, into its session
+    /// in the pieces rustls takes, each piece's plaintext handed to the connection at once.
     fn read_tls(&mut self, token: Token, now: Instant) {
         let conn = self.connections.get_mut(&token).expect("present");
         let Conn {
@@ -481,13 +499,21 @@ impl Loop {
             tls,
             ..
         } = conn;
-        let session = tls.as_mut().expect("a TLS connection");
+        let TlsLink {
+            session,
+            ciphertext,
+        } = &mut **tls.as_mut().expect("a TLS connection");
         let mut drained = false;
         // Edge-triggered: read until WouldBlock, bounded per turn as for plain connections.
         for _ in 0..256 {
-            let at_eof = match session.read_tls(stream) {
-                Ok(0) => true,
-                Ok(_) => false,
+            // One syscall for up to CIPHERTEXT_READ bytes: rustls reading the socket itself
+            // would take 4 KiB per call.
+            let n = match stream.read(ciphertext) {
+                Ok(0) => {
+                    self.lose(token, "connection closed by the peer");
+                    return;
+                }
+                Ok(n) => n,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
                     drained = true;
                     break;
@@ -498,25 +524,37 @@ impl Loop {
                     return;
                 }
             };
-            if let Err(error) = session.process_new_packets() {
-                // rustls queued an alert telling the peer why; it goes if the socket takes it.
-                let _ = session.write_tls(stream);
-                self.fail_tls(token, &error);
-                return;
-            }
-            if let Err(error) = deliver_plaintext(session, connection, now) {
-                tracing::warn!(
-                    %error,
-                    peer = ?stream.peer_addr().ok(),
-                    "protocol error; closing the connection"
-                );
-                self.transmit(token, now);
-                self.close(token);
-                return;
-            }
-            if at_eof {
-                self.lose(token, "connection closed by the peer");
-                return;
+            let mut pending = &ciphertext[..n];
+            // Bounded by the bytes read: each pass hands rustls at least one, or stops.
+            for _ in 0..n {
+                let taken = match session.read_tls(&mut pending) {
+                    Ok(taken) => taken,
+                    Err(error) => {
+                        self.lose(token, &format!("TLS read failed: {error}"));
+                        return;
+                    }
+                };
+                if let Err(error) = session.process_new_packets() {
+                    // rustls queued an alert telling the peer why; it goes if the socket
+                    // takes it.
+                    let _ = session.write_tls(stream);
+                    self.fail_tls(token, &error);
+                    return;
+                }
+                if let Err(error) = deliver_plaintext(session, connection, now) {
+                    tracing::warn!(
+                        %error,
+                        peer = ?stream.peer_addr().ok(),
+                        "protocol error; closing the connection"
+                    );
+                    self.transmit(token, now);
+                    self.close(token);
+                    return;
+                }
+                // Nothing taken: the peer sent close_notify; its EOF follows.
+                if taken == 0 || pending.is_empty() {
+                    break;
+                }
             }
         }
         if !drained {
@@ -542,7 +580,7 @@ impl Loop {
             tls,
             ..
         } = conn;
-        let session = tls.as_mut().expect("a TLS connection");
+        let session = &mut tls.as_mut().expect("a TLS connection").session;
         connection.poll_transmit(now);
         let mut scratch = std::mem::take(&mut self.slice_scratch);
         let mut failure = None;
@@ -587,7 +625,7 @@ impl Loop {
             return;
         }
         let conn = self.connections.get_mut(&token).expect("still present");
-        let session = conn.tls.as_mut().expect("a TLS connection");
+        let session = &mut conn.tls.as_mut().expect("a TLS connection").session;
         if conn.connection.is_closing() && !conn.connection.wants_write() && !session.wants_write()
         {
             // Tells the peer the end is deliberate; best effort, as the close itself is.
