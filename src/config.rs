@@ -150,6 +150,9 @@ pub struct NetworkConfig {
     /// `fluxgate-node`). Nodes are addressed by IP, so one fixed cluster name stands in for
     /// per-address names.
     pub ssl_server_name: String,
+    /// `security.ssl.internal.handshake-timeout` (ms): longest a TLS handshake may take; a
+    /// peer that has not completed it by then is closed (default 10 s, as Flink).
+    pub ssl_handshake_timeout: Duration,
 }
 
 impl Default for NetworkConfig {
@@ -177,6 +180,7 @@ impl Default for NetworkConfig {
             ssl_key_file: None,
             ssl_ca_file: None,
             ssl_server_name: DEFAULT_SSL_SERVER_NAME.to_owned(),
+            ssl_handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -207,6 +211,7 @@ impl NetworkConfig {
         "security.ssl.internal.key-file",
         "security.ssl.internal.ca-file",
         "security.ssl.internal.server-name",
+        "security.ssl.internal.handshake-timeout",
     ];
 
     /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
@@ -273,6 +278,9 @@ impl NetworkConfig {
             "security.ssl.internal.cert-file" => next.ssl_cert_file = path(),
             "security.ssl.internal.key-file" => next.ssl_key_file = path(),
             "security.ssl.internal.ca-file" => next.ssl_ca_file = path(),
+            "security.ssl.internal.handshake-timeout" => {
+                next.ssl_handshake_timeout = Duration::from_millis(count()? as u64)
+            }
             "security.ssl.internal.server-name" => {
                 let name = value.trim();
                 if rustls::pki_types::DnsName::try_from(name).is_err() {
@@ -369,6 +377,13 @@ impl NetworkConfig {
                     "must hold a full segment and its 48-byte header, and fit 32 bits",
                 );
             }
+        }
+        if self.ssl_handshake_timeout.is_zero() {
+            return invalid(
+                "security.ssl.internal.handshake-timeout",
+                0,
+                "must be at least 1 ms",
+            );
         }
         if self.partition_request_rate > 0 && self.partition_request_burst == 0 {
             return invalid(
@@ -581,6 +596,13 @@ mod tests {
             .set("security.ssl.internal.server-name", "shuffle.cluster-a")
             .unwrap();
         assert_eq!(config.ssl_server_name, "shuffle.cluster-a");
+        config
+            .set("security.ssl.internal.handshake-timeout", "250")
+            .unwrap();
+        assert_eq!(config.ssl_handshake_timeout, Duration::from_millis(250));
+        assert!(config
+            .set("security.ssl.internal.handshake-timeout", "0")
+            .is_err());
         assert!(config
             .set("security.ssl.internal.server-name", "not a name")
             .is_err());

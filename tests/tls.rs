@@ -5,7 +5,7 @@
 //! refused with a typed error within a bounded time while the server keeps serving.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -296,8 +296,23 @@ fn first_record(
     consumer: &ShuffleEnvironment,
     partition: ResultPartitionId,
 ) -> (Result<Option<Vec<u8>>, ReaderError>, Duration) {
+    first_record_from(producer.local_addr(), consumer, partition)
+}
+
+/// [`first_record`] from whatever listens at `producer`.
+fn first_record_from(
+    producer: SocketAddr,
+    consumer: &ShuffleEnvironment,
+    partition: ResultPartitionId,
+) -> (Result<Option<Vec<u8>>, ReaderError>, Duration) {
     let gate = consumer
-        .create_gate(&[channel(partition, 0, producer)])
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition,
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer),
+        }])
         .unwrap();
     let mut reader = RecordReader::new(gate, 1 << 20);
     let started = Instant::now();
@@ -462,4 +477,45 @@ fn a_slow_tls_consumer_keeps_the_producer_within_its_pool() {
         assert!(peak <= max, "producer used {peak} segments, pool max {max}");
     });
     assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+
+#[test]
+fn stalled_tls_handshakes_are_closed_after_the_timeout() {
+    let certs = Certs::new("stall");
+    let with_timeout = |node: &str| {
+        let mut options = certs.options(node, "ca");
+        options.push((
+            "security.ssl.internal.handshake-timeout".into(),
+            "200".into(),
+        ));
+        options
+    };
+    let producer = env(1, &with_timeout("producer"));
+    // A peer that connects and never says a word is closed by the producer.
+    let mut silent = TcpStream::connect(producer.local_addr()).unwrap();
+    silent.set_read_timeout(Some(LONG)).unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    match silent.read_to_end(&mut answer) {
+        Ok(_) => assert!(answer.is_empty(), "nothing but the close: {answer:?}"),
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}"),
+    }
+    let took = started.elapsed();
+    assert!(took < LONG / 2, "closed only after {took:?}");
+    // A consumer whose producer accepts the connection (the kernel's backlog does) and never
+    // answers its hello fails with a transport error.
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let consumer = env(2, &with_timeout("consumer"));
+    let (first, took) = first_record_from(mute.local_addr().unwrap(), &consumer, pid(0));
+    assert!(
+        matches!(
+            first,
+            Err(ReaderError::Gate(GateError::Transport { channel: 0, ref reason }))
+                if reason.contains("handshake timed out")
+        ),
+        "mute producer: got {first:?} after {took:?}"
+    );
+    assert!(took < LONG / 2, "failed only after {took:?}");
+    drop(mute);
+    assert!(pools_full(&[&producer, &consumer]));
 }

@@ -127,14 +127,24 @@ struct TlsLink {
     session: rustls::Connection,
     /// Ciphertext read from the socket, handed to the session in the pieces it takes.
     ciphertext: Box<[u8]>,
+    /// When the handshake must be done: a peer that stalls it is closed then.
+    handshake_deadline: Instant,
 }
 
 impl TlsLink {
-    fn new(session: rustls::Connection) -> Box<Self> {
+    fn new(session: rustls::Connection, handshake_deadline: Instant) -> Box<Self> {
         Box::new(Self {
             session,
             ciphertext: vec![0; CIPHERTEXT_READ].into_boxed_slice(),
+            handshake_deadline,
         })
+    }
+
+    /// The handshake deadline while the handshake runs.
+    fn deadline(&self) -> Option<Instant> {
+        self.session
+            .is_handshaking()
+            .then_some(self.handshake_deadline)
     }
 }
 
@@ -222,6 +232,11 @@ impl Loop {
         self.connections
             .values()
             .filter_map(|c| c.connection.poll_timeout())
+            .chain(
+                self.connections
+                    .values()
+                    .filter_map(|c| c.tls.as_ref()?.deadline()),
+            )
             .chain(self.refused.next_due())
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
@@ -313,9 +328,12 @@ impl Loop {
         let (stream, client) = open_client(peer, &self.config)?;
         stream.set_nonblocking(true)?;
         let tls = match &self.config.tls {
-            Some(context) => Some(TlsLink::new(context.client_session().map_err(|error| {
-                io::Error::other(format!("starting a TLS session failed: {error}"))
-            })?)),
+            Some(context) => Some(TlsLink::new(
+                context.client_session().map_err(|error| {
+                    io::Error::other(format!("starting a TLS session failed: {error}"))
+                })?,
+                Instant::now() + context.handshake_timeout(),
+            )),
             None => None,
         };
         let token = self.add(
@@ -342,7 +360,10 @@ impl Loop {
                     let _ = stream.set_nodelay(true);
                     let tls = match &self.config.tls {
                         Some(context) => match context.server_session() {
-                            Ok(session) => Some(TlsLink::new(session)),
+                            Ok(session) => Some(TlsLink::new(
+                                session,
+                                Instant::now() + context.handshake_timeout(),
+                            )),
                             Err(error) => {
                                 tracing::warn!(%peer, %error, "starting a TLS session failed; closing the connection");
                                 continue;
@@ -502,6 +523,7 @@ impl Loop {
         let TlsLink {
             session,
             ciphertext,
+            ..
         } = &mut **tls.as_mut().expect("a TLS connection");
         let mut drained = false;
         // Edge-triggered: read until WouldBlock, bounded per turn as for plain connections.
@@ -580,7 +602,14 @@ impl Loop {
             tls,
             ..
         } = conn;
-        let session = &mut tls.as_mut().expect("a TLS connection").session;
+        let link = tls.as_mut().expect("a TLS connection");
+        if link.deadline().is_some_and(|due| now >= due) {
+            let reason = "TLS handshake timed out (security.ssl.internal.handshake-timeout)";
+            tracing::warn!(peer = ?stream.peer_addr().ok(), "{reason}; closing the connection");
+            self.lose(token, reason);
+            return;
+        }
+        let session = &mut link.session;
         connection.poll_transmit(now);
         let mut scratch = std::mem::take(&mut self.slice_scratch);
         let mut failure = None;

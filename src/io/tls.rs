@@ -20,6 +20,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -85,6 +86,7 @@ pub struct TlsContext {
     server: Arc<rustls::ServerConfig>,
     client: Arc<rustls::ClientConfig>,
     server_name: ServerName<'static>,
+    handshake_timeout: Duration,
 }
 
 impl fmt::Debug for TlsContext {
@@ -122,7 +124,7 @@ impl TlsContext {
         }
         let server_name = ServerName::try_from(config.ssl_server_name.clone())
             .map_err(|error| TlsError::Refused(format!("server name: {error}")))?;
-        Self::new(chain, key, roots, server_name)
+        Self::new(chain, key, roots, server_name, config.ssl_handshake_timeout)
             .map(Some)
             .map_err(|error| TlsError::Refused(error.to_string()))
     }
@@ -132,6 +134,7 @@ impl TlsContext {
         key: PrivateKeyDer<'static>,
         roots: RootCertStore,
         server_name: ServerName<'static>,
+        handshake_timeout: Duration,
     ) -> Result<Self, rustls::Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let roots = Arc::new(roots);
@@ -151,7 +154,13 @@ impl TlsContext {
             server: Arc::new(server),
             client: Arc::new(client),
             server_name,
+            handshake_timeout,
         })
+    }
+
+    /// Longest a handshake may take (`security.ssl.internal.handshake-timeout`).
+    pub(crate) fn handshake_timeout(&self) -> Duration {
+        self.handshake_timeout
     }
 
     /// A session for a connection this node opened (it consumes).
