@@ -9,6 +9,9 @@ use std::time::Duration;
 use crate::protocol::auth::{Secret, MIN_SECRET_LEN};
 use crate::protocol::frame::BUFFER_RESPONSE_HEADER;
 
+/// The name node certificates carry and consumers check (`security.ssl.internal.server-name`).
+pub const DEFAULT_SSL_SERVER_NAME: &str = "fluxgate-node";
+
 /// The environment variable holding the cluster secret when no secret file is configured.
 pub const SECRET_ENV: &str = "FLUXGATE_SECRET";
 
@@ -145,6 +148,27 @@ pub struct NetworkConfig {
     /// at once (default 4096; keep it at least `max-channels-per-connection`, or a consumer
     /// opening every channel of a connection at once is refused).
     pub partition_request_burst: u32,
+    /// `security.ssl.internal.enabled` (alias `fluxgate.security.ssl.enabled`): connections
+    /// between nodes run over mutual TLS (rustls): every node presents a certificate signed
+    /// by the cluster CA and verifies its peer's against that CA (default false). Runs on the
+    /// epoll driver only.
+    pub ssl_enabled: bool,
+    /// `security.ssl.internal.cert-file`: this node's certificate chain (PEM), leaf first.
+    pub ssl_cert_file: Option<PathBuf>,
+    /// `security.ssl.internal.key-file`: the private key of that certificate (PEM; PKCS#8,
+    /// PKCS#1 or SEC1).
+    pub ssl_key_file: Option<PathBuf>,
+    /// `security.ssl.internal.ca-file`: the cluster CA certificate(s) (PEM) that peers'
+    /// certificates must chain to, in both directions.
+    pub ssl_ca_file: Option<PathBuf>,
+    /// `security.ssl.internal.server-name`: the name every node certificate carries as a DNS
+    /// subject alternative name and a consumer checks on its producer's certificate (default
+    /// `fluxgate-node`). Nodes are addressed by IP, so one fixed cluster name stands in for
+    /// per-address names.
+    pub ssl_server_name: String,
+    /// `security.ssl.internal.handshake-timeout` (ms): longest a TLS handshake may take; a
+    /// peer that has not completed it by then is closed (default 10 s, as Flink).
+    pub ssl_handshake_timeout: Duration,
 }
 
 impl Default for NetworkConfig {
@@ -171,6 +195,12 @@ impl Default for NetworkConfig {
             max_frame_size: None,
             partition_request_rate: 1000,
             partition_request_burst: 4096,
+            ssl_enabled: false,
+            ssl_cert_file: None,
+            ssl_key_file: None,
+            ssl_ca_file: None,
+            ssl_server_name: DEFAULT_SSL_SERVER_NAME.to_owned(),
+            ssl_handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -199,6 +229,13 @@ impl NetworkConfig {
         "fluxgate.network.max-frame-size",
         "fluxgate.network.partition-request-rate",
         "fluxgate.network.partition-request-burst",
+        "security.ssl.internal.enabled",
+        "fluxgate.security.ssl.enabled",
+        "security.ssl.internal.cert-file",
+        "security.ssl.internal.key-file",
+        "security.ssl.internal.ca-file",
+        "security.ssl.internal.server-name",
+        "security.ssl.internal.handshake-timeout",
     ];
 
     /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
@@ -219,6 +256,7 @@ impl NetworkConfig {
                 .parse::<u32>()
                 .map_err(|_| invalid("expected an integer from 0 to 4294967295"))
         };
+        let path = || (!value.trim().is_empty()).then(|| PathBuf::from(value.trim()));
         let mut next = self.clone();
         match key {
             "taskmanager.memory.segment-size" => next.segment_size = size()?,
@@ -266,6 +304,26 @@ impl NetworkConfig {
             "fluxgate.network.max-frame-size" => next.max_frame_size = Some(size()?),
             "fluxgate.network.partition-request-rate" => next.partition_request_rate = count32()?,
             "fluxgate.network.partition-request-burst" => next.partition_request_burst = count32()?,
+            "security.ssl.internal.enabled" | "fluxgate.security.ssl.enabled" => {
+                next.ssl_enabled = match value.trim() {
+                    "true" | "on" => true,
+                    "false" | "off" => false,
+                    _ => return Err(invalid("expected true or false")),
+                }
+            }
+            "security.ssl.internal.cert-file" => next.ssl_cert_file = path(),
+            "security.ssl.internal.key-file" => next.ssl_key_file = path(),
+            "security.ssl.internal.ca-file" => next.ssl_ca_file = path(),
+            "security.ssl.internal.handshake-timeout" => {
+                next.ssl_handshake_timeout = Duration::from_millis(count()? as u64)
+            }
+            "security.ssl.internal.server-name" => {
+                let name = value.trim();
+                if rustls::pki_types::DnsName::try_from(name).is_err() {
+                    return Err(invalid("expected a DNS name like fluxgate-node"));
+                }
+                next.ssl_server_name = name.to_owned();
+            }
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
         next.validate().map_err(|e| match e {
@@ -365,6 +423,13 @@ impl NetworkConfig {
                     "must hold a full segment and its 48-byte header, and fit 32 bits",
                 );
             }
+        }
+        if self.ssl_handshake_timeout.is_zero() {
+            return invalid(
+                "security.ssl.internal.handshake-timeout",
+                0,
+                "must be at least 1 ms",
+            );
         }
         if self.partition_request_rate > 0 && self.partition_request_burst == 0 {
             return invalid(
@@ -545,6 +610,48 @@ mod tests {
         config
             .set("fluxgate.network.partition-request-burst", "0")
             .unwrap();
+    }
+
+    #[test]
+    fn tls_options_parse_under_flink_names_and_the_alias() {
+        let mut config = NetworkConfig::default();
+        assert!(!config.ssl_enabled);
+        assert_eq!(config.ssl_server_name, DEFAULT_SSL_SERVER_NAME);
+        config.set("security.ssl.internal.enabled", "true").unwrap();
+        assert!(config.ssl_enabled);
+        config.set("fluxgate.security.ssl.enabled", "off").unwrap();
+        assert!(!config.ssl_enabled);
+        assert!(config.set("security.ssl.internal.enabled", "yes").is_err());
+        config
+            .set("security.ssl.internal.cert-file", "/etc/fluxgate/node.pem")
+            .unwrap();
+        config
+            .set(
+                "security.ssl.internal.key-file",
+                "/etc/fluxgate/node-key.pem",
+            )
+            .unwrap();
+        config
+            .set("security.ssl.internal.ca-file", "/etc/fluxgate/ca.pem")
+            .unwrap();
+        assert_eq!(
+            config.ssl_ca_file.as_deref(),
+            Some(Path::new("/etc/fluxgate/ca.pem"))
+        );
+        config
+            .set("security.ssl.internal.server-name", "shuffle.cluster-a")
+            .unwrap();
+        assert_eq!(config.ssl_server_name, "shuffle.cluster-a");
+        config
+            .set("security.ssl.internal.handshake-timeout", "250")
+            .unwrap();
+        assert_eq!(config.ssl_handshake_timeout, Duration::from_millis(250));
+        assert!(config
+            .set("security.ssl.internal.handshake-timeout", "0")
+            .is_err());
+        assert!(config
+            .set("security.ssl.internal.server-name", "not a name")
+            .is_err());
     }
 
     #[test]

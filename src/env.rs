@@ -14,6 +14,7 @@ use crate::gate::{
     ChannelLocation, ChannelSpec, ConsumedSubpartition, GateError, InputChannel, SingleInputGate,
 };
 use crate::io::epoll::EpollDriver;
+use crate::io::tls::{TlsContext, TlsError};
 use crate::io::uring::{self, UringDriver};
 use crate::io::{Command, DriverConfig, Transport};
 use crate::partition::{PartitionError, PartitionManager, ResultPartition, ResultPartitionId};
@@ -41,6 +42,9 @@ pub enum EnvError {
     /// Authentication is on and no usable secret is configured (`fluxgate.security.*`).
     #[error(transparent)]
     Secret(#[from] SecretError),
+    /// TLS is on (`security.ssl.internal.enabled`) and its certificates cannot be used.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
 }
 
 /// Settings of one process's network.
@@ -140,11 +144,25 @@ impl fmt::Debug for ShuffleEnvironment {
 
 impl ShuffleEnvironment {
     /// Maps the network memory, binds the server and starts the I/O thread. Fails when
-    /// authentication is on (`fluxgate.security.auth`) and no secret is configured.
+    /// authentication is on (`fluxgate.security.auth`) and no secret is configured, when TLS
+    /// is on (`security.ssl.internal.enabled`) and its files cannot be used, and when TLS is
+    /// on with `transport = uring` (TLS runs on the epoll driver only).
     pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
         let secret = config.network.resolve_secret(config.bind)?.map(Arc::new);
         if secret.is_some() {
             tracing::info!(bind = %config.bind, "connections authenticate with the cluster secret");
+        }
+        let tls = TlsContext::from_config(&config.network)?.map(Arc::new);
+        if tls.is_some() {
+            if config.transport == Transport::Uring {
+                return Err(EnvError::Transport(
+                    Transport::Uring,
+                    "TLS (security.ssl.internal.enabled) runs on the epoll driver only; \
+                     choose transport epoll or auto"
+                        .into(),
+                ));
+            }
+            tracing::info!(bind = %config.bind, "connections run over mutual TLS with the cluster CA");
         }
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
@@ -177,6 +195,7 @@ impl ShuffleEnvironment {
             request_backoff: config.network.request_backoff(),
             liveness: crate::io::Liveness::from_config(&config.network),
             network: Some(network.clone()),
+            tls: tls.clone(),
         };
         let (driver, transport) = match config.transport {
             Transport::Epoll => {
@@ -195,6 +214,14 @@ impl ShuffleEnvironment {
                     })?;
                 tracing::info!(transport = ?Transport::Uring, "network transport chosen: requested");
                 (Driver::Uring(driver), Transport::Uring)
+            }
+            Transport::Auto if tls.is_some() => {
+                tracing::info!(
+                    transport = ?Transport::Epoll,
+                    "network transport chosen: auto, TLS is on and runs on the epoll driver only"
+                );
+                let driver = EpollDriver::start(config.bind, driver_config, manager.clone())?;
+                (Driver::Epoll(driver), Transport::Epoll)
             }
             Transport::Auto => {
                 let started = uring::probe().and_then(|()| {

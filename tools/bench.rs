@@ -913,7 +913,10 @@ fn print(
     let mode = if args.local {
         "local exchange (one process)".to_string()
     } else {
-        format!("remote exchange between two processes over loopback TCP ({transport:?} driver)")
+        let tls = if config.ssl_enabled { " with TLS" } else { "" };
+        format!(
+            "remote exchange between two processes over loopback TCP{tls} ({transport:?} driver)"
+        )
     };
     // (name, unit, value of a figure set, lower is better)
     type Metric = (&'static str, &'static str, fn(&Figures) -> Option<f64>);

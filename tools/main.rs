@@ -9,6 +9,7 @@ mod node;
 mod plot;
 mod progress;
 mod stress;
+mod tls_certs;
 mod topology;
 
 use clap::{Parser, Subcommand};
@@ -47,6 +48,13 @@ enum Command {
   fluxgate stress --config network.toml            Flink option names for every node
   sudo fluxgate stress --netns --loss 1 --rate-limit 200   across network namespaces")]
     Stress(stress::StressArgs),
+    /// Write a cluster CA and node certificates (PEM) for TLS between nodes.
+    #[command(
+        hide = true,
+        after_help = "Example:
+  fluxgate tls-certs certs/ --nodes 2    ca.pem, ca-key.pem, node-0.pem, node-0-key.pem, ..."
+    )]
+    TlsCerts(tls_certs::TlsCertsArgs),
 }
 
 fn main() {
@@ -68,6 +76,7 @@ fn main() {
         Some(Command::Cluster(args)) => cluster::run(&args),
         Some(Command::Node(args)) => node::run(&args),
         Some(Command::Stress(args)) => stress::run(&args),
+        Some(Command::TlsCerts(args)) => tls_certs::run(&args),
         None => unreachable!("`bench` parses to a command"),
     };
     if let Err(error) = result {

@@ -93,7 +93,9 @@ pub enum GateError {
     },
     /// The channel's connection was refused because one side did not prove it knows the
     /// cluster secret (`fluxgate.security.*`): a wrong or missing secret, or authentication on
-    /// one side only. Retrying does not help until the configuration is fixed.
+    /// one side only; or, with TLS on (`security.ssl.internal.*`), one side's certificate
+    /// does not chain to the other's cluster CA. Retrying does not help until the
+    /// configuration is fixed.
     #[error("channel {channel}: authentication failed: {reason}")]
     Unauthenticated {
         /// Gate-local channel index.

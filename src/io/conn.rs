@@ -171,6 +171,15 @@ impl Connection {
         }
     }
 
+    /// The peer refused our certificate or presented one we do not trust (TLS): channels
+    /// fail as unauthenticated, views are released.
+    pub(crate) fn on_rejected(&mut self, reason: &str) {
+        match &mut self.side {
+            Side::Client(c) => c.on_peer_rejected(reason),
+            Side::Server(s) => s.on_connection_lost(),
+        }
+    }
+
     /// The socket failed or hit EOF: channels fail, views are released.
     pub(crate) fn on_lost(&mut self, reason: &str) {
         let _entered = self.span.enter();

@@ -1,9 +1,14 @@
 //! The epoll driver (mio): one I/O thread, edge-triggered sockets, vectored reads (payload
 //! straight into its segment plus a small read-ahead) and vectored writes (frame headers and
 //! segment payloads in one `writev`).
+//!
+//! With TLS on, a rustls session sits between each socket and its connection: ciphertext is
+//! read into the session and the plaintext it yields copied into the connection's read
+//! targets; the connection's slices go into the session's writer and its records out in one
+//! `writev`. Plain connections take the same paths as without TLS (one branch per event).
 
 use std::collections::HashMap;
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, BufRead, IoSlice, IoSliceMut, Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Waker;
@@ -20,7 +25,7 @@ use super::{
     RefusedConnects, WakeFn,
 };
 use crate::partition::PartitionManager;
-use crate::protocol::ServerConnection;
+use crate::protocol::{ProtocolError, ServerConnection};
 use crate::sync::ArrayQueue;
 
 const LISTENER: Token = Token(0);
@@ -28,6 +33,8 @@ const WAKER: Token = Token(1);
 const FIRST_CONNECTION: usize = 2;
 /// Longest the thread sleeps without an event (it then checks timeouts).
 const MAX_PARK: Duration = Duration::from_millis(100);
+/// Bytes one read of a TLS connection's socket takes (four full TLS records).
+const CIPHERTEXT_READ: usize = 64 * 1024;
 /// Slices handed to one `writev`.
 const MAX_SLICES: usize = 64;
 
@@ -107,6 +114,34 @@ struct Conn {
     stream: TcpStream,
     connection: Connection,
     peer: Option<(SocketAddr, usize)>,
+    /// The TLS session between the socket and `connection`, when TLS is on.
+    tls: Option<Box<TlsLink>>,
+}
+
+/// What a TLS connection adds to a plain one.
+struct TlsLink {
+    session: rustls::Connection,
+    /// Ciphertext read from the socket, handed to the session in the pieces it takes.
+    ciphertext: Box<[u8]>,
+    /// When the handshake must be done: a peer that stalls it is closed then.
+    handshake_deadline: Instant,
+}
+
+impl TlsLink {
+    fn new(session: rustls::Connection, handshake_deadline: Instant) -> Box<Self> {
+        Box::new(Self {
+            session,
+            ciphertext: vec![0; CIPHERTEXT_READ].into_boxed_slice(),
+            handshake_deadline,
+        })
+    }
+
+    /// The handshake deadline while the handshake runs.
+    fn deadline(&self) -> Option<Instant> {
+        self.session
+            .is_handshaking()
+            .then_some(self.handshake_deadline)
+    }
 }
 
 struct Loop {
@@ -196,6 +231,11 @@ impl Loop {
         self.connections
             .values()
             .filter_map(|c| c.connection.poll_timeout())
+            .chain(
+                self.connections
+                    .values()
+                    .filter_map(|c| c.tls.as_ref()?.deadline()),
+            )
             .chain(self.refused.next_due())
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
@@ -286,10 +326,20 @@ impl Loop {
     fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<Token> {
         let (stream, client) = open_client(peer, &self.config)?;
         stream.set_nonblocking(true)?;
+        let tls = match &self.config.tls {
+            Some(context) => Some(TlsLink::new(
+                context.client_session().map_err(|error| {
+                    io::Error::other(format!("starting a TLS session failed: {error}"))
+                })?,
+                Instant::now() + context.handshake_timeout(),
+            )),
+            None => None,
+        };
         let token = self.add(
             TcpStream::from_std(stream),
             Side::Client(client),
             Some((peer, index)),
+            tls,
         )?;
         self.peers.insert((peer, index), token);
         tracing::debug!(%peer, index, "connection opened");
@@ -309,9 +359,22 @@ impl Loop {
                     if let Err(error) = self.config.liveness.apply(&stream) {
                         tracing::debug!(%error, "socket options of an accepted connection");
                     }
+                    let tls = match &self.config.tls {
+                        Some(context) => match context.server_session() {
+                            Ok(session) => Some(TlsLink::new(
+                                session,
+                                Instant::now() + context.handshake_timeout(),
+                            )),
+                            Err(error) => {
+                                tracing::warn!(%peer, %error, "starting a TLS session failed; closing the connection");
+                                continue;
+                            }
+                        },
+                        None => None,
+                    };
                     let server =
                         ServerConnection::new(self.config.server.clone(), self.manager.clone());
-                    match self.add(stream, Side::Server(server), None) {
+                    match self.add(stream, Side::Server(server), None, tls) {
                         Ok(_) => self.accepted += 1,
                         Err(error) => {
                             tracing::warn!(%peer, %error, "registering an accepted connection failed")
@@ -332,6 +395,7 @@ impl Loop {
         mut stream: TcpStream,
         side: Side,
         peer: Option<(SocketAddr, usize)>,
+        tls: Option<Box<TlsLink>>,
     ) -> io::Result<Token> {
         let peer_addr = stream.peer_addr().ok();
         let token = Token(self.next_token);
@@ -347,6 +411,7 @@ impl Loop {
                 stream,
                 connection: Connection::new(side, peer_addr),
                 peer,
+                tls,
             },
         );
         Ok(token)
@@ -356,6 +421,10 @@ impl Loop {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
+        if conn.tls.is_some() {
+            self.read_tls(token, now);
+            return;
+        }
         // Edge-triggered: read until WouldBlock. Bounded per turn so one busy connection
         // cannot starve the others; the rest is read on the next readiness or turn.
         for _ in 0..256 {
@@ -400,6 +469,10 @@ impl Loop {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
+        if conn.tls.is_some() {
+            self.transmit_tls(token, now);
+            return;
+        }
         conn.connection.poll_transmit(now);
         // The slice vector is reused across writes: no allocation per `writev`.
         let mut scratch = std::mem::take(&mut self.slice_scratch);
@@ -439,6 +512,179 @@ impl Loop {
         }
     }
 
+    /// Reads a TLS connection: ciphertext from the socket in large reads, into its session
+    /// in the pieces rustls takes, each piece's plaintext handed to the connection at once.
+    fn read_tls(&mut self, token: Token, now: Instant) {
+        let conn = self.connections.get_mut(&token).expect("present");
+        let Conn {
+            stream,
+            connection,
+            tls,
+            ..
+        } = conn;
+        let TlsLink {
+            session,
+            ciphertext,
+            ..
+        } = &mut **tls.as_mut().expect("a TLS connection");
+        let mut drained = false;
+        // Edge-triggered: read until WouldBlock, bounded per turn as for plain connections.
+        for _ in 0..256 {
+            // One syscall for up to CIPHERTEXT_READ bytes: rustls reading the socket itself
+            // would take 4 KiB per call.
+            let n = match stream.read(ciphertext) {
+                Ok(0) => {
+                    self.lose(token, "connection closed by the peer");
+                    return;
+                }
+                Ok(n) => n,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    drained = true;
+                    break;
+                }
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => {
+                    self.lose(token, &format!("read failed: {error}"));
+                    return;
+                }
+            };
+            let mut pending = &ciphertext[..n];
+            // Bounded by the bytes read: each pass hands rustls at least one, or stops.
+            for _ in 0..n {
+                let taken = match session.read_tls(&mut pending) {
+                    Ok(taken) => taken,
+                    Err(error) => {
+                        self.lose(token, &format!("TLS read failed: {error}"));
+                        return;
+                    }
+                };
+                if let Err(error) = session.process_new_packets() {
+                    // rustls queued an alert telling the peer why; it goes if the socket
+                    // takes it.
+                    let _ = session.write_tls(stream);
+                    self.fail_tls(token, &error);
+                    return;
+                }
+                if let Err(error) = deliver_plaintext(session, connection, now) {
+                    tracing::warn!(
+                        %error,
+                        peer = ?stream.peer_addr().ok(),
+                        "protocol error; closing the connection"
+                    );
+                    self.transmit(token, now);
+                    self.close(token);
+                    return;
+                }
+                // Nothing taken: the peer sent close_notify; its EOF follows.
+                if taken == 0 || pending.is_empty() {
+                    break;
+                }
+            }
+        }
+        if !drained {
+            // More may be waiting: edge-triggered epoll will not tell again.
+            let _ = self.poll.registry().reregister(
+                &mut self.connections.get_mut(&token).expect("present").stream,
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            );
+        }
+        // Handshake messages or alerts may be due, and a finished handshake lets the frames
+        // queued meanwhile leave.
+        self.transmit_tls(token, now);
+    }
+
+    /// Writes a TLS connection: its session's records first; plaintext goes into the session
+    /// only once they are all out, so at most [`OUTGOING_TLS_LIMIT`](super::tls::OUTGOING_TLS_LIMIT) bytes wait in it.
+    fn transmit_tls(&mut self, token: Token, now: Instant) {
+        let conn = self.connections.get_mut(&token).expect("present");
+        let Conn {
+            stream,
+            connection,
+            tls,
+            ..
+        } = conn;
+        let link = tls.as_mut().expect("a TLS connection");
+        if link.deadline().is_some_and(|due| now >= due) {
+            let reason = "TLS handshake timed out (security.ssl.internal.handshake-timeout)";
+            tracing::warn!(peer = ?stream.peer_addr().ok(), "{reason}; closing the connection");
+            self.lose(token, reason);
+            return;
+        }
+        let session = &mut link.session;
+        connection.poll_transmit(now);
+        let mut scratch = std::mem::take(&mut self.slice_scratch);
+        let mut failure = None;
+        // Bounded: each pass writes records, takes plaintext, or stops.
+        for _ in 0..1024 {
+            if session.wants_write() {
+                match session.write_tls(stream) {
+                    Ok(0) => break,
+                    Ok(_) => continue,
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(error) => {
+                        failure = Some(format!("write failed: {error}"));
+                        break;
+                    }
+                }
+            }
+            // Frames wait for the handshake rather than in the session's plaintext buffer.
+            if session.is_handshaking() || !connection.wants_write() {
+                break;
+            }
+            let mut slices = reuse_slices(std::mem::take(&mut scratch));
+            connection.write_slices(&mut slices, MAX_SLICES);
+            let accepted = session.writer().write_vectored(&slices);
+            slices.clear();
+            scratch = reuse_slices(slices);
+            match accepted {
+                Ok(0) => break,
+                Ok(n) => {
+                    connection.on_written(n);
+                    connection.poll_transmit(now);
+                }
+                Err(error) => {
+                    failure = Some(format!("TLS write failed: {error}"));
+                    break;
+                }
+            }
+        }
+        self.slice_scratch = scratch;
+        if let Some(reason) = failure {
+            self.lose(token, &reason);
+            return;
+        }
+        let conn = self.connections.get_mut(&token).expect("still present");
+        let session = &mut conn.tls.as_mut().expect("a TLS connection").session;
+        if conn.connection.is_closing() && !conn.connection.wants_write() && !session.wants_write()
+        {
+            // Tells the peer the end is deliberate; best effort, as the close itself is.
+            session.send_close_notify();
+            let _ = session.write_tls(&mut conn.stream);
+            self.close(token);
+        }
+    }
+
+    /// The TLS session failed (handshake refused, bad record, a plain-TCP peer): the
+    /// connection closes, a certificate refused either way failing its channels as
+    /// unauthenticated.
+    fn fail_tls(&mut self, token: Token, error: &rustls::Error) {
+        let Some(conn) = self.connections.get_mut(&token) else {
+            return;
+        };
+        let reason = format!("TLS failed: {error}");
+        let peer = conn.stream.peer_addr().ok();
+        if super::tls::is_identity_failure(error) {
+            tracing::warn!(?peer, %error, "TLS peer identity refused; closing the connection");
+            conn.connection.on_rejected(&reason);
+        } else {
+            tracing::warn!(?peer, %error, "TLS failed; closing the connection");
+            conn.connection.on_lost(&reason);
+        }
+        self.close(token);
+    }
+
     fn lose(&mut self, token: Token, reason: &str) {
         if let Some(conn) = self.connections.get_mut(&token) {
             conn.connection.on_lost(reason);
@@ -458,6 +704,38 @@ impl Loop {
             conn.connection.on_lost("connection closed");
         }
     }
+}
+
+/// Hands the plaintext `session` decrypted to `connection`: straight into its read
+/// destination, the rest of a chunk into its read-ahead area.
+fn deliver_plaintext(
+    session: &mut rustls::Connection,
+    connection: &mut Connection,
+    now: Instant,
+) -> Result<(), ProtocolError> {
+    let mut reader = session.reader();
+    // Bounded by rustls's received-plaintext limit (16 KiB): each pass consumes at least
+    // one byte, or stops.
+    for _ in 0..=super::tls::RECEIVED_PLAINTEXT_LIMIT {
+        // WouldBlock (nothing decrypted) and the ends (close_notify, EOF) are read_tls's to
+        // report; here they only mean nothing more to hand over.
+        let Ok(chunk) = reader.fill_buf() else {
+            return Ok(());
+        };
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        let (destination, ahead) = connection.read_targets();
+        let destination_len = destination.len();
+        let direct = chunk.len().min(destination_len);
+        destination[..direct].copy_from_slice(&chunk[..direct]);
+        let spill = (chunk.len() - direct).min(ahead.len());
+        ahead[..spill].copy_from_slice(&chunk[direct..direct + spill]);
+        let n = direct + spill;
+        reader.consume(n);
+        connection.on_read(n, destination_len, now)?;
+    }
+    Ok(())
 }
 
 /// Moves an empty slice vector's allocation to another lifetime (collected in place: same

@@ -3,6 +3,7 @@
 //! never touch a socket. Two drivers over the same segments and the same state machines:
 //!
 //! * [`epoll`] — mio (epoll), vectored reads and writes; works everywhere.
+//!   With TLS on ([`tls`]), a rustls session sits between each socket and its connection.
 //! * [`uring`] — io_uring: one ring per I/O thread, one read and at most one write chain in
 //!   flight per connection, every submission of a loop turn in one `io_uring_enter`.
 //!
@@ -12,6 +13,7 @@
 
 mod conn;
 pub mod epoll;
+pub mod tls;
 pub mod uring;
 // Public only under `--cfg loom`, for the models in `tests/loom.rs`.
 #[cfg(not(loom))]
@@ -59,6 +61,9 @@ pub struct DriverConfig {
     /// as fixed buffers and writes segment bytes in place; without it every byte it writes is
     /// copied first. The epoll driver ignores it.
     pub network: Option<NetworkBufferPool>,
+    /// TLS between nodes (`security.ssl.internal.*`): every connection runs over a rustls
+    /// session. Only the epoll driver supports it; the environment refuses io_uring with it.
+    pub tls: Option<Arc<tls::TlsContext>>,
 }
 
 impl DriverConfig {

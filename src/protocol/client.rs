@@ -458,6 +458,12 @@ impl ClientConnection {
         self.closed
     }
 
+    /// The transport below refused the peer's identity or the peer refused ours (a TLS
+    /// certificate not from the cluster CA): every channel fails as unauthenticated.
+    pub fn on_peer_rejected(&mut self, reason: &str) {
+        self.fail_all(&ProtocolError::Unauthenticated(reason.to_owned()));
+    }
+
     /// Registers the waker of the I/O thread driving this connection: woken when a channel
     /// has something to send.
     pub fn set_waker(&self, waker: &Waker) -> bool {

@@ -1,0 +1,521 @@
+//! Exchanges over mutual TLS (`security.ssl.internal.*`, the epoll driver) between two
+//! shuffle environments in one process, with a cluster CA and node certificates generated
+//! into a temporary directory at test time. Every record is checked and both pools are full
+//! at the end; peers outside the cluster (a certificate from another CA, plain TCP) are
+//! refused with a typed error within a bounded time while the server keeps serving.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fluxgate::env::EnvError;
+use fluxgate::gate::{ConsumedSubpartition, GateError, ReaderError, ReaderItem, RecordReader};
+use fluxgate::io::tls::{ClusterCa, PemPair, DEFAULT_SSL_SERVER_NAME};
+use fluxgate::io::Transport;
+use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
+use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
+
+/// Longest any one wait may take; a refusal must come well before it.
+const LONG: Duration = Duration::from_secs(20);
+
+/// Certificates of one test: the cluster's CA and nodes, and a stranger from another CA.
+struct Certs {
+    dir: PathBuf,
+}
+
+impl Certs {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("fluxgate-tls-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cluster = ClusterCa::generate("test cluster CA").unwrap();
+        let other = ClusterCa::generate("another cluster's CA").unwrap();
+        let write = |name: &str, pair: &PemPair| {
+            std::fs::write(dir.join(format!("{name}.pem")), &pair.cert_pem).unwrap();
+            std::fs::write(dir.join(format!("{name}-key.pem")), &pair.key_pem).unwrap();
+        };
+        write("ca", cluster.pem());
+        write("other-ca", other.pem());
+        for node in ["producer", "consumer"] {
+            write(
+                node,
+                &cluster.issue_node(node, DEFAULT_SSL_SERVER_NAME).unwrap(),
+            );
+        }
+        write(
+            "stranger",
+            &other
+                .issue_node("stranger", DEFAULT_SSL_SERVER_NAME)
+                .unwrap(),
+        );
+        Self { dir }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.join(name).to_str().unwrap().to_owned()
+    }
+
+    /// TLS options of a node presenting `node`'s certificate and trusting `ca`.
+    fn options(&self, node: &str, ca: &str) -> Vec<(String, String)> {
+        vec![
+            ("security.ssl.internal.enabled".into(), "true".into()),
+            (
+                "security.ssl.internal.cert-file".into(),
+                self.path(&format!("{node}.pem")),
+            ),
+            (
+                "security.ssl.internal.key-file".into(),
+                self.path(&format!("{node}-key.pem")),
+            ),
+            (
+                "security.ssl.internal.ca-file".into(),
+                self.path(&format!("{ca}.pem")),
+            ),
+        ]
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start(
+    node: u128,
+    transport: Transport,
+    options: &[(String, String)],
+) -> Result<ShuffleEnvironment, EnvError> {
+    let mut network = NetworkConfig::default();
+    network
+        .set("taskmanager.memory.segment-size", "8kb")
+        .unwrap();
+    network
+        .set("taskmanager.memory.network.max", "16mb")
+        .unwrap();
+    network.set("fluxgate.memory.arena-size", "4mb").unwrap();
+    for (key, value) in options {
+        network.set(key, value).unwrap();
+    }
+    ShuffleEnvironment::start(EnvConfig {
+        network,
+        node,
+        transport,
+        ..EnvConfig::default()
+    })
+}
+
+fn env(node: u128, options: &[(String, String)]) -> ShuffleEnvironment {
+    let env = start(node, Transport::Epoll, options).unwrap();
+    assert_eq!(env.transport(), Transport::Epoll);
+    env
+}
+
+fn pid(producer: usize) -> ResultPartitionId {
+    ResultPartitionId {
+        partition: producer as u64,
+        producer: 9,
+    }
+}
+
+/// Producer `producer`'s record `seq`: its identity, then filler of a length that varies
+/// from a few bytes to past a TLS record (16 KiB) and a segment (8 KiB).
+fn record(producer: usize, seq: u64) -> Vec<u8> {
+    let len =
+        (seq.wrapping_mul(2654435761) % 600) as usize + if seq % 97 == 0 { 20_000 } else { 0 };
+    let mut bytes = Vec::with_capacity(16 + len);
+    bytes.extend_from_slice(&(producer as u64).to_be_bytes());
+    bytes.extend_from_slice(&seq.to_be_bytes());
+    bytes.resize(16 + len, (seq % 251) as u8);
+    bytes
+}
+
+/// Waits (bounded) until every pool is full again: segments in flight come back.
+fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
+    let deadline = Instant::now() + LONG;
+    loop {
+        if envs
+            .iter()
+            .all(|e| e.network().available_segments() == e.network().total_segments())
+        {
+            return true;
+        }
+        if Instant::now() > deadline {
+            for e in envs {
+                eprintln!(
+                    "{}: {} of {} segments free",
+                    e.local_addr(),
+                    e.network().available_segments(),
+                    e.network().total_segments()
+                );
+            }
+            return false;
+        }
+        thread::yield_now();
+    }
+}
+
+fn channel(
+    partition: ResultPartitionId,
+    subpartition: usize,
+    peer: &ShuffleEnvironment,
+) -> ChannelDescriptor {
+    ChannelDescriptor {
+        consumed: ConsumedSubpartition {
+            partition,
+            subpartition,
+        },
+        location: ProducerLocation::Remote(peer.local_addr()),
+    }
+}
+
+/// P producers on `producer_env`, C consumers on `consumer_env`, round robin; every record
+/// checked for content and order, and every EndOfPartition seen.
+fn exchange(
+    producer_env: &ShuffleEnvironment,
+    consumer_env: &ShuffleEnvironment,
+    producers: usize,
+    consumers: usize,
+    records: u64,
+) {
+    let partitions: Vec<_> = (0..producers)
+        .map(|p| producer_env.create_partition(pid(p), consumers).unwrap())
+        .collect();
+    let gates: Vec<_> = (0..consumers)
+        .map(|c| {
+            let channels: Vec<_> = (0..producers)
+                .map(|p| channel(pid(p), c, producer_env))
+                .collect();
+            consumer_env.create_gate(&channels).unwrap()
+        })
+        .collect();
+    thread::scope(|s| {
+        for (p, partition) in partitions.into_iter().enumerate() {
+            s.spawn(move || {
+                let mut writer = RecordWriter::new(
+                    partition,
+                    RoundRobinSelector::default(),
+                    BufferTimeout::from_millis(5),
+                );
+                for seq in 0..records {
+                    writer.emit(&record(p, seq)[..]).unwrap();
+                }
+                writer.finish().unwrap();
+            });
+        }
+        let readers: Vec<_> = gates
+            .into_iter()
+            .enumerate()
+            .map(|(c, gate)| {
+                s.spawn(move || {
+                    let mut reader = RecordReader::new(gate, 1 << 20);
+                    let mut next = vec![None::<u64>; producers];
+                    let mut count = 0u64;
+                    let mut ends = 0;
+                    // Bounded: each read waits at most LONG, and the stream ends.
+                    while let Some(item) = reader
+                        .next_timeout(LONG)
+                        .unwrap_or_else(|error| panic!("consumer {c}: {error}"))
+                    {
+                        match item {
+                            ReaderItem::Record { channel, bytes } => {
+                                let producer =
+                                    u64::from_be_bytes(bytes[..8].try_into().unwrap()) as usize;
+                                let seq = u64::from_be_bytes(bytes[8..16].try_into().unwrap());
+                                assert_eq!(producer, channel);
+                                assert_eq!(bytes, &record(producer, seq)[..], "payload intact");
+                                assert_eq!(seq as usize % consumers, c, "round robin");
+                                let expected =
+                                    next[producer].map_or(c as u64, |s| s + consumers as u64);
+                                assert_eq!(seq, expected, "in order, none lost");
+                                next[producer] = Some(seq);
+                                count += 1;
+                            }
+                            ReaderItem::Event { .. } => ends += 1,
+                        }
+                    }
+                    assert_eq!(ends, producers, "one EndOfPartition per producer");
+                    count
+                })
+            })
+            .collect();
+        let total: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+        assert_eq!(total, records * producers as u64);
+    });
+}
+
+#[test]
+fn one_to_one_over_tls() {
+    let certs = Certs::new("one");
+    let producer = env(1, &certs.options("producer", "ca"));
+    let consumer = env(2, &certs.options("consumer", "ca"));
+    exchange(&producer, &consumer, 1, 1, 20_000);
+    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+}
+
+#[test]
+fn four_to_four_over_tls() {
+    let certs = Certs::new("four");
+    let producer = env(1, &certs.options("producer", "ca"));
+    let consumer = env(2, &certs.options("consumer", "ca"));
+    exchange(&producer, &consumer, 4, 4, 5_000);
+    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+}
+
+#[test]
+fn tls_runs_on_epoll_auto_picks_it_and_uring_is_refused() {
+    let certs = Certs::new("transport");
+    let options = certs.options("producer", "ca");
+    let auto = start(1, Transport::Auto, &options).unwrap();
+    assert_eq!(
+        auto.transport(),
+        Transport::Epoll,
+        "auto picks epoll with TLS"
+    );
+    match start(2, Transport::Uring, &options) {
+        Err(EnvError::Transport(Transport::Uring, reason)) => {
+            assert!(reason.contains("TLS"), "{reason}")
+        }
+        other => panic!("uring with TLS must be refused, got {other:?}"),
+    }
+    // A missing file is a startup error naming the option, not a failure per connection.
+    let mut incomplete = options.clone();
+    incomplete.retain(|(key, _)| key != "security.ssl.internal.ca-file");
+    let error = start(3, Transport::Epoll, &incomplete).unwrap_err();
+    assert!(
+        error.to_string().contains("security.ssl.internal.ca-file"),
+        "{error}"
+    );
+}
+
+/// The first record of a one-channel gate on `consumer` reading `partition`'s only
+/// subpartition from `producer` (`None` for an event or the end), and how long it took.
+fn first_record(
+    producer: &ShuffleEnvironment,
+    consumer: &ShuffleEnvironment,
+    partition: ResultPartitionId,
+) -> (Result<Option<Vec<u8>>, ReaderError>, Duration) {
+    first_record_from(producer.local_addr(), consumer, partition)
+}
+
+/// [`first_record`] from whatever listens at `producer`.
+fn first_record_from(
+    producer: SocketAddr,
+    consumer: &ShuffleEnvironment,
+    partition: ResultPartitionId,
+) -> (Result<Option<Vec<u8>>, ReaderError>, Duration) {
+    let gate = consumer
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition,
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer),
+        }])
+        .unwrap();
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    let started = Instant::now();
+    let first = reader.next_timeout(LONG).map(|item| match item {
+        Some(ReaderItem::Record { bytes, .. }) => Some(bytes.to_vec()),
+        _ => None,
+    });
+    (first, started.elapsed())
+}
+
+/// A partition of one subpartition holding one record, flushed.
+fn holding_one_record(
+    env: &ShuffleEnvironment,
+    id: ResultPartitionId,
+) -> fluxgate::partition::ResultPartition {
+    let mut partition = env.create_partition(id, 1).unwrap();
+    partition.emit_record(&record(0, 0)[..], 0).unwrap();
+    partition.flush_all();
+    partition
+}
+
+/// Releases `partition` (never fully consumed) so its segments go back.
+fn release(
+    env: &ShuffleEnvironment,
+    partition: fluxgate::partition::ResultPartition,
+    id: ResultPartitionId,
+) {
+    drop(partition);
+    env.partition_manager().release(id).unwrap();
+}
+
+#[test]
+fn certificates_from_another_ca_are_refused_and_the_server_serves_others() {
+    let certs = Certs::new("stranger");
+    let producer = env(1, &certs.options("producer", "ca"));
+    let partition = holding_one_record(&producer, pid(0));
+    // The producer refuses a stranger that trusts the cluster CA but presents a certificate
+    // of another; a stranger of another cluster altogether refuses the producer itself.
+    let strangers = [
+        ("stranger certificate", certs.options("stranger", "ca")),
+        ("stranger CA", certs.options("stranger", "other-ca")),
+    ];
+    for (node, (name, options)) in strangers.iter().enumerate() {
+        let stranger = env(10 + node as u128, options);
+        let (first, took) = first_record(&producer, &stranger, pid(0));
+        assert!(
+            matches!(
+                first,
+                Err(ReaderError::Gate(GateError::Unauthenticated {
+                    channel: 0,
+                    ..
+                }))
+            ),
+            "{name}: got {first:?} after {took:?}"
+        );
+        assert!(took < LONG / 2, "{name}: refused only after {took:?}");
+        assert!(pools_full(&[&stranger]), "{name}: stranger segments leaked");
+    }
+    // The producer still serves the cluster: the record it holds, then a full exchange.
+    let consumer = env(2, &certs.options("consumer", "ca"));
+    let (first, _) = first_record(&producer, &consumer, pid(0));
+    assert_eq!(first, Ok(Some(record(0, 0))), "the cluster's consumer");
+    release(&producer, partition, pid(0));
+    exchange(&producer, &consumer, 1, 1, 2_000);
+    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+}
+
+#[test]
+fn plain_tcp_peers_and_tls_nodes_do_not_mix() {
+    let certs = Certs::new("plain");
+    let producer = env(1, &certs.options("producer", "ca"));
+    let partition = holding_one_record(&producer, pid(0));
+    // A plain-TCP consumer: its handshake frame is no TLS record; the producer closes.
+    let plain = env(2, &[]);
+    let (first, took) = first_record(&producer, &plain, pid(0));
+    assert!(
+        matches!(
+            first,
+            Err(ReaderError::Gate(GateError::Transport { channel: 0, .. }))
+        ),
+        "plain consumer: got {first:?} after {took:?}"
+    );
+    assert!(
+        took < LONG / 2,
+        "plain consumer: failed only after {took:?}"
+    );
+    // A raw peer sending bytes that are no TLS record is closed: EOF (or a reset) within the
+    // read timeout, after at most an alert.
+    let mut raw = TcpStream::connect(producer.local_addr()).unwrap();
+    raw.set_read_timeout(Some(LONG)).unwrap();
+    raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut answer = Vec::new();
+    match raw.read_to_end(&mut answer) {
+        Ok(_) => assert!(answer.len() < 64, "at most an alert: {answer:?}"),
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}"),
+    }
+    // A TLS consumer of a plain producer fails too.
+    let plain_producer = env(3, &[]);
+    let plain_partition = holding_one_record(&plain_producer, pid(1));
+    let consumer = env(4, &certs.options("consumer", "ca"));
+    let (first, took) = first_record(&plain_producer, &consumer, pid(1));
+    assert!(
+        matches!(
+            first,
+            Err(ReaderError::Gate(GateError::Transport { channel: 0, .. }))
+        ),
+        "TLS consumer of a plain producer: got {first:?} after {took:?}"
+    );
+    assert!(took < LONG / 2, "TLS consumer: failed only after {took:?}");
+    release(&plain_producer, plain_partition, pid(1));
+    // The TLS producer still serves its cluster.
+    let (first, _) = first_record(&producer, &consumer, pid(0));
+    assert_eq!(first, Ok(Some(record(0, 0))), "the cluster's consumer");
+    release(&producer, partition, pid(0));
+    assert!(pools_full(&[&producer, &plain, &plain_producer, &consumer]));
+}
+
+#[test]
+fn a_slow_tls_consumer_keeps_the_producer_within_its_pool() {
+    let certs = Certs::new("slow");
+    let producer_env = env(1, &certs.options("producer", "ca"));
+    let consumer_env = env(2, &certs.options("consumer", "ca"));
+    let partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let max = partition.pool().spec().max_segments;
+    let gate = consumer_env
+        .create_gate(&[channel(pid(0), 0, &producer_env)])
+        .unwrap();
+    let records = 3_000u64;
+    thread::scope(|s| {
+        let producer = s.spawn(move || {
+            let mut writer = RecordWriter::new(
+                partition,
+                RoundRobinSelector::default(),
+                BufferTimeout::Never,
+            );
+            let mut peak = 0;
+            for seq in 0..records {
+                writer.emit(&record(0, seq)[..]).unwrap();
+                peak = peak.max(writer.partition().pool().in_use_segments());
+            }
+            writer.finish().unwrap();
+            peak
+        });
+        let mut reader = RecordReader::new(gate, 1 << 20);
+        let mut count = 0;
+        // Bounded: each read waits at most LONG, and the stream ends.
+        loop {
+            // The consumer is slow: it yields between records so the producer runs ahead.
+            thread::yield_now();
+            match reader.next_timeout(LONG).unwrap() {
+                Some(ReaderItem::Record { bytes, .. }) => {
+                    assert_eq!(bytes, &record(0, count)[..]);
+                    count += 1;
+                }
+                Some(ReaderItem::Event { .. }) => {}
+                None => break,
+            }
+            assert!(reader.gate().pool_usage() <= 1.0);
+        }
+        assert_eq!(count, records);
+        let peak = producer.join().unwrap();
+        assert!(peak <= max, "producer used {peak} segments, pool max {max}");
+    });
+    assert!(pools_full(&[&producer_env, &consumer_env]));
+}
+
+#[test]
+fn stalled_tls_handshakes_are_closed_after_the_timeout() {
+    let certs = Certs::new("stall");
+    let with_timeout = |node: &str| {
+        let mut options = certs.options(node, "ca");
+        options.push((
+            "security.ssl.internal.handshake-timeout".into(),
+            "200".into(),
+        ));
+        options
+    };
+    let producer = env(1, &with_timeout("producer"));
+    // A peer that connects and never says a word is closed by the producer.
+    let mut silent = TcpStream::connect(producer.local_addr()).unwrap();
+    silent.set_read_timeout(Some(LONG)).unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    match silent.read_to_end(&mut answer) {
+        Ok(_) => assert!(answer.is_empty(), "nothing but the close: {answer:?}"),
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}"),
+    }
+    let took = started.elapsed();
+    assert!(took < LONG / 2, "closed only after {took:?}");
+    // A consumer whose producer accepts the connection (the kernel's backlog does) and never
+    // answers its hello fails with a transport error.
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let consumer = env(2, &with_timeout("consumer"));
+    let (first, took) = first_record_from(mute.local_addr().unwrap(), &consumer, pid(0));
+    assert!(
+        matches!(
+            first,
+            Err(ReaderError::Gate(GateError::Transport { channel: 0, ref reason }))
+                if reason.contains("handshake timed out")
+        ),
+        "mute producer: got {first:?} after {took:?}"
+    );
+    assert!(took < LONG / 2, "failed only after {took:?}");
+    drop(mute);
+    assert!(pools_full(&[&producer, &consumer]));
+}
