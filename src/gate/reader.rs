@@ -113,7 +113,25 @@ impl<G: InputGate> RecordReader<G> {
     }
 
     /// Reads the next item; blocking as `wait` says.
+    #[inline]
     fn read(&mut self, wait: Wait) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        // The common case inline: the next record lies whole in the current buffer.
+        if let Some(channel) = self.current {
+            if let Some(deserializer) = self.deserializers.get_mut(channel) {
+                if deserializer.advance_within_buffer() {
+                    return Ok(Some(ReaderItem::Record {
+                        channel,
+                        bytes: self.deserializers[channel].current_record(),
+                    }));
+                }
+            }
+        }
+        self.read_general(wait)
+    }
+
+    /// [`read`](Self::read) for every case: buffer ends, spanning records, events, waiting.
+    #[inline(never)]
+    fn read_general(&mut self, wait: Wait) -> Result<Option<ReaderItem<'_>>, ReaderError> {
         loop {
             if let Some(channel) = self.current {
                 let found = self.deserializers[channel]

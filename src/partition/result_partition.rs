@@ -192,7 +192,37 @@ impl ResultPartition {
 
     /// Serializes `record` into subpartition `target`. Blocks while no buffer is free (the
     /// back pressure); fails when the partition was released.
+    #[inline]
     pub fn emit_record<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+        target: usize,
+    ) -> Result<(), PartitionError> {
+        // The common case, kept small enough to inline into the caller's loop: a contiguous
+        // record that fits the target's open builder is one framed copy and a publish. Every
+        // other case (no builder, a full one, a spanning record, broadcast, errors) takes the
+        // general path, which checks the same conditions again.
+        if let Some(bytes) = record.as_contiguous() {
+            if let Some(Some(builder)) = self.unicast.get_mut(target) {
+                if record::LENGTH_PREFIX + bytes.len() <= builder.remaining()
+                    && bytes.len() <= self.max_record_bytes
+                    && !self.finished
+                    && self.broadcast.is_none()
+                    && !self.pool.is_destroyed()
+                {
+                    builder.append_framed(bytes);
+                    self.handle.shared.metrics.num_records_out.add(1);
+                    return Ok(());
+                }
+            }
+        }
+        self.emit_record_general(record, target)
+    }
+
+    /// [`emit_record`](Self::emit_record) for every case: requests builders, spans segments,
+    /// reports errors.
+    #[inline(never)]
+    fn emit_record_general<R: Record + ?Sized>(
         &mut self,
         record: &R,
         target: usize,

@@ -70,6 +70,32 @@ impl RecordDeserializer {
         })
     }
 
+    /// Moves to the next record when it lies whole in the current buffer — the common case,
+    /// small enough to inline into a reader's loop — and returns true; false means "call
+    /// [`advance`](Self::advance)": no buffer, its end, a record spanning buffers, or a length
+    /// to refuse. Then read the record with [`current_record`](Self::current_record).
+    #[inline]
+    pub fn advance_within_buffer(&mut self) -> bool {
+        if self.spanning.is_some() || self.prefix_len != 0 {
+            return false;
+        }
+        let Some(buffer) = self.buffer.as_ref() else {
+            return false;
+        };
+        let bytes = buffer.as_slice();
+        let Some(prefix) = bytes.get(self.position..self.position + LENGTH_PREFIX) else {
+            return false;
+        };
+        let len = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
+        let start = self.position + LENGTH_PREFIX;
+        if len > self.max_record_bytes || bytes.len() - start < len {
+            return false;
+        }
+        self.position = start + len;
+        self.current = Some(Location::Buffer { start, len });
+        true
+    }
+
     /// Moves to the next complete record (then read it with
     /// [`current_record`](Self::current_record)); `Ok(false)` when the current buffer is used
     /// up (it is then released) and the next one is needed. The split from `next_record` lets
@@ -128,6 +154,7 @@ impl RecordDeserializer {
     }
 
     /// The record found by the last successful [`advance`](Self::advance); empty if none.
+    #[inline]
     pub fn current_record(&self) -> &[u8] {
         match self.current {
             Some(Location::Buffer { start, len }) => match self.buffer.as_ref() {
