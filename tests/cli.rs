@@ -1,7 +1,7 @@
 //! The `fluxgate` binary as a user runs it: `cluster` on the example topology, bad inputs
 //! (clear messages, non-zero exit, no panic), faults the verification must catch, a short
-//! `stress`, and `bench --format lines`. Every run is bounded: a child still running at its
-//! deadline is killed and the test fails.
+//! `stress` (also with a node killed: `--kill`), and `bench --format lines`. Every run is
+//! bounded: a child still running at its deadline is killed and the test fails.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -294,6 +294,97 @@ fn short_stress_verifies() {
         run.all()
     );
     assert!(run.stdout.contains("result: OK"), "{}", run.all());
+}
+
+/// `stress` with `--kill` on top of a short run (3 nodes, 3 x 3 channels, 3 s, node 1 killed
+/// 1 s in).
+fn stress_with_a_kill(extra: &[&str]) -> Run {
+    let mut args = vec![
+        "stress",
+        "--nodes",
+        "3",
+        "--channels",
+        "3",
+        "--duration",
+        "3",
+        "--kill",
+        "1@1",
+        "--seed",
+        "7",
+        "--timeout",
+        "60",
+    ];
+    args.extend_from_slice(extra);
+    fluxgate(&args, LIMIT)
+}
+
+#[test]
+fn stress_survives_a_killed_node() {
+    let run = stress_with_a_kill(&[]);
+    assert!(run.status.success(), "{}", run.all());
+    for expected in [
+        "kill:   SIGKILL node 1 at 1.00 s",
+        "faults:   node 1 (127.0.0.1:",
+        "lost with it: generator[1], sink[1]",
+        // sink[0] and sink[2] read from generator[1]; generator[0] and [2] write to sink[1].
+        "lost:     2 of 2 surviving consumers reading from a killed node ended with ConnectionLost naming its address",
+        "released: 2 of 2 surviving producers writing to a killed node saw their partition Released",
+        "max detection delay",
+        "none duplicated, reordered or corrupt",
+        "nodes 0, 2 survived: 2 of 2 exited on their own",
+        "2 of 2 with the network pool full at exit",
+        "result: OK",
+    ] {
+        assert!(run.stdout.contains(expected), "`{expected}`\n{}", run.all());
+    }
+}
+
+#[test]
+fn stress_with_a_kill_still_catches_corrupt_records() {
+    // The hidden --inject damages one record on sink[0], a survivor: the verification under
+    // faults must not excuse it.
+    let run = stress_with_a_kill(&["--inject", "corrupt"]);
+    assert!(!run.status.success(), "must fail\n{}", run.all());
+    assert!(run.stdout.contains("result: FAILED"), "{}", run.all());
+    assert!(
+        run.stdout.contains("sink[0]: 1 records corrupt"),
+        "{}",
+        run.all()
+    );
+    assert!(!run.all().contains("panicked"), "{}", run.all());
+}
+
+#[test]
+fn stress_refuses_bad_kill_values() {
+    for (kills, expected) in [
+        (
+            vec!["3@1"],
+            "--kill 3@1: there is no node 3 (--nodes 3: 0 to 2)",
+        ),
+        (
+            vec!["1@3"],
+            "--kill 1@3: 3 s is not within the run (--duration 3 s)",
+        ),
+        (vec!["1@5.5"], "is not within the run"),
+        (vec!["one@1"], "--kill `one@1`: expected NODE@SECONDS"),
+        (vec!["1"], "--kill `1`: expected NODE@SECONDS"),
+        (vec!["1@-1"], "--kill `1@-1`: expected NODE@SECONDS"),
+        (vec!["1@soon"], "expected NODE@SECONDS"),
+        (vec!["1@1", "1@2"], "node 1 is killed twice"),
+        (
+            vec!["0@1", "1@1", "2@1"],
+            "all 3 nodes would be killed; at least one must survive",
+        ),
+    ] {
+        let mut args = vec!["stress", "--nodes", "3", "--duration", "3"];
+        for kill in &kills {
+            args.extend(["--kill", kill]);
+        }
+        let run = fluxgate(&args, LIMIT);
+        assert_clean_failure(&run, &[expected]);
+        assert_eq!(run.stderr.lines().count(), 1, "one line\n{}", run.all());
+        assert!(run.stdout.is_empty(), "nothing started\n{}", run.all());
+    }
 }
 
 /// This process's effective uid (`Uid: real effective ...` in /proc/self/status).

@@ -298,6 +298,29 @@ fn releasing_returns_every_segment_even_with_data_queued() {
 }
 
 #[test]
+fn releasing_wakes_a_parked_reader_so_it_lets_go_of_its_segment() {
+    // A reader (a server's, for a remote consumer) that read everything and parked must hear
+    // of the release: else it never looks again, its consumer is not told, and the segment
+    // under its half-read head stays out of the pool.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition.emit_record(&b"partly read"[..], 0).unwrap();
+    partition.flush(0);
+    assert!(view.poll_next().is_some(), "the flushed record");
+    assert!(view.poll_next().is_none(), "nothing more: parked");
+    let seen = signal.notifications();
+    partition.release();
+    assert!(signal.wait_beyond(seen), "the release wakes the reader");
+    assert!(view.is_released());
+    assert!(view.poll_next().is_none());
+    drop(partition);
+    assert!(network.available_segments() < network.total_segments());
+    drop(view);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn dropping_the_producer_keeps_queued_data_readable() {
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();

@@ -80,6 +80,7 @@ pub fn run(args: &ClusterArgs) -> Result<(), String> {
         inject: args.inject,
         namespaces: None,
         cancel: None,
+        kills: &[],
     };
     println!(
         "cluster: {} node{}, {} stages, {} edges, topology {}",
@@ -150,12 +151,14 @@ fn verify_reports(topology: &Topology, args: &ClusterArgs) -> Result<(), String>
             .into_iter()
             .map(|report| NodeOutcome {
                 killed: report.is_none().then(|| "no report given".to_string()),
+                addr: report.as_ref().map(|r| r.addr.clone()),
                 report,
                 status: None,
                 stderr_tail: String::new(),
             })
             .collect(),
         elapsed: Duration::from_millis(elapsed),
+        kills: Vec::new(),
     };
     let verification = verify(topology, &outcome);
     print_summary(topology, &outcome, &verification);
@@ -213,6 +216,8 @@ pub struct NodeOutcome {
     pub killed: Option<String>,
     /// The last lines it wrote to stderr.
     pub stderr_tail: String,
+    /// Where it listened (from its report, else from the rendezvous directory).
+    pub addr: Option<String>,
 }
 
 /// What a cluster run produced.
@@ -222,6 +227,29 @@ pub struct Outcome {
     pub nodes: Vec<NodeOutcome>,
     /// From the first spawn to the last exit.
     pub elapsed: Duration,
+    /// The planned kills, as they happened.
+    pub kills: Vec<KillRecord>,
+}
+
+/// A node to SIGKILL while the cluster runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlannedKill {
+    /// The node.
+    pub node: usize,
+    /// How long after the nodes were started.
+    pub after: Duration,
+}
+
+/// A planned kill as it happened.
+#[derive(Clone, Copy, Debug)]
+pub struct KillRecord {
+    /// What was planned.
+    pub planned: PlannedKill,
+    /// When SIGKILL was sent, since the nodes were started; None: the node had exited before.
+    pub at: Option<Duration>,
+    /// The same moment on the wall clock, ms since the Unix epoch (what the nodes stamp their
+    /// errors with, so the difference is the detection delay).
+    pub at_unix_ms: u64,
 }
 
 /// Starting the node processes of a cluster.
@@ -245,6 +273,10 @@ pub struct Launch<'a> {
     pub namespaces: Option<Namespaced<'a>>,
     /// When set (by a signal), the run stops: every node is killed and `run` fails.
     pub cancel: Option<&'a AtomicBool>,
+    /// Nodes to SIGKILL during the run. With any, a failed node no longer cuts the others'
+    /// time short ([`FAILURE_GRACE`]): the survivors are expected to fail, each in its own
+    /// time, and must exit on their own within the timeout.
+    pub kills: &'a [PlannedKill],
 }
 
 /// Nodes each in a network namespace: `ip netns exec NAME fluxgate node ... --bind ADDR:0`.
@@ -284,15 +316,41 @@ impl Launch<'_> {
         let mut killed: Vec<Option<String>> = vec![None; self.nodes];
         let mut first_failure: Option<(usize, Instant)> = None;
         let mut next_tick = started + Duration::from_secs(1);
+        let mut kills: Vec<Option<KillRecord>> = vec![None; self.kills.len()];
         loop {
             let now = Instant::now();
+            for (planned, record) in self.kills.iter().zip(kills.iter_mut()) {
+                if record.is_some() || now < started + planned.after {
+                    continue;
+                }
+                let at_unix_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                let at = children[planned.node].take().map(|mut child| {
+                    // SIGKILL: no orderly close, the kernel resets the node's connections.
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    started.elapsed()
+                });
+                if let Some(at) = at {
+                    killed[planned.node] = Some(format!(
+                        "killed (SIGKILL) as planned, {:.2} s into the run",
+                        at.as_secs_f64()
+                    ));
+                }
+                *record = Some(KillRecord {
+                    planned: *planned,
+                    at,
+                    at_unix_ms,
+                });
+            }
             for (index, slot) in children.iter_mut().enumerate() {
                 let Some(child) = slot else { continue };
                 match child.try_wait() {
                     Ok(Some(status)) => {
                         statuses[index] = Some(status);
                         *slot = None;
-                        if !status.success() && first_failure.is_none() {
+                        if !status.success() && first_failure.is_none() && self.kills.is_empty() {
                             first_failure = Some((index, now));
                         }
                     }
@@ -358,15 +416,25 @@ impl Launch<'_> {
                 let report = fs::read_to_string(node_file(self.dir, index, "result"))
                     .ok()
                     .and_then(|text| serde_json::from_str::<NodeReport>(&text).ok());
+                let addr = report.as_ref().map(|r| r.addr.clone()).or_else(|| {
+                    fs::read_to_string(node_file(self.dir, index, "addr"))
+                        .ok()
+                        .map(|text| text.trim().to_string())
+                });
                 NodeOutcome {
                     report,
                     status: statuses[index],
                     killed: killed[index].take(),
                     stderr_tail: tail(&node_file(self.dir, index, "stderr"), 12),
+                    addr,
                 }
             })
             .collect();
-        Ok(Outcome { nodes, elapsed })
+        Ok(Outcome {
+            nodes,
+            elapsed,
+            kills: kills.into_iter().flatten().collect(),
+        })
     }
 
     fn spawn(&self, exe: &Path, index: usize) -> Result<Child, String> {

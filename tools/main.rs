@@ -4,6 +4,7 @@ mod baseline;
 mod bench;
 mod cluster;
 mod config_file;
+mod faults;
 mod netns;
 mod node;
 mod plot;

@@ -27,8 +27,8 @@ use fluxgate::gate::{
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{
-    ChannelSelector, KeyHashSelector, PartitionHandle, RecordWriter, ResultPartition,
-    RoundRobinSelector, Selection,
+    ChannelSelector, KeyHashSelector, PartitionError, PartitionHandle, RecordWriter,
+    ResultPartition, RoundRobinSelector, Selection,
 };
 use fluxgate::record::RecordDeserializer;
 use fluxgate::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};
@@ -130,6 +130,10 @@ pub struct LinkTally {
     pub records: u64,
     /// Wrapping sum of their checksums.
     pub checksum: u64,
+    /// For `received`: the channel delivered EndOfPartition (it was not cut by a failure), so
+    /// its count is complete. (Absent in reports of older nodes: false.)
+    #[serde(default)]
+    pub ended: bool,
 }
 
 /// Records of one generator subtask (emitted by it, or received by a sink).
@@ -180,8 +184,67 @@ pub struct SubtaskReport {
     pub origins: Vec<OriginTally>,
     /// Why the subtask failed.
     pub error: Option<String>,
+    /// The same failure, typed: what kind, the peer it names, when it was seen.
+    #[serde(default)]
+    pub failure: Option<FailureReport>,
     /// The first few problems found, described.
     pub notes: Vec<String>,
+}
+
+/// What kind of error ended a subtask: the library's typed errors that a lost node causes, and
+/// the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailureKind {
+    /// `GateError::ConnectionLost`: the connection to a producer broke (its process died).
+    ConnectionLost,
+    /// `PartitionError::Released`: a partition written or read was released (its consumer,
+    /// or its producer, went away).
+    Released,
+    /// A consumer received nothing for the stall timeout.
+    Stalled,
+    /// Anything else.
+    Other,
+}
+
+impl FailureKind {
+    /// How the summary names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureKind::ConnectionLost => "ConnectionLost",
+            FailureKind::Released => "Released",
+            FailureKind::Stalled => "stalled",
+            FailureKind::Other => "other error",
+        }
+    }
+}
+
+/// The typed form of a subtask's failure.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FailureReport {
+    /// What kind of error.
+    pub kind: FailureKind,
+    /// The address the error names (ConnectionLost: the producer's).
+    pub peer: Option<String>,
+    /// Wall-clock time the subtask saw the error, ms since the Unix epoch (the launcher
+    /// records its kills on the same clock, so the difference is the detection delay).
+    pub at_unix_ms: u64,
+}
+
+/// The network pool when the node exits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolAtExit {
+    /// Segments back in the pool.
+    pub free: usize,
+    /// Segments of the pool.
+    pub total: usize,
+}
+
+impl PoolAtExit {
+    /// Every segment came back.
+    pub fn is_full(&self) -> bool {
+        self.free == self.total
+    }
 }
 
 /// A node's report: one JSON line on stdout (and `node-I.result` in the rendezvous dir).
@@ -213,6 +276,10 @@ pub struct NodeReport {
     pub errors: Vec<String>,
     /// Every subtask of the node.
     pub subtasks: Vec<SubtaskReport>,
+    /// The network pool once every subtask ended and every partition was released (None:
+    /// the node timed out, or an older node wrote the report).
+    #[serde(default)]
+    pub pool_at_exit: Option<PoolAtExit>,
 }
 
 /// What a node writes to `node-I.progress` four times a second.
@@ -577,8 +644,29 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
             let _ = write_atomically(path, &text);
         }
     }
+    report.pool_at_exit = Some(pool_at_exit(&env, deadline));
     drop(env);
     Ok(report)
+}
+
+/// How long a node waits at exit for its network pool to be full again: segments still in
+/// flight on the I/O thread come back within moments; one held longer is a leak to report.
+const POOL_RETURN_WAIT: Duration = Duration::from_secs(5);
+
+/// The network pool once the last segments in flight came back (or the wait ran out).
+fn pool_at_exit(env: &ShuffleEnvironment, deadline: Instant) -> PoolAtExit {
+    let until = (Instant::now() + POOL_RETURN_WAIT).min(deadline);
+    let pool = env.network();
+    loop {
+        let now = PoolAtExit {
+            free: pool.available_segments(),
+            total: pool.total_segments(),
+        };
+        if now.is_full() || Instant::now() >= until {
+            return now;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
 }
 
 fn read_peers(path: &Path, nodes: usize) -> Result<Vec<SocketAddr>, String> {
@@ -757,19 +845,25 @@ impl Subtask {
                 consumer.finish(&mut report);
                 result
             }
-            (_, None) => Err("no input gate".to_string()),
+            (_, None) => Err(Failed::from("no input gate".to_string())),
         };
         let result = result.and_then(|()| {
-            outputs
-                .iter_mut()
-                .try_for_each(|o| o.writer.finish().map_err(|e| format!("finishing: {e}")))
+            outputs.iter_mut().try_for_each(|o| {
+                o.writer
+                    .finish()
+                    .map_err(|e| Failed::writing(&e, format!("finishing: {e}")))
+            })
         });
-        if let Err(error) = result {
+        if let Err(failed) = result {
+            if failed.consumer_gone {
+                wait_for_other_consumers(&mut outputs);
+            }
             // Consumers of our partitions learn at once instead of waiting for a stall.
             for output in &mut outputs {
                 output.writer.partition_mut().release();
             }
-            report.error = Some(error);
+            report.failure = Some(failed.report());
+            report.error = Some(failed.message);
         }
         for output in &outputs {
             for (i, tally) in output.tallies.iter().enumerate() {
@@ -778,10 +872,95 @@ impl Subtask {
                     peer: output.targets[i],
                     records: tally.records,
                     checksum: tally.checksum,
+                    ended: false,
                 });
             }
         }
         report
+    }
+}
+
+/// How long a producer that lost a consumer waits for its other consumers to go as well before
+/// it releases its partitions. Those that read from the lost node too fail on their own within
+/// moments, with the error that names the lost peer; releasing at once would race that error
+/// with a `Released` of ours (the failure spreading through this producer). Consumers still
+/// reading after the wait are released: the job's region failed, as Flink fails it.
+const ORPHAN_GRACE: Duration = Duration::from_secs(3);
+
+/// After a consumer went away: flush what was written (a consumer that stays gets it) and wait,
+/// up to [`ORPHAN_GRACE`], until every partition was released by its consumers.
+fn wait_for_other_consumers(outputs: &mut [Output]) {
+    let handles: Vec<PartitionHandle> = outputs
+        .iter_mut()
+        .map(|o| {
+            o.writer.flush_all();
+            o.writer.partition().handle()
+        })
+        .collect();
+    let until = Instant::now() + ORPHAN_GRACE;
+    while Instant::now() < until && !handles.iter().all(PartitionHandle::is_released) {
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Why a subtask stopped: the report's message and its typed form.
+#[derive(Debug)]
+struct Failed {
+    message: String,
+    kind: FailureKind,
+    peer: Option<SocketAddr>,
+    at_unix_ms: u64,
+    /// A partition of ours was released by its consumer (not by us, not upstream).
+    consumer_gone: bool,
+}
+
+impl Failed {
+    fn new(kind: FailureKind, peer: Option<SocketAddr>, message: String) -> Self {
+        Self {
+            message,
+            kind,
+            peer,
+            at_unix_ms: unix_millis(),
+            consumer_gone: false,
+        }
+    }
+
+    /// Writing to one of our partitions failed.
+    fn writing(error: &PartitionError, message: String) -> Self {
+        match error {
+            PartitionError::Released => Self {
+                consumer_gone: true,
+                ..Self::new(FailureKind::Released, None, message)
+            },
+            _ => Self::new(FailureKind::Other, None, message),
+        }
+    }
+
+    /// Reading the input gate failed.
+    fn reading(error: GateError) -> Self {
+        let (kind, peer) = match &error {
+            GateError::ConnectionLost { peer, .. } => (FailureKind::ConnectionLost, Some(*peer)),
+            GateError::Partition {
+                source: PartitionError::Released,
+                ..
+            } => (FailureKind::Released, None),
+            _ => (FailureKind::Other, None),
+        };
+        Self::new(kind, peer, format!("input gate failed: {error}"))
+    }
+
+    fn report(&self) -> FailureReport {
+        FailureReport {
+            kind: self.kind,
+            peer: self.peer.map(|p| p.to_string()),
+            at_unix_ms: self.at_unix_ms,
+        }
+    }
+}
+
+impl From<String> for Failed {
+    fn from(message: String) -> Self {
+        Self::new(FailureKind::Other, None, message)
     }
 }
 
@@ -818,10 +997,10 @@ impl Output {
         }
     }
 
-    fn emit(&mut self, record: &[u8], checksum: u64) -> Result<(), String> {
+    fn emit(&mut self, record: &[u8], checksum: u64) -> Result<(), Failed> {
         self.writer
             .emit(record)
-            .map_err(|e| format!("writing to edge {}: {e}", self.edge))?;
+            .map_err(|e| Failed::writing(&e, format!("writing to edge {}: {e}", self.edge)))?;
         match self.last.get() {
             Selection::Channel(i) => self.tallies[i].add(checksum),
             Selection::Broadcast => self.tallies.iter_mut().for_each(|t| t.add(checksum)),
@@ -829,11 +1008,13 @@ impl Output {
         Ok(())
     }
 
-    fn barrier(&mut self, barrier: CheckpointBarrier) -> Result<(), String> {
+    fn barrier(&mut self, barrier: CheckpointBarrier) -> Result<(), Failed> {
         let priority = barrier.alignment == Alignment::Unaligned;
         self.writer
             .broadcast_event(&Event::CheckpointBarrier(barrier), priority)
-            .map_err(|e| format!("writing a barrier to edge {}: {e}", self.edge))
+            .map_err(|e| {
+                Failed::writing(&e, format!("writing a barrier to edge {}: {e}", self.edge))
+            })
     }
 }
 
@@ -856,6 +1037,12 @@ impl ChannelSelector<[u8]> for Tap {
         self.last.set(selection);
         selection
     }
+}
+
+fn unix_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn now_millis() -> i64 {
@@ -889,7 +1076,7 @@ fn generate(
     outputs: &mut [Output],
     progress: &Progress,
     report: &mut SubtaskReport,
-) -> Result<(), String> {
+) -> Result<(), Failed> {
     let generator = topology.stages[stage]
         .generator
         .expect("a generator stage has generator settings");
@@ -956,6 +1143,8 @@ struct ChannelCheck {
     from_stage: usize,
     tally: Tally,
     hash: bool,
+    /// EndOfPartition arrived: the tally is complete.
+    ended: bool,
 }
 
 /// The verifying state of a pass-through or sink subtask.
@@ -996,6 +1185,7 @@ impl<'a> Consumer<'a> {
                 from_stage: topology.edges[channel.edge].from,
                 tally: Tally::default(),
                 hash: topology.edges[channel.edge].partitioner == Partitioner::Hash,
+                ended: false,
             })
             .collect();
         let parallelism = topology.stages[stage].parallelism;
@@ -1152,6 +1342,7 @@ impl<'a> Consumer<'a> {
                 peer: c.channel.producer,
                 records: c.tally.records,
                 checksum: c.tally.checksum,
+                ended: c.ended,
             })
             .collect();
         let mut origins: Vec<OriginTally> = self
@@ -1179,7 +1370,7 @@ fn consume(
     consumer: &mut Consumer<'_>,
     outputs: &mut [Output],
     fault: Option<Fault>,
-) -> Result<(), String> {
+) -> Result<(), Failed> {
     let mode = match topology.checkpoints.map(|c| c.mode) {
         Some(CheckpointMode::Unaligned | CheckpointMode::Mixed) => AlignmentMode::Unaligned,
         _ => AlignmentMode::Aligned,
@@ -1202,14 +1393,18 @@ fn consume(
                     .filter(|&c| !ended[c])
                     .map(|c| c.to_string())
                     .collect();
-                return Err(format!(
-                    "nothing received for {:.0} s (stalled); channels not ended: {}; gate: {}",
-                    stall.as_secs_f64(),
-                    open.join(", "),
-                    gate.gate().debug_summary()
+                return Err(Failed::new(
+                    FailureKind::Stalled,
+                    None,
+                    format!(
+                        "nothing received for {:.0} s (stalled); channels not ended: {}; gate: {}",
+                        stall.as_secs_f64(),
+                        open.join(", "),
+                        gate.gate().debug_summary()
+                    ),
                 ));
             }
-            Err(e) => return Err(format!("input gate failed: {e}")),
+            Err(e) => return Err(Failed::reading(e)),
         };
         let channel = item.channel;
         match item.item {
@@ -1258,6 +1453,7 @@ fn consume(
                     .finish()
                     .map_err(|e| format!("channel {channel}: {e}"))?;
                 ended[channel] = true;
+                consumer.channels[channel].ended = true;
             }
             GateItem::Event {
                 event: Event::CheckpointBarrier(barrier),
@@ -1272,9 +1468,9 @@ fn consume(
         }
     }
     if let Some(channel) = ended.iter().position(|e| !e) {
-        return Err(format!(
+        return Err(Failed::from(format!(
             "the gate ended without EndOfPartition on channel {channel}"
-        ));
+        )));
     }
     gate.gate_mut().close();
     Ok(())
@@ -1286,7 +1482,7 @@ fn handle(
     outputs: &mut [Output],
     channel: usize,
     record: &[u8],
-) -> Result<(), String> {
+) -> Result<(), Failed> {
     let checksum = consumer.record(channel, record);
     if !outputs.is_empty() {
         for output in outputs.iter_mut() {

@@ -10,6 +10,10 @@
 //! With `--netns` (root only) each node runs in a network namespace of its own, behind a
 //! bridge, over impaired links, authenticating with a secret made for the run (see
 //! `netns.rs` and the README).
+//!
+//! With `--kill NODE@SECONDS` the launcher SIGKILLs nodes mid-run and the verdict is
+//! `faults::verify`'s: the survivors must name the lost peer or see their partitions released
+//! within `--fault-bound`, keep every record they received intact, and exit with full pools.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -18,10 +22,11 @@ use clap::{Args, ValueEnum};
 use fluxgate::io::Transport;
 use fluxgate::NetworkConfig;
 
-use crate::cluster::{print_summary, secs, verify, Launch, Namespaced, TempDir};
+use crate::cluster::{print_summary, secs, verify, Launch, Namespaced, PlannedKill, TempDir};
 use crate::config_file::checked_options;
+use crate::faults;
 use crate::netns::{self, Impairments, Lab, SecretFile};
-use crate::node::ProgressLine;
+use crate::node::{Fault, ProgressLine};
 use crate::progress::Progress;
 use crate::topology::{
     mix64, CheckpointMode, CheckpointSection, ClusterSection, EdgeSection, OneOrMany, Partitioner,
@@ -98,6 +103,16 @@ pub struct StressArgs {
     /// With --netns: most each node sends, Mbit/s (netem, else tc tbf).
     #[arg(long, requires = "netns", value_name = "MBIT")]
     pub rate_limit: Option<f64>,
+    /// SIGKILL node NODE that many seconds after the nodes start (before --duration ends);
+    /// repeatable. The run then verifies that the survivors detect the loss (see the README).
+    #[arg(long, value_name = "NODE@SECONDS")]
+    pub kill: Vec<String>,
+    /// With --kill: seconds within which a survivor must see the typed error of a kill.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub fault_bound: f64,
+    /// Testing the verification: one damaged record (see `fluxgate node`).
+    #[arg(long, value_enum, hide = true)]
+    pub inject: Option<Fault>,
 }
 
 /// Barrier choice of `stress`.
@@ -128,6 +143,8 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     if duration.is_zero() {
         return Err("--duration must be above 0".into());
     }
+    let kills = faults::parse_kills(&args.kill, args.nodes, duration)?;
+    let fault_bound = secs("fault-bound", args.fault_bound)?;
     let timeout = match args.timeout {
         Some(t) => secs("timeout", t)?,
         None => duration + Duration::from_secs(60),
@@ -293,13 +310,17 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         timeout,
         stall_timeout: 30.0,
         transport: args.transport,
-        inject: None,
+        inject: args.inject,
         namespaces: lab.as_ref().map(|lab| Namespaced {
             ip: lab.ip_program(),
             nodes: &lab.nodes,
         }),
         cancel: lab.as_ref().map(|_| &netns::INTERRUPTED),
+        kills: &kills,
     };
+    if !kills.is_empty() {
+        print_planned_kills(&kills, fault_bound);
+    }
     let mut last = (Duration::ZERO, 0u64, 0u64);
     // On a terminal, a bar over the generators' time; the lines print above it.
     let bar = Progress::new(&[("stress", duration)]);
@@ -330,12 +351,32 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
             Err(error) => println!("impair: counters not read: {error}"),
         }
     }
+    if !kills.is_empty() {
+        let verification = faults::verify(&topology, &outcome, &kills, fault_bound);
+        verification.print();
+        if args.keep {
+            println!("topology, node logs and reports: {}", dir.path().display());
+        }
+        return verification.verdict();
+    }
     let verification = verify(&topology, &outcome);
     print_summary(&topology, &outcome, &verification);
     if args.keep {
         println!("topology, node logs and reports: {}", dir.path().display());
     }
     verification.verdict()
+}
+
+fn print_planned_kills(kills: &[PlannedKill], bound: Duration) {
+    let planned: Vec<String> = kills
+        .iter()
+        .map(|k| format!("node {} at {:.2} s", k.node, k.after.as_secs_f64()))
+        .collect();
+    println!(
+        "kill:   SIGKILL {}; survivors must name the lost peer (ConnectionLost) or see their partition Released within {:.1} s",
+        planned.join(", "),
+        bound.as_secs_f64()
+    );
 }
 
 /// What `--netns` will build, checked before anything is.

@@ -142,7 +142,12 @@ impl PipelinedSubpartition {
     pub(crate) fn release(&self) {
         self.released.store(true, Ordering::SeqCst);
         self.drain();
-        self.listener.store(None);
+        // A parked reader would never look again: wake it, so it sees the release (a server
+        // answers its consumer with ProducerFailed and drops the view with the segment it
+        // holds; a local channel fails its next read with Released).
+        if let Some(slot) = self.listener.swap(None) {
+            slot.0.notify_data_available();
+        }
     }
 
     fn push_data(&self, consumer: BufferConsumer) -> Result<(), PartitionError> {
