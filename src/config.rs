@@ -68,6 +68,36 @@ impl std::str::FromStr for AuthMode {
     }
 }
 
+/// Whether the io_uring driver sends large segments with zero-copy sends
+/// (`fluxgate.network.zero-copy-send`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum ZeroCopySend {
+    /// Where it can pay: the kernel supports `IORING_OP_SEND_ZC`, the peer is not a loopback
+    /// address, the write carries at least 16 KiB of segment bytes, and the connection's
+    /// notifications have not reported that the kernel copied anyway.
+    #[default]
+    Auto,
+    /// Never: every write is a plain (copying) send.
+    Off,
+    /// For tests and measurements: every write of at least 16 KiB of segment bytes, loopback
+    /// peers included, and never switched off (where the kernel copies anyway, this only
+    /// adds the cost of the notifications).
+    Always,
+}
+
+impl std::str::FromStr for ZeroCopySend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "auto" => Ok(ZeroCopySend::Auto),
+            "off" | "false" => Ok(ZeroCopySend::Off),
+            "always" => Ok(ZeroCopySend::Always),
+            other => Err(format!("unknown mode `{other}` (auto | off | always)")),
+        }
+    }
+}
+
 /// Network memory and exchange options of one process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetworkConfig {
@@ -145,6 +175,13 @@ pub struct NetworkConfig {
     /// at once (default 4096; keep it at least `max-channels-per-connection`, or a consumer
     /// opening every channel of a connection at once is refused).
     pub partition_request_burst: u32,
+    /// `fluxgate.network.zero-copy-send`: `auto` sends writes of at least 16 KiB of segment
+    /// bytes to non-loopback peers with io_uring zero-copy sends (segments held until the
+    /// kernel's notification), and turns them off for a connection whose notifications report
+    /// that the kernel copied; `off` never uses them; `always` (tests and measurements) uses
+    /// them for loopback peers too and never turns them off (default `auto`; the epoll driver
+    /// never does).
+    pub zero_copy_send: ZeroCopySend,
 }
 
 impl Default for NetworkConfig {
@@ -171,6 +208,7 @@ impl Default for NetworkConfig {
             max_frame_size: None,
             partition_request_rate: 1000,
             partition_request_burst: 4096,
+            zero_copy_send: ZeroCopySend::Auto,
         }
     }
 }
@@ -199,6 +237,7 @@ impl NetworkConfig {
         "fluxgate.network.max-frame-size",
         "fluxgate.network.partition-request-rate",
         "fluxgate.network.partition-request-burst",
+        "fluxgate.network.zero-copy-send",
     ];
 
     /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
@@ -266,6 +305,9 @@ impl NetworkConfig {
             "fluxgate.network.max-frame-size" => next.max_frame_size = Some(size()?),
             "fluxgate.network.partition-request-rate" => next.partition_request_rate = count32()?,
             "fluxgate.network.partition-request-burst" => next.partition_request_burst = count32()?,
+            "fluxgate.network.zero-copy-send" => {
+                next.zero_copy_send = value.parse().map_err(|reason: String| invalid(&reason))?
+            }
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
         next.validate().map_err(|e| match e {
@@ -545,6 +587,26 @@ mod tests {
         config
             .set("fluxgate.network.partition-request-burst", "0")
             .unwrap();
+    }
+
+    #[test]
+    fn zero_copy_send_is_auto_or_off() {
+        let mut config = NetworkConfig::default();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Auto);
+        config
+            .set("fluxgate.network.zero-copy-send", "off")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Off);
+        config
+            .set("fluxgate.network.zero-copy-send", "auto")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Auto);
+        config
+            .set("fluxgate.network.zero-copy-send", "always")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Always);
+        assert!(config.set("fluxgate.network.zero-copy-send", "on").is_err());
+        assert!(NetworkConfig::OPTIONS.contains(&"fluxgate.network.zero-copy-send"));
     }
 
     #[test]
