@@ -111,6 +111,7 @@ static TUNED_SETUP_REFUSED: AtomicBool = AtomicBool::new(false);
 static FIXED_BUFFERS_REFUSED: AtomicBool = AtomicBool::new(false);
 static FILES_REFUSED: AtomicBool = AtomicBool::new(false);
 static ZC_UNSUPPORTED: AtomicBool = AtomicBool::new(false);
+static ZC_REFUSED: AtomicBool = AtomicBool::new(false);
 
 /// Builds an operation on a connection's socket: through its registered file when it has
 /// one (`types::Fixed`), else through its descriptor. `$build` is expanded for each.
@@ -1281,6 +1282,26 @@ impl Loop {
                     // No notification comes: the kernel holds nothing of this send.
                     conn.zc_finished(tag);
                 }
+                let refused = matches!(
+                    -result,
+                    libc::EOPNOTSUPP | libc::EINVAL | libc::ENOMEM | libc::ENOBUFS
+                );
+                let result = if refused && conn.zero_copy {
+                    // The kernel would not send this zero-copy (e.g. the locked-memory limit
+                    // its pinned pages count against): plain writes from now on; the bytes go
+                    // with the next one.
+                    conn.zero_copy = false;
+                    self.stats.zc_switched_off += 1;
+                    if !ZC_REFUSED.swap(true, Ordering::Relaxed) {
+                        tracing::info!(
+                            error = %io::Error::from_raw_os_error(-result),
+                            "io_uring: a zero-copy send failed; plain sends on that connection"
+                        );
+                    }
+                    -libc::EAGAIN
+                } else {
+                    result
+                };
                 self.on_write(conn_slot, result);
             }
             ACCEPT => self.on_accept(result, now),
