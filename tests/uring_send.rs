@@ -587,11 +587,11 @@ fn zero_copy_sends_cross_a_veth_pair_between_namespaces() {
     assert_eq!(field(&run.producer, "pool_full"), Some(1));
 }
 
-/// Measures a longer exchange across the veth pair with zero-copy sends `auto` and `off`
+/// Measures a longer exchange across the veth pair with zero-copy sends `auto`, `off` and `always`
 /// (`cargo test --release --test uring_send -- --ignored --nocapture measure_veth`).
 #[test]
 #[ignore = "a measurement, not a check"]
-fn measure_veth_zero_copy_auto_vs_off() {
+fn measure_veth_zero_copy_modes() {
     if skip_without_uring("measure_veth") {
         return;
     }
@@ -607,7 +607,7 @@ fn measure_veth_zero_copy_auto_vs_off() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(40_000);
     for round in 0..3 {
-        for mode in ["auto", "off"] {
+        for mode in ["auto", "off", "always"] {
             let run = exchange_across(&pair, mode, records);
             println!(
                 "round {round} mode {mode}: {:.3} s\n  {}\n  {}",
