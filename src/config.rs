@@ -71,6 +71,36 @@ impl std::str::FromStr for AuthMode {
     }
 }
 
+/// Whether the io_uring driver sends large segments with zero-copy sends
+/// (`fluxgate.network.zero-copy-send`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum ZeroCopySend {
+    /// Where it can pay: the kernel supports `IORING_OP_SEND_ZC`, the peer is not a loopback
+    /// address, the write carries at least 16 KiB of segment bytes, and the connection's
+    /// notifications have not reported that the kernel copied anyway.
+    #[default]
+    Auto,
+    /// Never: every write is a plain (copying) send.
+    Off,
+    /// For tests and measurements: every write of at least 16 KiB of segment bytes, loopback
+    /// peers included, and never switched off (where the kernel copies anyway, this only
+    /// adds the cost of the notifications).
+    Always,
+}
+
+impl std::str::FromStr for ZeroCopySend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "auto" => Ok(ZeroCopySend::Auto),
+            "off" | "false" => Ok(ZeroCopySend::Off),
+            "always" => Ok(ZeroCopySend::Always),
+            other => Err(format!("unknown mode `{other}` (auto | off | always)")),
+        }
+    }
+}
+
 /// Network memory and exchange options of one process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetworkConfig {
@@ -169,6 +199,13 @@ pub struct NetworkConfig {
     /// `security.ssl.internal.handshake-timeout` (ms): longest a TLS handshake may take; a
     /// peer that has not completed it by then is closed (default 10 s, as Flink).
     pub ssl_handshake_timeout: Duration,
+    /// `fluxgate.network.zero-copy-send`: `auto` sends writes of at least 16 KiB of segment
+    /// bytes to non-loopback peers with io_uring zero-copy sends (segments held until the
+    /// kernel's notification), and turns them off for a connection whose notifications report
+    /// that the kernel copied; `off` never uses them; `always` (tests and measurements) uses
+    /// them for loopback peers too and never turns them off (default `auto`; the epoll driver
+    /// never does).
+    pub zero_copy_send: ZeroCopySend,
 }
 
 impl Default for NetworkConfig {
@@ -201,6 +238,7 @@ impl Default for NetworkConfig {
             ssl_ca_file: None,
             ssl_server_name: DEFAULT_SSL_SERVER_NAME.to_owned(),
             ssl_handshake_timeout: Duration::from_secs(10),
+            zero_copy_send: ZeroCopySend::Auto,
         }
     }
 }
@@ -236,6 +274,7 @@ impl NetworkConfig {
         "security.ssl.internal.ca-file",
         "security.ssl.internal.server-name",
         "security.ssl.internal.handshake-timeout",
+        "fluxgate.network.zero-copy-send",
     ];
 
     /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
@@ -323,6 +362,9 @@ impl NetworkConfig {
                     return Err(invalid("expected a DNS name like fluxgate-node"));
                 }
                 next.ssl_server_name = name.to_owned();
+            }
+            "fluxgate.network.zero-copy-send" => {
+                next.zero_copy_send = value.parse().map_err(|reason: String| invalid(&reason))?
             }
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
@@ -652,6 +694,26 @@ mod tests {
         assert!(config
             .set("security.ssl.internal.server-name", "not a name")
             .is_err());
+    }
+
+    #[test]
+    fn zero_copy_send_is_auto_or_off() {
+        let mut config = NetworkConfig::default();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Auto);
+        config
+            .set("fluxgate.network.zero-copy-send", "off")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Off);
+        config
+            .set("fluxgate.network.zero-copy-send", "auto")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Auto);
+        config
+            .set("fluxgate.network.zero-copy-send", "always")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Always);
+        assert!(config.set("fluxgate.network.zero-copy-send", "on").is_err());
+        assert!(NetworkConfig::OPTIONS.contains(&"fluxgate.network.zero-copy-send"));
     }
 
     #[test]

@@ -196,6 +196,7 @@ impl ShuffleEnvironment {
             liveness: crate::io::Liveness::from_config(&config.network),
             network: Some(network.clone()),
             tls: tls.clone(),
+            zero_copy_send: options.zero_copy_send,
         };
         let (driver, transport) = match config.transport {
             Transport::Epoll => {
@@ -351,6 +352,14 @@ impl ShuffleEnvironment {
         self.driver.submit(Command::Dump(tx));
         rx.recv_timeout(Duration::from_secs(1))
             .unwrap_or_else(|_| "the I/O thread did not answer".into())
+    }
+
+    /// The I/O thread's operation counts (diagnostics and tests: zero-copy sends, registered
+    /// files); `None` when the I/O thread did not answer within a second.
+    pub fn driver_stats(&self) -> Option<crate::io::DriverStats> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.driver.submit(Command::Stats(tx));
+        rx.recv_timeout(Duration::from_secs(1)).ok()
     }
 
     fn connect(&self, gate: &SingleInputGate, index: usize, peer: SocketAddr) {

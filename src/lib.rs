@@ -53,5 +53,5 @@ mod sync;
 #[doc(hidden)]
 pub mod sync;
 
-pub use config::NetworkConfig;
+pub use config::{NetworkConfig, ZeroCopySend};
 pub use env::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};

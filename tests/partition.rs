@@ -539,3 +539,46 @@ fn a_reader_woken_for_nothing_new_waits_again_and_hears_of_the_next_data() {
         vec![b"two".to_vec()]
     );
 }
+
+#[test]
+fn a_barrier_is_written_even_when_blocked_consumers_hold_the_whole_pool() {
+    // The deadlock it prevents (seen on a loaded three-node cluster with aligned barriers
+    // every 20 ms): every segment of a producer's pool sits in subpartitions whose consumers
+    // blocked them for a barrier, and the next barrier — what unblocks them downstream — waited
+    // for one of those segments.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (_view0, _) = view(&partition, 0);
+    let (_view1, _) = view(&partition, 1);
+    let max = partition.pool().spec().max_segments;
+    let per_channel = config.max_buffers_per_channel;
+    assert!(
+        max > per_channel,
+        "the pool outgrows one subpartition's cap"
+    );
+    // One full segment per record: nobody reads, so each record leases one more segment.
+    let record = vec![1u8; 4096 - fluxgate::record::LENGTH_PREFIX];
+    for _ in 0..per_channel {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    for _ in per_channel..max {
+        partition.emit_record(&record[..], 1).unwrap();
+    }
+    assert_eq!(
+        partition.pool().in_use_segments(),
+        max,
+        "the pool is exhausted"
+    );
+    let (done, finished) = mpsc::channel();
+    let writer = thread::spawn(move || {
+        let result = partition.broadcast_event(&barrier(1, Alignment::Aligned), false);
+        let _ = done.send(result.is_ok());
+        partition
+    });
+    assert_eq!(
+        finished.recv_timeout(LONG),
+        Ok(true),
+        "the barrier was written without waiting for the pool"
+    );
+    drop(writer.join().unwrap());
+}

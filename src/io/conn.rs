@@ -6,6 +6,8 @@ use std::io::IoSlice;
 use std::task::Waker;
 use std::time::Instant;
 
+use crate::buffer::Buffer;
+use crate::protocol::outbound::Outbound;
 use crate::protocol::{ClientConnection, ProtocolError, ServerConnection};
 
 /// Bytes read past the current destination in one vectored read: headers of the next frames
@@ -121,6 +123,35 @@ impl Connection {
             Side::Client(c) => c.begin_write(),
             Side::Server(s) => s.begin_write(),
         }
+    }
+
+    fn outbound(&mut self) -> &mut Outbound {
+        match &mut self.side {
+            Side::Client(c) => c.outbound_mut(),
+            Side::Server(s) => s.outbound_mut(),
+        }
+    }
+
+    /// A zero-copy send tagged `tag` was submitted: written segments are held from now on
+    /// until [`release_sent`](Self::release_sent) passes `tag`.
+    pub(crate) fn retain_sent(&mut self, tag: u64) {
+        self.outbound().retain_sent(tag);
+    }
+
+    /// Every zero-copy send tagged below `done_below` was notified: their segments go.
+    pub(crate) fn release_sent(&mut self, done_below: u64) {
+        self.outbound().release_sent(done_below);
+    }
+
+    /// Segments held for zero-copy sends not notified yet.
+    pub(crate) fn held_segments(&mut self) -> usize {
+        self.outbound().held_segments()
+    }
+
+    /// After [`on_lost`](Self::on_lost), with zero-copy sends not notified yet: every segment
+    /// they may read moves to `out`.
+    pub(crate) fn take_held(&mut self, out: &mut Vec<Buffer>) {
+        self.outbound().take_held(out);
     }
 
     pub(crate) fn wants_write(&self) -> bool {

@@ -264,6 +264,9 @@ impl Loop {
         while let Some(command) = self.commands.pop() {
             match command {
                 Command::Shutdown => return false,
+                Command::Stats(reply) => {
+                    let _ = reply.send(super::DriverStats::default());
+                }
                 Command::Dump(reply) => {
                     let mut out = String::new();
                     for (token, conn) in &self.connections {

@@ -64,6 +64,9 @@ pub struct DriverConfig {
     /// TLS between nodes (`security.ssl.internal.*`): every connection runs over a rustls
     /// session. Only the epoll driver supports it; the environment refuses io_uring with it.
     pub tls: Option<Arc<tls::TlsContext>>,
+    /// Zero-copy sends to non-loopback peers (`fluxgate.network.zero-copy-send`; io_uring
+    /// only).
+    pub zero_copy_send: crate::ZeroCopySend,
 }
 
 impl DriverConfig {
@@ -126,6 +129,8 @@ pub(crate) enum Command {
     },
     /// Report every connection's state (diagnostics).
     Dump(std::sync::mpsc::Sender<String>),
+    /// Report the I/O thread's operation counts (diagnostics and tests).
+    Stats(std::sync::mpsc::Sender<DriverStats>),
     /// Close every connection and end the thread.
     Shutdown,
 }
@@ -135,9 +140,57 @@ impl fmt::Debug for Command {
         match self {
             Command::Connect { peer, .. } => write!(f, "Connect({peer})"),
             Command::Dump(_) => f.write_str("Dump"),
+            Command::Stats(_) => f.write_str("Stats"),
             Command::Shutdown => f.write_str("Shutdown"),
         }
     }
+}
+
+/// Operation counts of one I/O thread since it started
+/// ([`ShuffleEnvironment::driver_stats`](crate::ShuffleEnvironment::driver_stats)). The epoll
+/// driver counts nothing: all zero.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DriverStats {
+    /// `io_uring_enter` calls.
+    pub enters: u64,
+    /// Reads submitted.
+    pub reads: u64,
+    /// Writes submitted (zero-copy sends included).
+    pub writes: u64,
+    /// Writes from a registered buffer (`WriteFixed`, or `SendZc` with a buffer index).
+    pub fixed_writes: u64,
+    /// Writes that completed with fewer bytes than asked for.
+    pub short_writes: u64,
+    /// Control bytes copied into a staging area before a write.
+    pub copied_bytes: u64,
+    /// Zero-copy sends submitted (`SendZc` / `SendMsgZc`).
+    pub zc_sends: u64,
+    /// Zero-copy notifications received (the kernel let go of the sent bytes).
+    pub zc_notifications: u64,
+    /// Notifications reporting that the kernel copied the bytes anyway.
+    pub zc_copied: u64,
+    /// Connections whose zero-copy sends were switched off because the kernel copied.
+    pub zc_switched_off: u64,
+    /// Connections that closed with zero-copy sends unnotified (their segments waited).
+    pub zc_orphaned_connections: u64,
+    /// Segments of closed connections waiting for zero-copy notifications now.
+    pub zc_orphaned_segments: u64,
+    /// Whether this thread may use zero-copy sends at all (config `auto` and the kernel has
+    /// `IORING_OP_SEND_ZC` and `IORING_OP_SENDMSG_ZC`).
+    pub zc_available: bool,
+    /// Socket operations through a registered file (`types::Fixed`).
+    pub fixed_file_ops: u64,
+    /// Socket operations through a plain descriptor.
+    pub plain_fd_ops: u64,
+    /// Slots of the ring's file table (0: files could not be registered).
+    pub file_table_size: u64,
+    /// Sockets put into the file table so far.
+    pub files_registered: u64,
+    /// File-table slots in use now.
+    pub file_slots_in_use: u64,
+    /// Highest file-table slot used so far, plus one.
+    pub file_slots_high_water: u64,
 }
 
 /// The wake-up action of a parked I/O thread (an eventfd or mio waker write).

@@ -4,9 +4,15 @@
 //! Per connection exactly one read is in flight (a `Readv` of `[destination, read-ahead]`, as
 //! the epoll driver reads) and at most one write (a `Writev` of the frame bytes, segment
 //! payloads in place, control bytes copied into a per-connection staging area first); short
-//! writes continue with the next write. The listener keeps one `Accept` armed and an eventfd
-//! keeps one `Read` armed for wake-ups. Every submission of a loop turn goes to the kernel in
-//! the turn's single `io_uring_enter`, which also waits (bounded) for the next completion.
+//! writes continue with the next write. A write to a non-loopback peer that starts with at
+//! least 16 KiB of segment bytes goes out as a zero-copy send instead (`SendZc` from the
+//! registered arena for one range, `SendMsgZc` for several; `fluxgate.network.zero-copy-send`);
+//! a connection whose notification says the kernel copied anyway goes back to plain writes.
+//! Sockets are used through a sparse registered-file table (slot = connection slot, cleared
+//! when the connection closes) where the kernel allows one, else through their descriptors.
+//! The listener keeps one `Accept` armed and an eventfd keeps one `Read` armed for wake-ups.
+//! Every submission of a loop turn goes to the kernel in the turn's single `io_uring_enter`,
+//! which also waits (bounded) for the next completion.
 //!
 //! Memory the kernel may touch stays put until its completion arrives:
 //!
@@ -18,12 +24,19 @@
 //!   only once no read is in flight.
 //! * A write's segments are held by the state machine's outbound queue, which keeps them past
 //!   a failure until `on_written` ([`Connection::begin_write`]).
+//! * A zero-copy send's segments are needed until its notification (a second completion,
+//!   `IORING_CQE_F_NOTIF`), not just its own completion: the outbound queue holds frames leaving it while any zero-copy send of the
+//!   connection is unnotified (tagged with the newest one), and lets them go once every send
+//!   up to the tag is notified. The next write does not wait for notifications. A connection
+//!   closing with sends unnotified hands its held segments to the loop (`orphans`), which drops
+//!   them on the last notification; the socket closes meanwhile (its queued data then goes or
+//!   is reset, which is what ends the notifications).
 //! * A connection that fails or closes gets its operations cancelled; `on_lost` runs and the
 //!   socket closes when their completions are in. On shutdown everything in flight is
 //!   cancelled and drained; what does not drain in time is leaked, never freed.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -34,13 +47,14 @@ use std::task::Waker;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, squeue, types, IoUring, Probe};
+use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    open_client, refuse_connection, Command, ConnectFailure, DriverConfig, DriverHandle, IoWaker,
-    RefusedConnects, WakeFn,
+    open_client, refuse_connection, Command, ConnectFailure, DriverConfig, DriverHandle,
+    DriverStats, IoWaker, RefusedConnects, WakeFn,
 };
+use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
 use crate::protocol::ServerConnection;
 use crate::sync::ArrayQueue;
@@ -68,6 +82,8 @@ const WAKE: u64 = 1;
 const READ: u64 = 2;
 const WRITE: u64 = 3;
 const CANCEL: u64 = 4;
+/// A zero-copy send: the slot bits name its record in `Loop::zc_sends`, not a connection.
+const ZC_WRITE: u64 = 5;
 /// The slot of operations that belong to no connection.
 const NO_SLOT: usize = (1 << (32 - KIND_BITS)) - 1;
 
@@ -80,8 +96,39 @@ const REQUIRED: [(&str, u8); 5] = [
     ("ASYNC_CANCEL", opcode::AsyncCancel::CODE),
 ];
 
+/// Segment bytes a write must carry (in one run from its start) to go out as a zero-copy
+/// send: below this the notification costs more than the copy it saves.
+const ZC_MIN_BYTES: usize = 16 * 1024;
+/// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel copied anyway.
+const SEND_ZC_REPORT_USAGE: u16 = 1 << 3;
+/// `IORING_NOTIF_USAGE_ZC_COPIED`, in a notification's result.
+const NOTIF_USAGE_ZC_COPIED: u32 = 1 << 31;
+/// Most slots of a ring's registered-file table; connections in slots past it use plain
+/// descriptors.
+const FILE_TABLE_MAX: usize = 1 << 14;
+
 static TUNED_SETUP_REFUSED: AtomicBool = AtomicBool::new(false);
 static FIXED_BUFFERS_REFUSED: AtomicBool = AtomicBool::new(false);
+static FILES_REFUSED: AtomicBool = AtomicBool::new(false);
+static ZC_UNSUPPORTED: AtomicBool = AtomicBool::new(false);
+static ZC_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// Builds an operation on a connection's socket: through its registered file when it has
+/// one (`types::Fixed`), else through its descriptor. `$build` is expanded for each.
+macro_rules! on_socket {
+    ($file:expr, $fd:expr, |$target:ident| $build:expr) => {
+        match $file {
+            Some(index) => {
+                let $target = types::Fixed(index);
+                $build
+            }
+            None => {
+                let $target = types::Fd($fd);
+                $build
+            }
+        }
+    };
+}
 
 fn user_data(kind: u64, slot: usize, generation: u32) -> u64 {
     debug_assert!(slot <= NO_SLOT);
@@ -224,7 +271,7 @@ impl UringDriver {
                     };
                     let mut io_loop =
                         Loop::new(ring, listener, wake_file, commands, waker, config, manager);
-                    io_loop.register_arenas();
+                    io_loop.setup();
                     let _ = ready_tx.send(Ok(()));
                     io_loop.run();
                 })?
@@ -274,6 +321,20 @@ struct Conn {
     write_len: usize,
     /// Copies of the bytes of the write in flight that are not in the network memory.
     staging: Vec<u8>,
+    /// The user data of the write in flight (a plain write's, or its zero-copy record's).
+    write_data: u64,
+    /// The header of a `SendMsgZc` in flight (its iovecs are `write_iov`).
+    msghdr: libc::msghdr,
+    /// The socket's slot in the ring's registered-file table.
+    file: Option<u32>,
+    /// Writes may go out as zero-copy sends (the peer is not on loopback, nothing reported a
+    /// copy yet, and the loop may use them).
+    zero_copy: bool,
+    /// Tags of this connection's zero-copy sends whose notification has not arrived, in
+    /// ascending order; their segments are held by the outbound queue until then.
+    zc_pending: VecDeque<u64>,
+    /// The tag of the next zero-copy send.
+    zc_next: u64,
     /// No more reads (the state machine failed or the connection closes).
     stop_reading: bool,
     /// A protocol error: close once the queued error response is written (one attempt).
@@ -287,6 +348,47 @@ impl Conn {
     fn idle(&self) -> bool {
         !self.reading && !self.writing
     }
+
+    fn connection_peer(&self) -> Option<SocketAddr> {
+        self.stream.peer_addr().ok()
+    }
+
+    /// Every zero-copy send tagged below this has been notified.
+    fn zc_done_below(&self) -> u64 {
+        self.zc_pending.front().copied().unwrap_or(self.zc_next)
+    }
+
+    /// The zero-copy send `tag` is over (notified, or completed without a notification to
+    /// come): the segments no unnotified send may read go back to their pools.
+    fn zc_finished(&mut self, tag: u64) {
+        if let Some(at) = self.zc_pending.iter().position(|&t| t == tag) {
+            self.zc_pending.remove(at);
+        }
+        let done_below = self.zc_done_below();
+        self.connection.release_sent(done_below);
+    }
+}
+
+/// A zero-copy send submitted: whose it is, and which of its two completions arrived.
+#[derive(Debug)]
+struct ZcSend {
+    slot: usize,
+    generation: u32,
+    tag: u64,
+    /// The send's own completion arrived (`more`: with a notification to come).
+    completed: bool,
+    more: bool,
+    notified: bool,
+}
+
+/// A closed connection's segments that zero-copy sends not notified yet may still read.
+#[derive(Debug)]
+struct Orphan {
+    slot: usize,
+    generation: u32,
+    pending: VecDeque<u64>,
+    /// Dropped (back to their pools) once `pending` is empty.
+    held: Vec<Buffer>,
 }
 
 struct Loop {
@@ -324,23 +426,23 @@ struct Loop {
     /// The arenas (of `config.network`) are registered as fixed buffers (buffer index =
     /// arena index).
     fixed: bool,
+    /// Slots of the registered-file table (0: sockets are used through their descriptors);
+    /// a connection in slot `i < file_table` has its socket in file slot `i`.
+    file_table: usize,
+    /// Zero-copy sends may be used (config `auto` and the kernel supports them).
+    zc_available: bool,
+    /// Zero-copy sends whose completions have not all arrived (user data slot = index).
+    zc_sends: Vec<Option<ZcSend>>,
+    zc_free: Vec<usize>,
+    /// Closed connections' segments waiting for notifications.
+    orphans: Vec<Orphan>,
     /// Reused storage for `write_slices` (empty between uses).
     slice_scratch: Vec<IoSlice<'static>>,
     /// Reused storage for reaped completions.
-    cqe_scratch: Vec<(u64, i32)>,
+    cqe_scratch: Vec<(u64, i32, u32)>,
     shutting_down: bool,
-    stats: Stats,
-}
-
-/// Operation counts of one loop, logged at shutdown (debug).
-#[derive(Debug, Default)]
-struct Stats {
-    enters: u64,
-    reads: u64,
-    writes: u64,
-    fixed_writes: u64,
-    short_writes: u64,
-    copied_bytes: u64,
+    /// Operation counts, logged at shutdown (debug) and reported by `Command::Stats`.
+    stats: DriverStats,
 }
 
 impl Drop for Loop {
@@ -352,9 +454,15 @@ impl Drop for Loop {
             return;
         }
         for conn in self.conns.iter_mut() {
-            if conn.as_ref().is_some_and(|c| !c.idle()) {
+            if conn
+                .as_ref()
+                .is_some_and(|c| !c.idle() || !c.zc_pending.is_empty())
+            {
                 std::mem::forget(conn.take());
             }
+        }
+        for orphan in self.orphans.drain(..) {
+            std::mem::forget(orphan);
         }
         if self.wake_armed {
             std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new([0; 8])));
@@ -405,10 +513,79 @@ impl Loop {
             manager,
             arenas,
             fixed: false,
+            file_table: 0,
+            zc_available: false,
+            zc_sends: Vec::new(),
+            zc_free: Vec::new(),
+            orphans: Vec::new(),
             slice_scratch: Vec::with_capacity(MAX_SLICES),
             cqe_scratch: Vec::with_capacity(CQ_ENTRIES as usize),
             shutting_down: false,
-            stats: Stats::default(),
+            stats: DriverStats::default(),
+        }
+    }
+
+    /// Probes the optional opcodes once, registers the arenas and a sparse file table, and
+    /// decides whether zero-copy sends may be used. Every failure falls back (logged once per
+    /// process) and changes nothing else.
+    fn setup(&mut self) {
+        let mut probe = Probe::new();
+        let probed = self.ring.submitter().register_probe(&mut probe).is_ok();
+        if probed && probe.is_supported(opcode::WriteFixed::CODE) {
+            self.register_arenas();
+        }
+        self.register_files();
+        let zc_supported = probed
+            && probe.is_supported(opcode::SendZc::CODE)
+            && probe.is_supported(opcode::SendMsgZc::CODE);
+        self.zc_available = zc_supported && self.config.zero_copy_send != crate::ZeroCopySend::Off;
+        self.stats.zc_available = self.zc_available;
+        if !zc_supported
+            && self.config.zero_copy_send != crate::ZeroCopySend::Off
+            && !ZC_UNSUPPORTED.swap(true, Ordering::Relaxed)
+        {
+            tracing::info!(
+                "io_uring: the kernel lacks IORING_OP_SEND_ZC / IORING_OP_SENDMSG_ZC (Linux 6.1); \
+                 no zero-copy sends"
+            );
+        }
+    }
+
+    /// A sparse registered-file table, one slot per connection slot (up to the configured
+    /// connections plus room for outgoing ones); sockets then are `types::Fixed`.
+    fn register_files(&mut self) {
+        let nofile = {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes the `rlimit` we pass, which lives across the call.
+            let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+            if ok {
+                usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
+            } else {
+                1024
+            }
+        };
+        let size = (self.config.max_connections + 256)
+            .min(FILE_TABLE_MAX)
+            .min(nofile / 2)
+            .max(1);
+        match self.ring.submitter().register_files_sparse(size as u32) {
+            Ok(()) => {
+                self.file_table = size;
+                self.stats.file_table_size = size as u64;
+            }
+            Err(error) => {
+                if !FILES_REFUSED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        %error,
+                        size,
+                        "io_uring: registering a file table failed; sockets are used through \
+                         plain descriptors"
+                    );
+                }
+            }
         }
     }
 
@@ -417,12 +594,6 @@ impl Loop {
     /// per process and changes nothing else.
     fn register_arenas(&mut self) {
         if self.arenas.is_empty() || self.arenas.len() > usize::from(u16::MAX) {
-            return;
-        }
-        let mut probe = Probe::new();
-        if self.ring.submitter().register_probe(&mut probe).is_err()
-            || !probe.is_supported(opcode::WriteFixed::CODE)
-        {
             return;
         }
         let iovecs: Vec<libc::iovec> = self
@@ -514,10 +685,10 @@ impl Loop {
         cqes.extend(
             self.ring
                 .completion()
-                .map(|cqe| (cqe.user_data(), cqe.result())),
+                .map(|cqe| (cqe.user_data(), cqe.result(), cqe.flags())),
         );
-        for &(data, result) in &cqes {
-            self.complete(data, result, now);
+        for &(data, result, flags) in &cqes {
+            self.complete(data, result, flags, now);
         }
         cqes.clear();
         self.cqe_scratch = cqes;
@@ -615,13 +786,24 @@ impl Loop {
             match command {
                 Command::Shutdown => return false,
                 Command::Dump(reply) => {
-                    let mut out = String::new();
-                    for (slot, conn) in self.conns.iter().enumerate() {
+                    let mut out = format!("io_uring {:?}\n", self.stats_now());
+                    for (slot, conn) in self.conns.iter_mut().enumerate() {
                         if let Some(conn) = conn {
                             conn.connection.describe(&slot, &mut out);
+                            out.push_str(&format!(
+                                "  file {:?} zero-copy {} unnotified zero-copy sends {} \
+                                 held segments {}\n",
+                                conn.file,
+                                conn.zero_copy,
+                                conn.zc_pending.len(),
+                                conn.connection.held_segments()
+                            ));
                         }
                     }
                     let _ = reply.send(out);
+                }
+                Command::Stats(reply) => {
+                    let _ = reply.send(self.stats_now());
                 }
                 Command::Connect {
                     peer,
@@ -634,6 +816,18 @@ impl Loop {
             }
         }
         true
+    }
+
+    fn stats_now(&self) -> DriverStats {
+        let mut stats = self.stats.clone();
+        stats.file_slots_in_use = self
+            .conns
+            .iter()
+            .flatten()
+            .filter(|c| c.file.is_some())
+            .count() as u64;
+        stats.zc_orphaned_segments = self.orphans.iter().map(|o| o.held.len() as u64).sum();
+        stats
     }
 
     fn live(&self, slot: usize) -> Option<&Conn> {
@@ -693,6 +887,11 @@ impl Loop {
 
     fn add(&mut self, stream: TcpStream, side: Side, peer: Option<(SocketAddr, usize)>) -> usize {
         let peer_addr = stream.peer_addr().ok();
+        // Loopback peers never (unless `always`): the kernel copies every looped zero-copy
+        // packet anyway.
+        let zero_copy = self.zc_available
+            && (self.config.zero_copy_send == crate::ZeroCopySend::Always
+                || peer_addr.is_some_and(|a| !a.ip().to_canonical().is_loopback()));
         // Generation 0 is never a connection's.
         self.next_generation = self.next_generation.wrapping_add(1).max(1);
         let conn = Box::new(Conn {
@@ -710,12 +909,20 @@ impl Loop {
             write_iov: Vec::with_capacity(MAX_SLICES),
             write_len: 0,
             staging: Vec::with_capacity(STAGING),
+            write_data: 0,
+            // SAFETY: `msghdr` is plain data; all zeroes is a valid value (null pointers, zero
+            // lengths, no flags).
+            msghdr: unsafe { std::mem::zeroed() },
+            file: None,
+            zero_copy,
+            zc_pending: VecDeque::new(),
+            zc_next: 0,
             stop_reading: false,
             close_after_write: false,
             closing: None,
             cancelled: false,
         });
-        match self.free_slots.pop() {
+        let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.conns[slot] = Some(conn);
                 slot
@@ -724,6 +931,52 @@ impl Loop {
                 self.conns.push(Some(conn));
                 self.conns.len() - 1
             }
+        };
+        self.register_file(slot);
+        slot
+    }
+
+    /// Puts a new connection's socket into file slot `slot` (the table's slot of a closed
+    /// connection was cleared when it closed). Past the table or on failure: its descriptor.
+    fn register_file(&mut self, slot: usize) {
+        if slot >= self.file_table {
+            return;
+        }
+        let conn = self.conns[slot].as_deref_mut().expect("just added");
+        let fd = conn.stream.as_raw_fd();
+        match self
+            .ring
+            .submitter()
+            .register_files_update(slot as u32, &[fd])
+        {
+            Ok(1) => {
+                conn.file = Some(slot as u32);
+                self.stats.files_registered += 1;
+                self.stats.file_slots_high_water =
+                    self.stats.file_slots_high_water.max(slot as u64 + 1);
+            }
+            outcome => {
+                if !FILES_REFUSED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        ?outcome,
+                        slot,
+                        "io_uring: registering a socket in the file table failed; it is used \
+                         through its descriptor"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Clears a closing connection's file slot (nothing of it is in flight), so the socket
+    /// closes with its descriptor and the slot can take the next connection's.
+    fn unregister_file(&mut self, conn: &mut Conn) {
+        let Some(index) = conn.file.take() else {
+            return;
+        };
+        if let Err(error) = self.ring.submitter().register_files_update(index, &[-1]) {
+            // The table keeps the socket open until the slot's next connection replaces it.
+            tracing::warn!(%error, index, "io_uring: clearing a file slot failed");
         }
     }
 
@@ -771,13 +1024,12 @@ impl Loop {
                 iov_len: ahead.len(),
             },
         ];
-        let entry = opcode::Readv::new(
-            types::Fd(conn.stream.as_raw_fd()),
-            conn.read_iov.as_ptr(),
-            2,
-        )
-        .build()
+        let iov = conn.read_iov.as_ptr();
+        let entry = on_socket!(conn.file, conn.stream.as_raw_fd(), |socket| {
+            opcode::Readv::new(socket, iov, 2).build()
+        })
         .user_data(user_data(READ, slot, conn.generation));
+        let on_file = conn.file.is_some();
         // SAFETY: `read_iov` lives in the boxed `Conn`, which is neither moved nor dropped
         // before this read's completion (`finish_close` and shutdown wait for `reading` to
         // clear). The iovecs point at the state machine's read buffer and read-ahead area;
@@ -789,12 +1041,22 @@ impl Loop {
             conn.reading = true;
             self.in_flight += 1;
             self.stats.reads += 1;
+            self.count_socket_op(on_file);
+        }
+    }
+
+    fn count_socket_op(&mut self, on_file: bool) {
+        if on_file {
+            self.stats.fixed_file_ops += 1;
+        } else {
+            self.stats.plain_fd_ops += 1;
         }
     }
 
     fn submit_write(&mut self, slot: usize) {
         let arenas = &self.arenas;
         let fixed = self.fixed;
+        let zc_available = self.zc_available;
         let conn = self.conns[slot].as_deref_mut().expect("present");
         let Conn {
             stream,
@@ -802,6 +1064,9 @@ impl Loop {
             write_iov,
             staging,
             generation,
+            file,
+            zero_copy,
+            msghdr,
             ..
         } = conn;
         write_iov.clear();
@@ -814,19 +1079,31 @@ impl Loop {
             .collect();
         connection.write_slices(&mut slices, MAX_SLICES);
         let mut fixed_index = None;
+        // The run of segment slices the write starts with: iovecs and bytes.
+        let mut run = Some((0usize, 0usize));
         for slice in &slices {
             let start = slice.as_ptr() as usize;
             let arena = arenas
                 .iter()
                 .position(|&(base, len)| start >= base && start + slice.len() <= base + len);
             if arena.is_some() {
-                // Segment bytes: held by the outbound queue until `on_written`.
+                // Segment bytes: held by the outbound queue until `on_written` (and, after a
+                // zero-copy send, until its notification).
                 write_iov.push(libc::iovec {
                     iov_base: slice.as_ptr() as *mut libc::c_void,
                     iov_len: slice.len(),
                 });
+                if let Some((iovecs, bytes)) = run.as_mut() {
+                    *iovecs += 1;
+                    *bytes += slice.len();
+                }
                 fixed_index = arena;
                 continue;
+            }
+            run = run.filter(|&(_, bytes)| bytes >= ZC_MIN_BYTES);
+            if run.is_some() && *zero_copy && zc_available {
+                // The write ends before these control bytes: the zero-copy run goes alone.
+                break;
             }
             // Control bytes (or memory we cannot vouch for): copy; the staging area never
             // grows past its capacity, so earlier copies do not move.
@@ -852,47 +1129,181 @@ impl Loop {
         if write_iov.is_empty() {
             return;
         }
+        // Zero-copy: the peer is off loopback, nothing reported a copy yet, and the write is
+        // one run of at least ZC_MIN_BYTES segment bytes (no staged control bytes, whose
+        // area the next write reuses before a notification could come).
+        let zc = zc_available
+            && *zero_copy
+            && staging.is_empty()
+            && run
+                .is_some_and(|(iovecs, bytes)| iovecs == write_iov.len() && bytes >= ZC_MIN_BYTES);
         let requested: usize = write_iov.iter().map(|v| v.iov_len).sum();
-        let fd = types::Fd(stream.as_raw_fd());
-        let data = user_data(WRITE, slot, *generation);
+        let fd = stream.as_raw_fd();
+        let on_file = file.is_some();
         self.stats.copied_bytes += staging.len() as u64;
-        let use_fixed = fixed && fixed_index.is_some() && write_iov.len() == 1;
-        self.stats.fixed_writes += u64::from(use_fixed);
-        let entry = match (fixed, fixed_index, write_iov.as_slice()) {
-            (true, Some(index), [only]) => opcode::WriteFixed::new(
-                fd,
-                only.iov_base as *const u8,
-                only.iov_len as u32,
-                index as u16,
-            )
-            .build(),
-            _ => opcode::Writev::new(fd, write_iov.as_ptr(), write_iov.len() as u32).build(),
-        }
-        .user_data(data);
-        connection.begin_write();
-        // SAFETY: `write_iov` and `staging` live in the boxed `Conn` (never moved or dropped
-        // before this write's completion) and are not touched until then; `staging` was
-        // reserved with STAGING bytes and never grows beyond, so no pointer into it moves.
+        let single = (write_iov.len() == 1).then(|| write_iov[0]);
+        // A single range from a registered arena goes out as a fixed write (or fixed send).
+        let use_fixed = fixed && fixed_index.is_some() && single.is_some();
+        let entry = match (zc, single) {
+            (true, Some(only)) => {
+                let index = fixed_index.filter(|_| use_fixed).map(|i| i as u16);
+                on_socket!(*file, fd, |socket| {
+                    opcode::SendZc::new(socket, only.iov_base as *const u8, only.iov_len as u32)
+                        .buf_index(index)
+                        .flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL)
+                        .zc_flags(SEND_ZC_REPORT_USAGE)
+                        .build()
+                })
+            }
+            (true, None) => {
+                msghdr.msg_iov = write_iov.as_mut_ptr();
+                msghdr.msg_iovlen = write_iov.len() as _;
+                let header: *const libc::msghdr = msghdr;
+                on_socket!(*file, fd, |socket| {
+                    opcode::SendMsgZc::new(socket, header)
+                        .ioprio(SEND_ZC_REPORT_USAGE)
+                        .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
+                        .build()
+                })
+            }
+            (false, Some(only)) if use_fixed => on_socket!(*file, fd, |socket| {
+                opcode::WriteFixed::new(
+                    socket,
+                    only.iov_base as *const u8,
+                    only.iov_len as u32,
+                    fixed_index.expect("checked") as u16,
+                )
+                .build()
+            }),
+            (false, _) => {
+                let iov = write_iov.as_ptr();
+                let count = write_iov.len() as u32;
+                on_socket!(*file, fd, |socket| opcode::Writev::new(socket, iov, count)
+                    .build())
+            }
+        };
+        let generation = *generation;
+        let (data, record) = if zc {
+            let tag = self.conns[slot].as_deref().expect("present").zc_next;
+            let record = ZcSend {
+                slot,
+                generation,
+                tag,
+                completed: false,
+                more: false,
+                notified: false,
+            };
+            let index = match self.zc_free.pop() {
+                Some(index) => {
+                    self.zc_sends[index] = Some(record);
+                    index
+                }
+                None => {
+                    self.zc_sends.push(Some(record));
+                    self.zc_sends.len() - 1
+                }
+            };
+            (user_data(ZC_WRITE, index, generation), Some((index, tag)))
+        } else {
+            (user_data(WRITE, slot, generation), None)
+        };
+        let entry = entry.user_data(data);
+        let conn = self.conns[slot].as_deref_mut().expect("present");
+        conn.connection.begin_write();
+        // SAFETY: `write_iov`, `msghdr` and `staging` live in the boxed `Conn` (never moved or
+        // dropped before this write's completion) and are not touched until then; `staging`
+        // was reserved with STAGING bytes and never grows beyond, so no pointer into it moves.
         // The other iovecs point into segments of the network memory held by the outbound
         // queue, which keeps them (even across a failure) until `on_written`, called only
-        // after the completion; those bytes are never written while leased. A fixed write's
-        // range lies inside registered arena `index`.
+        // after the completion; those bytes are never written while leased. A zero-copy
+        // send's segments are held past that, until its notification (`retain_sent` below,
+        // `zc_finished`; a closed connection's move to `orphans`). A fixed write's or send's
+        // range lies inside registered arena `index`. The socket (or its file slot) stays
+        // open until the completions are in.
         if unsafe { self.push(&entry) } {
+            self.count_socket_op(on_file);
+            self.in_flight += 1;
+            self.stats.writes += 1;
+            self.stats.fixed_writes += u64::from(use_fixed);
             let conn = self.conns[slot].as_deref_mut().expect("present");
             conn.writing = true;
             conn.write_len = requested;
-            self.in_flight += 1;
-            self.stats.writes += 1;
+            conn.write_data = data;
+            if let Some((_, tag)) = record {
+                conn.zc_next += 1;
+                conn.zc_pending.push_back(tag);
+                conn.connection.retain_sent(tag);
+                // Its notification is awaited too (released when the completion says none
+                // will come).
+                self.in_flight += 1;
+                self.stats.zc_sends += 1;
+            }
         } else {
             // Not submitted: end the write the outbound queue was told about.
             let conn = self.conns[slot].as_deref_mut().expect("present");
             conn.connection.on_written(0);
+            if let Some((index, _)) = record {
+                self.zc_sends[index] = None;
+                self.zc_free.push(index);
+            }
         }
     }
 
-    fn complete(&mut self, data: u64, result: i32, now: Instant) {
+    fn complete(&mut self, data: u64, result: i32, flags: u32, now: Instant) {
         let (kind, slot, generation) = split_user_data(data);
         match kind {
+            ZC_WRITE if cqueue::notif(flags) => self.on_zc_notification(slot, generation, result),
+            ZC_WRITE => {
+                let Some(record) = self
+                    .zc_sends
+                    .get_mut(slot)
+                    .and_then(Option::as_mut)
+                    .filter(|r| r.generation == generation)
+                else {
+                    tracing::error!(slot, "io_uring: completion of an unknown zero-copy send");
+                    return;
+                };
+                let more = cqueue::more(flags);
+                record.completed = true;
+                record.more = more;
+                let (conn_slot, tag) = (record.slot, record.tag);
+                let done = !more || record.notified;
+                if done {
+                    self.zc_sends[slot] = None;
+                    self.zc_free.push(slot);
+                }
+                // The send's own completion; without `more` no notification comes either.
+                self.in_flight -= 1 + usize::from(!more);
+                let Some(conn) = self.slot_of(conn_slot, generation) else {
+                    tracing::error!(slot, "io_uring: write completion for a gone connection");
+                    return;
+                };
+                if !more {
+                    // No notification comes: the kernel holds nothing of this send.
+                    conn.zc_finished(tag);
+                }
+                let refused = matches!(
+                    -result,
+                    libc::EOPNOTSUPP | libc::EINVAL | libc::ENOMEM | libc::ENOBUFS
+                );
+                let result = if refused && conn.zero_copy {
+                    // The kernel would not send this zero-copy (e.g. the locked-memory limit
+                    // its pinned pages count against): plain writes from now on; the bytes go
+                    // with the next one.
+                    conn.zero_copy = false;
+                    self.stats.zc_switched_off += 1;
+                    if !ZC_REFUSED.swap(true, Ordering::Relaxed) {
+                        tracing::info!(
+                            error = %io::Error::from_raw_os_error(-result),
+                            "io_uring: a zero-copy send failed; plain sends on that connection"
+                        );
+                    }
+                    -libc::EAGAIN
+                } else {
+                    result
+                };
+                self.on_write(conn_slot, result);
+            }
             ACCEPT => self.on_accept(result, now),
             WAKE => {
                 self.wake_armed = false;
@@ -930,6 +1341,61 @@ impl Loop {
                 self.on_write(slot, result);
             }
             _ => unreachable!("unknown operation kind {kind}"),
+        }
+    }
+
+    /// The kernel let go of a zero-copy send's bytes: its segments may go back to their
+    /// pools (once no earlier send is unnotified). A notification reporting a copy switches
+    /// zero-copy off for the connection.
+    fn on_zc_notification(&mut self, index: usize, generation: u32, result: i32) {
+        let Some(record) = self
+            .zc_sends
+            .get_mut(index)
+            .and_then(Option::as_mut)
+            .filter(|r| r.generation == generation)
+        else {
+            tracing::error!(index, "io_uring: notification of an unknown zero-copy send");
+            return;
+        };
+        record.notified = true;
+        let (slot, tag) = (record.slot, record.tag);
+        if record.completed {
+            self.zc_sends[index] = None;
+            self.zc_free.push(index);
+        }
+        self.in_flight -= 1;
+        self.stats.zc_notifications += 1;
+        let copied = (result as u32) & NOTIF_USAGE_ZC_COPIED != 0;
+        self.stats.zc_copied += u64::from(copied);
+        let adaptive = self.config.zero_copy_send == crate::ZeroCopySend::Auto;
+        if let Some(conn) = self.slot_of(slot, generation) {
+            let switch_off = copied && conn.zero_copy && adaptive;
+            if switch_off {
+                conn.zero_copy = false;
+                tracing::debug!(
+                    peer = ?conn.connection_peer(),
+                    "io_uring: the kernel copied a zero-copy send; plain sends on this \
+                     connection from now on"
+                );
+            }
+            conn.zc_finished(tag);
+            self.stats.zc_switched_off += u64::from(switch_off);
+            return;
+        }
+        // The connection closed meanwhile: its held segments wait in `orphans`.
+        let Some(at) = self
+            .orphans
+            .iter()
+            .position(|o| o.slot == slot && o.generation == generation)
+        else {
+            tracing::error!(slot, "io_uring: notification for an unknown connection");
+            return;
+        };
+        let orphan = &mut self.orphans[at];
+        orphan.pending.retain(|&t| t != tag);
+        if orphan.pending.is_empty() {
+            // Dropping the orphan returns its segments.
+            self.orphans.swap_remove(at);
         }
     }
 
@@ -1073,7 +1539,7 @@ impl Loop {
         let generation = conn.generation;
         let targets = [
             (conn.reading, user_data(READ, slot, generation)),
-            (conn.writing, user_data(WRITE, slot, generation)),
+            (conn.writing, conn.write_data),
         ];
         let mut all = true;
         for (in_flight, target) in targets {
@@ -1105,6 +1571,20 @@ impl Loop {
         }
         let reason = conn.closing.take().unwrap_or_default();
         conn.connection.on_lost(&reason);
+        if !conn.zc_pending.is_empty() {
+            // Zero-copy sends not notified yet may still read these segments (until the
+            // socket lets go of its queued data): they go once the notifications are in.
+            let mut held = Vec::new();
+            conn.connection.take_held(&mut held);
+            self.stats.zc_orphaned_connections += 1;
+            self.orphans.push(Orphan {
+                slot,
+                generation: conn.generation,
+                pending: std::mem::take(&mut conn.zc_pending),
+                held,
+            });
+        }
+        self.unregister_file(&mut conn);
         tracing::debug!(slot, %reason, "connection closed");
         // Dropping closes the socket.
     }

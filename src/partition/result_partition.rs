@@ -371,16 +371,25 @@ impl ResultPartition {
         Ok(())
     }
 
+    /// A segment for an event. An event never waits for the partition's pool while the
+    /// network has memory (Flink serializes events into unpooled memory): a checkpoint barrier
+    /// or EndOfPartition is what lets blocked or back-pressured consumers go on, and the
+    /// segments it would wait for may be held by exactly those consumers — an aligned barrier
+    /// behind a subpartition its consumer blocked for the previous barrier is a deadlock. It
+    /// takes a free segment of the pool, else one overdraft segment of the network; only with
+    /// the whole network memory in use does it wait like a record.
     fn event_builder(&self, priority: bool) -> Result<BufferBuilder, PartitionError> {
-        if priority {
-            // A priority event must not wait behind the back pressure it is meant to overtake.
-            if let Some(segment) = self
-                .pool
-                .request_segment()
-                .or_else(|| self.pool.request_overdraft_segment())
-            {
-                return Ok(segment.into_builder(DataType::PrioritizedEventBuffer));
-            }
+        if let Some(segment) = self
+            .pool
+            .request_segment()
+            .or_else(|| self.pool.request_overdraft_segment())
+        {
+            let data_type = if priority {
+                DataType::PrioritizedEventBuffer
+            } else {
+                DataType::EventBuffer
+            };
+            return Ok(segment.into_builder(data_type));
         }
         request_blocking(&self.pool, UNACCOUNTED, self.request_timeout)
     }

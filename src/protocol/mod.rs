@@ -28,7 +28,7 @@ pub mod auth;
 mod client;
 pub mod frame;
 mod inbound;
-mod outbound;
+pub(crate) mod outbound;
 mod server;
 
 pub use auth::Secret;

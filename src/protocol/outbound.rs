@@ -44,6 +44,12 @@ impl OutFrame {
 /// pointed to, so those frames are not dropped before then, not even by
 /// [`clear`](Self::clear). The control vector gives no such promise (appending may move it):
 /// a driver keeping a write in flight copies control bytes first.
+///
+/// Zero-copy sends (io_uring `SendZc`): the kernel may read a sent segment until the send's
+/// notification, after the write completed. While [`retain_sent`](Self::retain_sent) is in
+/// force, frames leaving the queue (written, or dropped by a clear) are held instead of
+/// dropped, tagged with the newest zero-copy send that may have read them, until
+/// [`release_sent`](Self::release_sent) says every send up to that tag has been notified.
 #[derive(Debug, Default)]
 pub(crate) struct Outbound {
     frames: VecDeque<OutFrame>,
@@ -59,6 +65,11 @@ pub(crate) struct Outbound {
     /// holds the frames it may still read until it completes.
     cleared_in_flight: bool,
     retired: VecDeque<OutFrame>,
+    /// Frames leaving the queue are held under this tag (the newest zero-copy send issued).
+    retain_tag: Option<u64>,
+    /// Frames left the queue while a zero-copy send that may have read them is unnotified,
+    /// in tag order.
+    held: VecDeque<(u64, OutFrame)>,
 }
 
 impl Outbound {
@@ -145,7 +156,9 @@ impl Outbound {
         if std::mem::take(&mut self.write_in_flight) && std::mem::take(&mut self.cleared_in_flight)
         {
             // The write was of frames `clear` dropped since: they may go now.
-            self.retired.clear();
+            while let Some(frame) = self.retired.pop_front() {
+                self.discard(frame);
+            }
             return;
         }
         self.queued_bytes -= n.min(self.queued_bytes);
@@ -160,10 +173,12 @@ impl Outbound {
             }
             n -= left;
             self.written_in_first = 0;
-            match self.frames.pop_front().expect("checked") {
+            let frame = self.frames.pop_front().expect("checked");
+            match &frame {
                 OutFrame::Control { len } => self.control_read += len,
                 OutFrame::Buffer { header_len, .. } => self.control_read += header_len,
             }
+            self.discard(frame);
         }
         if self.frames.is_empty() {
             // Everything written: reuse the control vector from its start.
@@ -183,11 +198,62 @@ impl Outbound {
             self.cleared_in_flight = true;
             self.retired = std::mem::take(&mut self.frames);
         }
-        self.frames.clear();
+        while let Some(frame) = self.frames.pop_front() {
+            self.discard(frame);
+        }
         self.control.clear();
         self.control_read = 0;
         self.written_in_first = 0;
         self.queued_bytes = 0;
+    }
+
+    /// A frame leaves the queue: dropped (its segment goes back to its pool), or held while a
+    /// zero-copy send may still read it.
+    fn discard(&mut self, frame: OutFrame) {
+        match (self.retain_tag, frame) {
+            (Some(tag), frame @ OutFrame::Buffer { .. }) => self.held.push_back((tag, frame)),
+            (_, frame) => drop(frame),
+        }
+    }
+
+    /// A zero-copy send tagged `tag` (tags grow with every send) was submitted: frames
+    /// leaving the queue from now on are held until [`release_sent`](Self::release_sent)
+    /// passes `tag`. The frames it reads that are still queued stay queued meanwhile anyway.
+    pub(crate) fn retain_sent(&mut self, tag: u64) {
+        debug_assert!(self.retain_tag.is_none_or(|t| t <= tag));
+        self.retain_tag = Some(tag);
+    }
+
+    /// Every zero-copy send tagged below `done_below` has been notified: frames held for
+    /// them go (back to their pools); once no later send is unnotified, nothing more is held.
+    pub(crate) fn release_sent(&mut self, done_below: u64) {
+        while self.held.front().is_some_and(|(tag, _)| *tag < done_below) {
+            self.held.pop_front();
+        }
+        if self.retain_tag.is_some_and(|tag| tag < done_below) {
+            self.retain_tag = None;
+        }
+    }
+
+    /// Segments held for zero-copy sends not notified yet.
+    pub(crate) fn held_segments(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The connection is gone but zero-copy sends are not notified yet: every frame (queued
+    /// or held) whose segment they may read moves to `out`, to be dropped once they are.
+    /// Only without a write in flight.
+    pub(crate) fn take_held(&mut self, out: &mut Vec<Buffer>) {
+        debug_assert!(!self.write_in_flight);
+        if self.retain_tag.is_some() {
+            self.clear();
+        }
+        for (_, frame) in self.held.drain(..) {
+            if let OutFrame::Buffer { buffer, .. } = frame {
+                out.push(buffer);
+            }
+        }
+        self.retain_tag = None;
     }
 }
 
@@ -276,6 +342,66 @@ mod tests {
         outbound.slices(&mut slices, 8);
         assert_eq!(slices.len(), 1);
         assert_eq!(&*slices[0], b"ERROR");
+    }
+
+    #[test]
+    fn zero_copy_sends_hold_written_segments_until_notified() {
+        let pool = pool();
+        let total = pool.total_segments();
+        let mut outbound = Outbound::default();
+        queue_buffer(&mut outbound, &pool, b"first");
+        queue_buffer(&mut outbound, &pool, b"second");
+        // Zero-copy send 0 writes the first frame and part of the second.
+        outbound.begin_write();
+        outbound.retain_sent(0);
+        outbound.on_written(3 + 5 + 4);
+        assert_eq!(outbound.held_segments(), 1);
+        assert_eq!(pool.available_segments(), total - 2);
+        // A plain write finishes the second frame while send 0 is unnotified: held too.
+        outbound.begin_write();
+        outbound.on_written(5);
+        assert!(outbound.is_empty());
+        assert_eq!(outbound.held_segments(), 2);
+        assert_eq!(pool.available_segments(), total - 2);
+        // Notified: both go.
+        outbound.release_sent(1);
+        assert_eq!(outbound.held_segments(), 0);
+        assert_eq!(pool.available_segments(), total);
+        // Without retention, written segments go at once again.
+        queue_buffer(&mut outbound, &pool, b"third");
+        outbound.begin_write();
+        outbound.on_written(8);
+        assert_eq!(pool.available_segments(), total);
+    }
+
+    #[test]
+    fn held_segments_wait_for_every_earlier_send_and_survive_a_clear() {
+        let pool = pool();
+        let total = pool.total_segments();
+        let mut outbound = Outbound::default();
+        queue_buffer(&mut outbound, &pool, b"a");
+        queue_buffer(&mut outbound, &pool, b"b");
+        queue_buffer(&mut outbound, &pool, b"c");
+        outbound.begin_write();
+        outbound.retain_sent(4);
+        outbound.on_written(4);
+        outbound.begin_write();
+        outbound.retain_sent(5);
+        outbound.on_written(4);
+        // Send 4 notified, 5 not: only the frame tagged 4 goes.
+        outbound.release_sent(5);
+        assert_eq!(outbound.held_segments(), 1);
+        assert_eq!(pool.available_segments(), total - 2);
+        // The connection closes: the queued frame is held as well, then handed over.
+        outbound.clear();
+        assert_eq!(outbound.held_segments(), 2);
+        assert_eq!(pool.available_segments(), total - 2);
+        let mut out = Vec::new();
+        outbound.take_held(&mut out);
+        assert_eq!(out.len(), 2);
+        assert_eq!(outbound.held_segments(), 0);
+        drop(out);
+        assert_eq!(pool.available_segments(), total);
     }
 
     #[test]

@@ -322,6 +322,11 @@ impl ServerConnection {
         self.outbound.begin_write();
     }
 
+    /// The outbound queue, for a driver's zero-copy sends (segments held until notified).
+    pub(crate) fn outbound_mut(&mut self) -> &mut Outbound {
+        &mut self.outbound
+    }
+
     /// True when bytes wait to be written.
     pub fn wants_write(&self) -> bool {
         !self.outbound.is_empty()
