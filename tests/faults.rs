@@ -597,3 +597,63 @@ on_both_drivers!(
     a_frame_out_of_sequence_fails_the_channel_with_reordering_epoll,
     a_frame_out_of_sequence_fails_the_channel_with_reordering_uring
 );
+
+fn a_consumer_cancelling_midway_releases_only_its_view(transport: Transport) {
+    let producer_env = env(10, transport);
+    let consumer_env = env(11, transport);
+    let cancelled_id = ResultPartitionId {
+        partition: 80,
+        producer: 10,
+    };
+    let kept_id = ResultPartitionId {
+        partition: 81,
+        producer: 10,
+    };
+    let cancelled = producer_env.create_partition(cancelled_id, 1).unwrap();
+    // Both gates share one connection to the producer: cancelling one must not disturb the
+    // other.
+    let kept_gate = gate_of(&consumer_env, kept_id, producer_env.local_addr());
+    let cancelled_gate = gate_of(&consumer_env, cancelled_id, producer_env.local_addr());
+    let writer = thread::spawn(move || {
+        let mut writer = RecordWriter::new(
+            cancelled,
+            ForwardSelector,
+            BufferTimeout::Every(Duration::from_millis(1)),
+        );
+        let started = Instant::now();
+        let mut seq = 0u64;
+        // Bounded: the consumer cancels within LONG, then the next emits fail.
+        while started.elapsed() < 2 * LONG {
+            match writer.emit(&seq.to_le_bytes()[..]) {
+                Ok(()) => seq += 1,
+                Err(error) => return Ok(error),
+            }
+        }
+        Err("still emitting".to_string())
+    });
+    let mut reader = RecordReader::new(cancelled_gate, 1 << 20);
+    let mut received = 0u64;
+    // Bounded: each read within LONG.
+    while received < 5_000 {
+        match reader.next_timeout(LONG) {
+            Ok(Some(ReaderItem::Record { .. })) => received += 1,
+            Ok(Some(ReaderItem::Event { .. })) => {}
+            other => panic!("the producer streams, got {other:?}"),
+        }
+    }
+    // The task gives up on its input midway: the gate closes, the request is cancelled.
+    drop(reader);
+    let error = writer.join().unwrap().expect("emit failed");
+    assert!(matches!(error, PartitionError::Released), "{error:?}");
+    // The other channel on the same connection is served to its end.
+    let kept = healthy_producer(&producer_env, kept_id, 20_000);
+    read_healthy(kept_gate, 20_000);
+    kept.join().unwrap();
+    assert!(pool_full(&producer_env));
+    assert!(pool_full(&consumer_env));
+}
+on_both_drivers!(
+    a_consumer_cancelling_midway_releases_only_its_view,
+    a_consumer_cancelling_midway_releases_only_its_view_epoll,
+    a_consumer_cancelling_midway_releases_only_its_view_uring
+);
