@@ -33,6 +33,20 @@
 //!   lock-free queue, local channels (reading the producer's view by reference), remote
 //!   channels' credit accounting, barrier alignment, a record reader.
 //!
+//! * [`protocol`] — the wire format and both ends of a connection as IO-free state machines:
+//!   handshake (with the optional HMAC-SHA256 challenge–response of [`protocol::auth`]),
+//!   partition requests with Flink's request back-off, credit, BufferResponses straight into
+//!   segments, enforced limits (frame size, channels, request rate).
+//! * [`io`] — the drivers, the only code touching sockets: io_uring (registered arenas and
+//!   files, batched submissions, zero-copy sends to non-loopback peers) and epoll (also the
+//!   one that carries optional mutual TLS), both with TCP keepalive and user timeout.
+//! * [`env`] — [`ShuffleEnvironment`], one per process: the network memory, the I/O thread, the
+//!   server, one shared connection per peer, partitions and gates.
+//!
+//! Failures are typed: a broken connection fails every channel on it with
+//! [`gate::GateError::ConnectionLost`] naming the peer; a released partition makes the writer's
+//! next emit return [`partition::PartitionError::Released`]; every segment returns to its pool.
+//!
 //! Configuration options carry Flink's names; see [`config::NetworkConfig`].
 
 pub mod buffer;
