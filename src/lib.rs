@@ -40,7 +40,7 @@
 //! * [`io`] — the drivers, the only code touching sockets: io_uring (registered arenas and
 //!   files, batched submissions, zero-copy sends to non-loopback peers) and epoll (also the
 //!   one that carries optional mutual TLS), both with TCP keepalive and user timeout.
-//! * [`env`] — [`ShuffleEnvironment`], one per process: the network memory, the I/O thread, the
+//! * [`env`](mod@env) — [`ShuffleEnvironment`], one per process: the network memory, the I/O thread, the
 //!   server, one shared connection per peer, partitions and gates.
 //!
 //! Failures are typed: a broken connection fails every channel on it with

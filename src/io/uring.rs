@@ -23,7 +23,7 @@
 //!   moves on (or drops a payload segment) in `on_read` / `on_lost`, which this driver calls
 //!   only once no read is in flight.
 //! * A write's segments are held by the state machine's outbound queue, which keeps them past
-//!   a failure until `on_written` ([`Connection::begin_write`]).
+//!   a failure until `on_written` (`Connection::begin_write`).
 //! * A zero-copy send's segments are needed until its notification (a second completion,
 //!   `IORING_CQE_F_NOTIF`), not just its own completion: the outbound queue holds frames leaving it while any zero-copy send of the
 //!   connection is unnotified (tagged with the newest one), and lets them go once every send
