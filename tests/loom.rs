@@ -423,7 +423,9 @@ fn channel_queue_notify_races_pop_and_requeue() {
 
 /// The eventfd an I/O thread sleeps on, as loom sees it: `signal` adds to the counter and
 /// wakes the sleeper; `sleep` waits until the counter is non-zero and resets it (an eventfd
-/// read). No timeout: a sleep nobody signals is a deadlock loom reports.
+/// read); `poll` is the drivers' zero-timeout wait after a busy re-check, which consumes a
+/// pending signal without waiting (a ready mio waker event / the armed eventfd read's
+/// completion reaped). No timeout: a sleep nobody signals is a deadlock loom reports.
 #[derive(Default)]
 struct EventFd {
     count: Mutex<u64>,
@@ -446,6 +448,10 @@ impl EventFd {
         }
         *count = 0;
     }
+
+    fn poll(&self) {
+        *self.count.lock().unwrap() = 0;
+    }
 }
 
 type Signal = Box<dyn Fn() + Send + Sync>;
@@ -463,17 +469,29 @@ fn io_waker() -> (Arc<IoWaker<Signal>>, Arc<EventFd>) {
 /// drivers' loop shape: drain its command queue and ready queue; if not everything has
 /// arrived, `prepare_park` (announce "parked", then re-check: command queue non-empty, ready
 /// queue non-empty after registering its waker, as `Connection::set_waker` does), sleep on the
-/// eventfd unless the re-check found work, `unpark`. The other two threads hand over work
-/// with the crate's own `IoWaker::submit` and through the ready queue's `AtomicWaker` into the
-/// `IoWaker`'s `std::task::Waker`. The I/O thread always gets both (a lost wake-up sleeps
-/// forever: loom reports a deadlock), and it is signalled at most once per park.
+/// eventfd unless the re-check found work (then a zero-timeout poll, which consumes a pending
+/// signal as the drivers' `poll` / `enter` with `Duration::ZERO` do), `unpark`. The other two
+/// threads hand over work with the crate's own `IoWaker::submit` and through the ready
+/// queue's `AtomicWaker` into the `IoWaker`'s `std::task::Waker`. The I/O thread always gets
+/// both (a lost wake-up sleeps forever: loom reports a deadlock), and it is signalled at most
+/// once per park.
 ///
-/// Open: at `LOOM_MAX_PREEMPTIONS=5` loom reports a deadlock here in which the submitter's
-/// load of `parked` returns `false` although the I/O thread's `parked = true` happens before
-/// it (through the command queue's lock: the I/O thread's re-check found the queue empty
-/// before the push). That read breaks coherence, and SeqCst fences on both sides do not
-/// remove it, so it looks like a loom artefact; not yet explained. Bound 3 (the default here)
-/// passes and catches the mutations listed in the report of issue 8.
+/// A signal meant for one park that lands after the thread went on (its re-check was busy)
+/// is consumed by a later poll or sleep: at worst one spurious turn of the loop, never a lost
+/// wake-up, because every park stores `parked = true` again before its re-check, and whoever
+/// clears that store signals after it.
+///
+/// Passes at `LOOM_MAX_PREEMPTIONS=5` too. It used not to while `wake_if_parked` cleared the
+/// flag with `swap(false)`: loom 0.7 keeps an RMW's store unordered with stores it did not
+/// see, even when the RMW read an earlier store of the same thread (no RMW atomicity in its
+/// modification order). Trace: I/O parks (`true`), its re-check finds the ready slot, it
+/// unparks (`false`); the producer's `load` had read that park's `true`, its `swap` now reads
+/// the unpark's `false` and writes `false`; the I/O thread parks again (`true`), finds the
+/// command queue empty; the submitter pushes (after that look, through the queue's lock) and
+/// its `load` returns the producer's `false`, which loom leaves unordered with the newer
+/// `true`, although a real swap that read the unpark's value sits right after it, before the
+/// second `true`. Nobody signals and the I/O thread sleeps forever. A compare-exchange that
+/// fails writes nothing, so the phantom store is gone.
 #[test]
 fn io_thread_park_races_submit_and_ready_wake() {
     bounded_model(|| {
@@ -508,7 +526,9 @@ fn io_thread_park_races_submit_and_ready_wake() {
                         busy
                     });
                     parks += 1;
-                    if !busy {
+                    if busy {
+                        eventfd.poll();
+                    } else {
                         eventfd.sleep();
                     }
                     waker.unpark();

@@ -59,10 +59,22 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
     }
 
     /// Signals the I/O thread if it is parked. Call it after publishing the work. Only the
-    /// first waker of a parked thread makes the syscall: the swap clears the flag.
+    /// first waker of a parked thread makes the syscall: its compare-exchange clears the flag.
     pub fn wake_if_parked(&self) {
         // The plain load keeps the busy path (not parked) free of a cache-line write.
-        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
+        //
+        // A compare-exchange, not `swap(false)`: a waker that loses the race (the flag already
+        // cleared by another waker or by `unpark`) writes nothing. Same values on real
+        // hardware, but loom does not enforce RMW atomicity in its modification order: it
+        // keeps a losing swap's `false` unordered with the I/O thread's later
+        // `parked = true`, and lets a waker that happens after that store read the stale
+        // `false` (a deadlock `tests/loom.rs` reported at 5 preemptions; see the model).
+        if self.parked.load(Ordering::SeqCst)
+            && self
+                .parked
+                .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
             (self.wake)();
         }
     }
