@@ -128,8 +128,24 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 #[test]
 fn cluster_runs_the_three_node_example() {
-    let run = fluxgate(&["cluster", EXAMPLE, "--timeout", "90"], LIMIT);
-    assert!(run.status.success(), "{}", run.all());
+    let run = fluxgate(&["cluster", EXAMPLE, "--timeout", "90", "--keep"], LIMIT);
+    // The node logs (a stalled node dumps its connections there) go into the failure message;
+    // the directory is removed either way.
+    let kept = run
+        .stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("node logs and reports: "))
+        .map(PathBuf::from);
+    let mut logs = String::new();
+    if let Some(dir) = &kept {
+        for index in 0..3 {
+            let path = dir.join(format!("node-{index}.stderr"));
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            logs.push_str(&format!("--- node {index} stderr\n{text}"));
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    assert!(run.status.success(), "{}{logs}", run.all());
     assert!(run.stdout.contains("result: OK"), "{}", run.all());
     assert!(
         run.stdout

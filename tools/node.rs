@@ -97,6 +97,10 @@ pub enum Fault {
     Corrupt,
 }
 
+/// Set by a subtask that stalled: the main loop then dumps the node's connections to stderr
+/// (what diagnosing a stall across nodes needs: every reader's credit, backlog and blocking).
+static STALL_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Which record of the subtask a fault hits.
 const FAULT_AT: u64 = 100;
 
@@ -551,6 +555,12 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
                     let _ = write_atomically(path, &text);
                 }
             }
+        }
+        if STALL_SEEN.swap(false, Ordering::SeqCst) {
+            eprintln!(
+                "node {index}: a subtask stalled; connections:\n{}",
+                env.debug_dump()
+            );
         }
         if running.iter().all(|(_, h)| h.is_finished()) {
             break;
@@ -1393,14 +1403,18 @@ fn consume(
                     .filter(|&c| !ended[c])
                     .map(|c| c.to_string())
                     .collect();
+                // The node's main loop dumps its connections (the producer side of this
+                // node's partitions) once it sees this.
+                STALL_SEEN.store(true, Ordering::SeqCst);
                 return Err(Failed::new(
                     FailureKind::Stalled,
                     None,
                     format!(
-                        "nothing received for {:.0} s (stalled); channels not ended: {}; gate: {}",
+                        "nothing received for {:.0} s (stalled); channels not ended: {}; gate: {}; alignment: {:?}",
                         stall.as_secs_f64(),
                         open.join(", "),
-                        gate.gate().debug_summary()
+                        gate.gate().debug_summary(),
+                        gate
                     ),
                 ));
             }

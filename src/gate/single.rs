@@ -245,12 +245,27 @@ impl SingleInputGate {
 
     /// The channel queue's state, for diagnosing stalls.
     pub fn debug_summary(&self) -> String {
-        format!(
+        let mut out = format!(
             "gate: {} finished of {}, queue [{}]",
             self.finished_count,
             self.specs.len(),
             self.queue.debug_summary()
-        )
+        );
+        for (index, channel) in self.channels.iter().enumerate() {
+            if let InputChannel::Remote(remote) = channel {
+                let shared = remote.shared();
+                out.push_str(&format!(
+                    "; ch{index}: finished {} queued {} free {} unannounced {} next-seq {} retries {}",
+                    self.finished[index],
+                    shared.queued(),
+                    shared.buffers().available(),
+                    shared.buffers().unannounced_credit(),
+                    shared.expected_sequence(),
+                    shared.request_retries()
+                ));
+            }
+        }
+        out
     }
 
     /// A local channel (for inspection: its back-off and retry time).
