@@ -100,6 +100,8 @@ pub enum Fault {
 /// Set by a subtask that stalled: the main loop then dumps the node's connections to stderr
 /// (what diagnosing a stall across nodes needs: every reader's credit, backlog and blocking).
 static STALL_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Set by the main loop once it dumped the connections for [`STALL_SEEN`].
+static STALL_DUMPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Which record of the subtask a fault hits.
 const FAULT_AT: u64 = 100;
@@ -561,6 +563,7 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
                 "node {index}: a subtask stalled; connections:\n{}",
                 env.debug_dump()
             );
+            STALL_DUMPED.store(true, Ordering::SeqCst);
         }
         if running.iter().all(|(_, h)| h.is_finished()) {
             break;
@@ -1404,8 +1407,16 @@ fn consume(
                     .map(|c| c.to_string())
                     .collect();
                 // The node's main loop dumps its connections (the producer side of this
-                // node's partitions) once it sees this.
+                // node's partitions) once it sees this; wait (bounded) for that dump, so it
+                // shows the state of the stall, not of the failure handling that follows.
+                STALL_DUMPED.store(false, Ordering::SeqCst);
                 STALL_SEEN.store(true, Ordering::SeqCst);
+                let asked = Instant::now();
+                while !STALL_DUMPED.load(Ordering::SeqCst)
+                    && asked.elapsed() < Duration::from_secs(2)
+                {
+                    thread::sleep(Duration::from_millis(5));
+                }
                 return Err(Failed::new(
                     FailureKind::Stalled,
                     None,

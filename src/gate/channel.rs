@@ -167,6 +167,16 @@ pub struct LocalInputChannel {
     metrics: ChannelMetrics,
 }
 
+impl LocalInputChannel {
+    /// The view's queue state (or "not requested"), for diagnosing stalls.
+    pub fn debug_summary(&self) -> String {
+        match &self.view {
+            Some(view) => view.debug_summary(),
+            None => format!("not requested (retry at {:?})", self.retry_at),
+        }
+    }
+}
+
 impl fmt::Debug for LocalInputChannel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LocalInputChannel")

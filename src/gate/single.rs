@@ -252,6 +252,13 @@ impl SingleInputGate {
             self.queue.debug_summary()
         );
         for (index, channel) in self.channels.iter().enumerate() {
+            if let InputChannel::Local(local) = channel {
+                out.push_str(&format!(
+                    "; ch{index}: finished {} local [{}]",
+                    self.finished[index],
+                    local.debug_summary()
+                ));
+            }
             if let InputChannel::Remote(remote) = channel {
                 let shared = remote.shared();
                 out.push_str(&format!(
