@@ -685,3 +685,50 @@ fn a_record_reader_reads_through_barrier_alignment() {
     assert!(seen[..barrier_at].contains(&"b0".to_string()));
     assert_eq!(seen[barrier_at + 1..], ["a1".to_string()]);
 }
+
+#[test]
+fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
+    // The cluster deadlock it prevents: a pass-through task whose alignment completed because
+    // its last open channel ended (EndOfPartition, no barrier) never saw the barrier, so it
+    // never forwarded it, and every downstream alignment waited for it forever.
+    let f = fixture();
+    let mut a = f.producer(18, 1);
+    let mut b = f.producer(19, 1);
+    let mut gate = f.gate(&[(18, 0), (19, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    a.broadcast_event(&barrier(4, Alignment::Aligned), false)
+        .unwrap();
+    a.emit_record(&b"after".to_vec()[..], 0).unwrap();
+    a.flush(0);
+    assert!(
+        checkpointed.poll_next().unwrap().is_none(),
+        "channel 0 is blocked"
+    );
+    assert_eq!(checkpointed.pending_checkpoint(), Some(4));
+    b.finish().unwrap();
+    let first = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        event(&first.item),
+        &barrier(4, Alignment::Aligned),
+        "the barrier comes first"
+    );
+    assert_eq!(checkpointed.pending_checkpoint(), None);
+    let second = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (second.channel, event(&second.item)),
+        (1, &Event::EndOfPartition)
+    );
+    // Channel 0 was resumed: its data after the barrier follows.
+    let third = checkpointed
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    assert_eq!((third.channel, data(&third.item)), (0, framed(b"after")));
+}

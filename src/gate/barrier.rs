@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::{BufferOrEvent, GateError, GateItem, InputGate};
 use crate::buffer::Buffer;
-use crate::event::{Alignment, Event};
+use crate::event::{Alignment, CheckpointBarrier, Event};
 
 /// How barriers are aligned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +53,12 @@ pub struct CheckpointedInputGate<G> {
     /// Channels blocked behind an aligned barrier.
     blocked: Vec<usize>,
     persist: Vec<Persist>,
+    /// The barrier of the aligned checkpoint in progress (and a channel it came on): when the
+    /// alignment completes because a channel ended rather than on a barrier, this is the
+    /// barrier the task sees, so it still forwards it downstream.
+    held_barrier: Option<(usize, CheckpointBarrier)>,
+    /// An item read from the gate that goes to the task after a barrier surfaced ahead of it.
+    deferred: Option<BufferOrEvent>,
 }
 
 impl<G> fmt::Debug for CheckpointedInputGate<G> {
@@ -79,6 +85,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             barrier_seen: vec![false; channels],
             blocked: Vec::new(),
             persist: vec![Persist::Done; channels],
+            held_barrier: None,
+            deferred: None,
         }
     }
 
@@ -104,6 +112,9 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     /// The next item the task should see, without blocking.
     pub fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if let Some(item) = self.deferred.take() {
+            return Ok(Some(item));
+        }
         // Bounded by what the gate can deliver now; swallowed barriers loop.
         loop {
             let Some(item) = self.gate.poll_next()? else {
@@ -127,6 +138,9 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         &mut self,
         deadline: Option<Instant>,
     ) -> Result<Option<BufferOrEvent>, GateError> {
+        if let Some(item) = self.deferred.take() {
+            return Ok(Some(item));
+        }
         loop {
             let Some(item) = self.gate.next_until(deadline)? else {
                 return Ok(None);
@@ -160,8 +174,12 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                     self.on_unaligned_barrier(id, channel, item.overtaken)
                         .map(|surface| surface.then_some(item))
                 } else {
-                    self.on_aligned_barrier(id, channel)
-                        .map(|surface| surface.then_some(item))
+                    let barrier = *barrier;
+                    let surface = self.on_aligned_barrier(id, channel)?;
+                    // Held while this checkpoint aligns, for a completion by a channel's end.
+                    self.held_barrier =
+                        (!surface && self.current == Some(id)).then_some((channel, barrier));
+                    Ok(surface.then_some(item))
                 }
             }
             GateItem::Event {
@@ -183,8 +201,23 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 ..
             } => {
                 self.persist[channel] = Persist::Done;
-                if self.current.is_some() {
-                    self.check_complete()?;
+                let held = self.held_barrier;
+                if self.current.is_some() && self.check_complete()? {
+                    // The alignment completed because this channel ended: the task must still
+                    // see the checkpoint's barrier (it forwards it downstream, whose own
+                    // alignment waits for it), then this end.
+                    if let Some((barrier_channel, barrier)) = held {
+                        self.deferred = Some(item);
+                        return Ok(Some(BufferOrEvent {
+                            channel: barrier_channel,
+                            item: GateItem::Event {
+                                event: Event::CheckpointBarrier(barrier),
+                                priority: false,
+                            },
+                            more_available: true,
+                            overtaken: 0,
+                        }));
+                    }
                 }
                 Ok(Some(item))
             }
@@ -309,6 +342,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     fn finish_checkpoint(&mut self, id: u64) -> Result<(), GateError> {
         self.current = None;
+        self.held_barrier = None;
         self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
         self.persist.iter_mut().for_each(|p| *p = Persist::Done);
         for channel in std::mem::take(&mut self.blocked) {
