@@ -77,7 +77,6 @@ impl EpollDriver {
             connections: HashMap::new(),
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
-            refused_due: Vec::new(),
             accepted: 0,
             next_token: FIRST_CONNECTION,
             commands: commands.clone(),
@@ -156,8 +155,6 @@ struct Loop {
     peers: HashMap<(SocketAddr, usize), Token>,
     /// Channels whose connection was refused, to try again.
     refused: RefusedConnects,
-    /// Scratch for the refused connections due in one loop turn.
-    refused_due: Vec<(Command, crate::gate::Backoff)>,
     /// Accepted (server-side) connections open now.
     accepted: usize,
     next_token: usize,
@@ -244,19 +241,15 @@ impl Loop {
 
     /// Tries again the connections refused earlier whose back-off ran out.
     fn retry_refused(&mut self, now: Instant) {
-        let mut due = std::mem::take(&mut self.refused_due);
-        self.refused.take_due(now, &mut due);
-        for (command, backoff) in due.drain(..) {
-            if let Command::Connect {
-                peer,
-                connection_index,
-                channel,
-            } = command
-            {
-                self.connect_channel(peer, connection_index, channel, backoff, now);
-            }
+        while let Some(due) = self.refused.pop_due(now) {
+            self.connect_channel(
+                due.peer,
+                due.connection_index,
+                due.channel,
+                due.backoff,
+                now,
+            );
         }
-        self.refused_due = due;
     }
 
     /// Returns false on shutdown.

@@ -248,6 +248,14 @@ impl fmt::Debug for RefusedConnects {
     }
 }
 
+/// A refused connection whose back-off ran out: try it again.
+pub(crate) struct DueConnect {
+    pub(crate) peer: SocketAddr,
+    pub(crate) connection_index: usize,
+    pub(crate) channel: Arc<RemoteChannelShared>,
+    pub(crate) backoff: crate::gate::Backoff,
+}
+
 /// What a driver does with a channel whose connection attempt failed.
 pub(crate) enum ConnectFailure {
     /// Queued for another attempt.
@@ -289,37 +297,30 @@ impl RefusedConnects {
         ConnectFailure::Retrying
     }
 
-    /// Moves the attempts due at `now` into `out` as Connect commands with their back-off;
-    /// channels the gate released meanwhile are dropped.
-    pub(crate) fn take_due(
-        &mut self,
-        now: Instant,
-        out: &mut Vec<(Command, crate::gate::Backoff)>,
-    ) {
-        if self.waiting.is_empty() {
-            return;
-        }
-        let mut index = 0;
+    /// The next attempt due at `now`, with the back-off it went through; channels the gate
+    /// released meanwhile are dropped. A driver calls it until `None`: an attempt that fails
+    /// again is queued with a later due time, so the loop ends.
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<DueConnect> {
         // Bounded by the list: each pass removes an entry or steps past one.
+        let mut index = 0;
         while index < self.waiting.len() {
             let entry = &self.waiting[index];
-            if entry.channel.is_released() || entry.due <= now {
+            if entry.channel.is_released() {
+                self.waiting.swap_remove(index);
+            } else if entry.due <= now {
                 let entry = self.waiting.swap_remove(index);
-                if !entry.channel.is_released() {
-                    entry.channel.note_retry();
-                    out.push((
-                        Command::Connect {
-                            peer: entry.peer,
-                            connection_index: entry.connection_index,
-                            channel: entry.channel,
-                        },
-                        entry.backoff,
-                    ));
-                }
+                entry.channel.note_retry();
+                return Some(DueConnect {
+                    peer: entry.peer,
+                    connection_index: entry.connection_index,
+                    channel: entry.channel,
+                    backoff: entry.backoff,
+                });
             } else {
                 index += 1;
             }
         }
+        None
     }
 
     /// When the next attempt is due.

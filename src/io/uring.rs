@@ -409,8 +409,6 @@ struct Loop {
     peers: HashMap<(SocketAddr, usize), usize>,
     /// Channels whose connection was refused, to try again.
     refused: RefusedConnects,
-    /// Scratch for the refused connections due in one loop turn.
-    refused_due: Vec<(Command, crate::gate::Backoff)>,
     /// Accepted (server-side) connections open now, closing ones included.
     accepted: usize,
     /// Reads, writes, the accept and the eventfd read submitted and not completed.
@@ -503,7 +501,6 @@ impl Loop {
             next_generation: 0,
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
-            refused_due: Vec::new(),
             accepted: 0,
             in_flight: 0,
             commands,
@@ -765,19 +762,15 @@ impl Loop {
 
     /// Tries again the connections refused earlier whose back-off ran out.
     fn retry_refused(&mut self, now: Instant) {
-        let mut due = std::mem::take(&mut self.refused_due);
-        self.refused.take_due(now, &mut due);
-        for (command, backoff) in due.drain(..) {
-            if let Command::Connect {
-                peer,
-                connection_index,
-                channel,
-            } = command
-            {
-                self.connect_channel(peer, connection_index, channel, backoff, now);
-            }
+        while let Some(due) = self.refused.pop_due(now) {
+            self.connect_channel(
+                due.peer,
+                due.connection_index,
+                due.channel,
+                due.backoff,
+                now,
+            );
         }
-        self.refused_due = due;
     }
 
     /// Returns false on shutdown.
