@@ -12,6 +12,9 @@
 //! No sleeps as synchronization: every wait is on a condition with a deadline, every loop is
 //! bounded.
 
+#[macro_use]
+mod common;
+
 use std::io::{ErrorKind as IoErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -59,32 +62,6 @@ const SHARED_SECRET: &[u8] = b"chaos peer test: the cluster's shared secret";
 
 // ---------------------------------------------------------------------------------------------
 // Environments
-
-/// Runs `test` on `transport`; on io_uring only where the kernel allows it.
-fn on(transport: Transport, test: impl FnOnce(Transport)) {
-    if transport == Transport::Uring {
-        if let Err(reason) = fluxgate::io::uring::probe() {
-            eprintln!("SKIPPED: io_uring unavailable: {reason}");
-            return;
-        }
-    }
-    test(transport);
-}
-
-/// One test per driver.
-macro_rules! on_both_drivers {
-    ($test:ident, $epoll:ident, $uring:ident) => {
-        #[test]
-        fn $epoll() {
-            on(Transport::Epoll, $test);
-        }
-
-        #[test]
-        fn $uring() {
-            on(Transport::Uring, $test);
-        }
-    };
-}
 
 /// A file holding `secret`, removed when dropped.
 struct SecretFile(PathBuf);

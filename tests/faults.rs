@@ -14,6 +14,9 @@
 //! the consumer process is this test binary run again on the ignored
 //! `consumer_process_for_fault_tests`. Every wait is bounded; no sleep synchronizes.
 
+#[macro_use]
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -30,31 +33,6 @@ use fluxgate::protocol::{Message, ReceiverId};
 use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
 
 const LONG: Duration = Duration::from_secs(30);
-
-/// Runs `test` on `transport`; on io_uring only where the kernel allows it.
-fn on(transport: Transport, test: impl FnOnce(Transport)) {
-    if transport == Transport::Uring {
-        if let Err(reason) = fluxgate::io::uring::probe() {
-            eprintln!("SKIPPED: io_uring unavailable: {reason}");
-            return;
-        }
-    }
-    test(transport);
-}
-
-macro_rules! on_both_drivers {
-    ($test:ident, $epoll:ident, $uring:ident) => {
-        #[test]
-        fn $epoll() {
-            on(Transport::Epoll, $test);
-        }
-
-        #[test]
-        fn $uring() {
-            on(Transport::Uring, $test);
-        }
-    };
-}
 
 fn transport_name(transport: Transport) -> &'static str {
     match transport {

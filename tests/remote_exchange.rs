@@ -2,6 +2,9 @@
 //! on both drivers (`_epoll`, `_uring`; the io_uring variants skip loudly where the kernel
 //! refuses io_uring).
 
+#[macro_use]
+mod common;
+
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -41,32 +44,6 @@ fn env_with(node: u128, transport: Transport, options: &[(&str, &str)]) -> Shuff
     .unwrap();
     assert_eq!(env.transport(), transport, "the requested driver runs");
     env
-}
-
-/// Runs `test` on `transport`; on io_uring only where the kernel allows it.
-fn on(transport: Transport, test: impl FnOnce(Transport)) {
-    if transport == Transport::Uring {
-        if let Err(reason) = fluxgate::io::uring::probe() {
-            eprintln!("SKIPPED: io_uring unavailable: {reason}");
-            return;
-        }
-    }
-    test(transport);
-}
-
-/// One test per driver.
-macro_rules! on_both_drivers {
-    ($test:ident, $epoll:ident, $uring:ident) => {
-        #[test]
-        fn $epoll() {
-            on(Transport::Epoll, $test);
-        }
-
-        #[test]
-        fn $uring() {
-            on(Transport::Uring, $test);
-        }
-    };
 }
 
 fn pid(producer: usize) -> ResultPartitionId {
