@@ -36,7 +36,6 @@ use fluxgate::protocol::frame::{
     BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER,
 };
 use fluxgate::protocol::{ClientConnection, ReceiverId, ServerConfig, ServerConnection};
-use fluxgate::record::LENGTH_PREFIX;
 use fluxgate::NetworkConfig;
 
 /// Payload bytes per segment (the default `taskmanager.memory.segment-size`).
@@ -159,7 +158,7 @@ impl Pair {
             client,
             gate,
             // With its length prefix, a record that fills a segment exactly.
-            record: vec![0xA5; SEGMENT - LENGTH_PREFIX],
+            record: vec![0xA5; SEGMENT - fluxgate::record::prefix_len(SEGMENT)],
             now: Instant::now(),
             buffers_read: 0,
             bytes_read: 0,

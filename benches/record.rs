@@ -13,7 +13,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use fluxgate::buffer::{
     Buffer, BufferBuilder, BufferConsumer, LocalBufferPool, LocalPoolSpec, NetworkBufferPool,
 };
-use fluxgate::record::{self, RecordDeserializer, RecordError, SegmentSink, LENGTH_PREFIX};
+use fluxgate::record::{self, RecordDeserializer, RecordError, SegmentSink};
 use fluxgate::NetworkConfig;
 
 /// Segments of serialized records the deserialization benchmark reads per pass (16 × 32 KiB).
@@ -138,7 +138,7 @@ fn prepare(pool: &LocalBufferPool, size: usize, max_record_bytes: usize) -> (Vec
         || sink
             .current
             .as_ref()
-            .is_some_and(|(b, _)| b.remaining() >= LENGTH_PREFIX + size)
+            .is_some_and(|(b, _)| b.remaining() >= record::framed_len(size))
     {
         record::serialize(&record[..], &mut sink, max_record_bytes).expect("record fits");
         records += 1;

@@ -23,7 +23,7 @@
 //!   frame header); [`LocalBufferPool`](buffer::LocalBufferPool)s give partitions and gates
 //!   their quota; [`BufferBuilder`](buffer::BufferBuilder) / [`BufferConsumer`](buffer::BufferConsumer)
 //!   / [`Buffer`](buffer::Buffer) lease segments and recycle them on the last drop.
-//! * [`record`] — `[u32 length | bytes]` records serialized straight into segments, spanning
+//! * [`record`] — `[varint length | bytes]` records serialized straight into segments, spanning
 //!   segments when they must; a deserializer yielding borrowed slices.
 //! * [`event`] — in-band events (end of partition, checkpoint barriers, ...) and their bytes.
 //! * [`partition`] — the producer: result partitions, pipelined subpartitions (lock-free data

@@ -155,7 +155,7 @@ mod tests {
     use crate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
     use crate::NetworkConfig;
 
-    // 300 × 104 bytes: eight 4 KiB buffers, under the subpartition's 10-buffer limit.
+    // 300 × 101 bytes: eight 4 KiB buffers, under the subpartition's 10-buffer limit.
     const RECORDS: u64 = 300;
     const RECORD: [u8; 100] = [7; 100];
 
@@ -222,9 +222,9 @@ mod tests {
     fn snapshots_count_what_went_through() {
         let (written, after, input) = exchange();
         assert_eq!(written.num_records_out, RECORDS);
-        // Every record is a 4-byte length and 100 bytes; finish closes the last buffer.
-        assert_eq!(written.num_bytes_out, RECORDS * 104);
-        assert!(written.num_buffers_out >= RECORDS * 104 / 4096);
+        // Every record is a 1-byte length and 100 bytes; finish closes the last buffer.
+        assert_eq!(written.num_bytes_out, RECORDS * 101);
+        assert!(written.num_buffers_out >= RECORDS * 101 / 4096);
         assert!(
             written.out_pool_usage > 0.0 && written.out_pool_usage <= 1.0,
             "{written}"

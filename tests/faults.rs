@@ -507,9 +507,15 @@ fn buffer_response(receiver: ReceiverId, sequence: u64, payload: &[u8]) -> Vec<u
     out
 }
 
-/// One record `[u32 length | bytes]` as the serializer writes it.
+/// One record `[LEB128 length | bytes]` as the serializer writes it, written out here.
 fn framed_record(bytes: &[u8]) -> Vec<u8> {
-    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+    let mut out = Vec::new();
+    let mut len = bytes.len();
+    while len >= 0x80 {
+        out.push((len as u8) | 0x80);
+        len >>= 7;
+    }
+    out.push(len as u8);
     out.extend_from_slice(bytes);
     out
 }

@@ -125,8 +125,8 @@ fn partial_buffers_are_readable_only_after_a_flush_and_the_listener_hears_once()
     assert_eq!(records_of(&item), vec![b"three".to_vec()]);
     assert_eq!(
         item.buffer.offset(),
-        14,
-        "the same segment, read on from where it stopped"
+        8,
+        "the same segment, read on from where it stopped (two 1-byte lengths, 6 bytes)"
     );
     assert_eq!(item.sequence_number, 1);
 }
@@ -136,7 +136,7 @@ fn full_buffers_are_readable_with_backlog_and_consecutive_sequence_numbers() {
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, signal) = view(&partition, 0);
-    let record = [9u8; 1020]; // 1024 bytes with its prefix: 4 per segment
+    let record = [9u8; 1022]; // 1024 bytes with its 2-byte prefix: 4 per segment
     for _ in 0..12 {
         partition.emit_record(&record[..], 0).unwrap();
     }
@@ -557,7 +557,7 @@ fn a_barrier_is_written_even_when_blocked_consumers_hold_the_whole_pool() {
         "the pool outgrows one subpartition's cap"
     );
     // One full segment per record: nobody reads, so each record leases one more segment.
-    let record = vec![1u8; 4096 - fluxgate::record::LENGTH_PREFIX];
+    let record = vec![1u8; 4096 - fluxgate::record::prefix_len(4096)];
     for _ in 0..per_channel {
         partition.emit_record(&record[..], 0).unwrap();
     }

@@ -158,6 +158,10 @@ proptest! {
                         reader.clear();
                         break;
                     }
+                    Err(RecordError::MalformedLength) => {
+                        reader.clear();
+                        break;
+                    }
                     Err(other) => prop_assert!(false, "unexpected error {other}"),
                 }
             }
@@ -182,7 +186,7 @@ fn a_length_over_the_maximum_is_refused_before_any_allocation() {
     let (network, _) = network();
     let mut reader = RecordDeserializer::new(64);
     reader
-        .set_next_buffer(one_buffer(&network, &u32::MAX.to_be_bytes()))
+        .set_next_buffer(one_buffer(&network, &[0xFF, 0xFF, 0xFF, 0xFF, 0x0F]))
         .unwrap();
     assert_eq!(
         reader.next_record().unwrap_err(),
@@ -194,10 +198,77 @@ fn a_length_over_the_maximum_is_refused_before_any_allocation() {
 }
 
 #[test]
+fn a_length_no_u32_is_written_as_is_malformed() {
+    let (network, _) = network();
+    // Six bytes of continuation; a fifth byte with bits above the 32nd.
+    for bytes in [
+        &[0x80u8, 0x80, 0x80, 0x80, 0x80, 0x01][..],
+        &[0xFF, 0xFF, 0xFF, 0xFF, 0x10],
+    ] {
+        let mut reader = RecordDeserializer::new(u32::MAX as usize);
+        reader.set_next_buffer(one_buffer(&network, bytes)).unwrap();
+        assert_eq!(
+            reader.next_record().unwrap_err(),
+            RecordError::MalformedLength,
+            "{bytes:x?}"
+        );
+        reader.clear();
+    }
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_length_prefix_split_over_three_buffers_is_gathered() {
+    let (network, _) = network();
+    // 20 000 is 0xA0 0x9C 0x01 as LEB128: one byte per buffer, then the body in two pieces.
+    let body: Vec<u8> = (0..20_000u32).map(|i| i as u8).collect();
+    let mut pieces: Vec<&[u8]> = vec![&[0xA0], &[0x9C], &[0x01], &body[..7]];
+    // The rest in pieces that fit the test network's segments.
+    pieces.extend(body[7..].chunks(4000));
+    let mut reader = RecordDeserializer::new(1 << 20);
+    let mut records = Vec::new();
+    for piece in pieces {
+        reader.set_next_buffer(one_buffer(&network, piece)).unwrap();
+        while let Some(record) = reader.next_record().unwrap() {
+            records.push(record.to_vec());
+        }
+    }
+    assert_eq!(records.len(), 1);
+    assert!(records[0] == body, "the record's bytes differ");
+    reader.finish().unwrap();
+}
+
+#[test]
+fn lengths_take_one_byte_under_128_and_two_under_16_kib() {
+    for (len, prefix) in [
+        (0, 1),
+        (127, 1),
+        (128, 2),
+        (16_383, 2),
+        (16_384, 3),
+        (u32::MAX as usize, 5),
+    ] {
+        assert_eq!(record::prefix_len(len), prefix, "{len}");
+        let mut out = [0u8; record::MAX_LENGTH_PREFIX];
+        assert_eq!(record::encode_prefix(len as u32, &mut out), prefix, "{len}");
+        assert_eq!(
+            record::decode_prefix(&out[..prefix]),
+            record::Prefix::Complete { len, size: prefix }
+        );
+        if prefix > 1 {
+            assert_eq!(
+                record::decode_prefix(&out[..prefix - 1]),
+                record::Prefix::Incomplete
+            );
+        }
+    }
+}
+
+#[test]
 fn a_stream_ending_inside_a_record_is_truncated() {
     let (network, _) = network();
     let mut reader = RecordDeserializer::new(64);
-    let mut bytes = 10u32.to_be_bytes().to_vec();
+    let mut bytes = vec![10u8];
     bytes.extend_from_slice(b"abc");
     reader
         .set_next_buffer(one_buffer(&network, &bytes))
@@ -211,7 +282,7 @@ fn a_new_buffer_before_the_old_one_is_read_is_refused() {
     let (network, _) = network();
     let mut reader = RecordDeserializer::new(64);
     reader
-        .set_next_buffer(one_buffer(&network, b"\0\0\0\x01x"))
+        .set_next_buffer(one_buffer(&network, b"\x01x"))
         .unwrap();
     assert_eq!(
         reader

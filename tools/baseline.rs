@@ -1,7 +1,7 @@
 //! The raw-TCP baseline: the same record stream with no engine at all — plain blocking
-//! loopback sockets, `[u32 length | bytes]` records packed back to back into 32 KiB writes
-//! (throughput), or one write per record at a fixed rate (latency). Every engine figure is
-//! printed beside it.
+//! loopback sockets, `[varint length | bytes]` records (the engine's wire format, LEB128
+//! lengths) packed back to back into 32 KiB writes (throughput), or one write per record at a
+//! fixed rate (latency). Every engine figure is printed beside it.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -30,13 +30,24 @@ fn connected_pair() -> std::io::Result<(TcpStream, TcpStream)> {
     Ok((sender, receiver))
 }
 
-/// Counts the records in a byte stream of `[u32 length | bytes]` records (split anywhere).
+/// `len` as an unsigned LEB128 varint appended to `out`.
+fn put_length(out: &mut Vec<u8>, len: usize) {
+    let mut value = len as u32;
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// Counts the records in a byte stream of `[varint length | bytes]` records (split anywhere).
 #[derive(Default)]
 struct Counter {
     /// Bytes still to skip of the current record's body.
     body_left: usize,
-    prefix: [u8; 4],
-    prefix_len: usize,
+    /// The length decoded so far, and how many of its bytes were seen.
+    length: u64,
+    length_bytes: u32,
     records: u64,
     payload: u64,
 }
@@ -51,29 +62,37 @@ impl Counter {
                 bytes = &bytes[take..];
                 continue;
             }
-            if self.prefix_len == 0 && bytes.len() >= 4 {
-                let len = u32::from_be_bytes(bytes[..4].try_into().expect("4 bytes")) as usize;
+            if self.length_bytes == 0 && bytes[0] < 0x80 {
+                // A one-byte length, the body most likely in this read.
+                let len = bytes[0] as usize;
                 self.records += 1;
                 self.payload += len as u64;
-                if bytes.len() >= 4 + len {
-                    on_record(&bytes[4..4 + len]);
-                    bytes = &bytes[4 + len..];
+                if bytes.len() > len {
+                    on_record(&bytes[1..1 + len]);
+                    bytes = &bytes[1 + len..];
                 } else {
-                    self.body_left = len - (bytes.len() - 4);
+                    self.body_left = len - (bytes.len() - 1);
                     bytes = &[];
                 }
                 continue;
             }
-            let take = (4 - self.prefix_len).min(bytes.len());
-            self.prefix[self.prefix_len..self.prefix_len + take].copy_from_slice(&bytes[..take]);
-            self.prefix_len += take;
-            bytes = &bytes[take..];
-            if self.prefix_len == 4 {
-                self.prefix_len = 0;
-                let len = u32::from_be_bytes(self.prefix) as usize;
+            let byte = bytes[0];
+            bytes = &bytes[1..];
+            self.length |= u64::from(byte & 0x7F) << (7 * self.length_bytes);
+            self.length_bytes += 1;
+            if byte < 0x80 {
+                let len = self.length as usize;
+                self.length = 0;
+                self.length_bytes = 0;
                 self.records += 1;
                 self.payload += len as u64;
-                self.body_left = len;
+                if bytes.len() >= len {
+                    on_record(&bytes[..len]);
+                    bytes = &bytes[len..];
+                } else {
+                    self.body_left = len - bytes.len();
+                    bytes = &[];
+                }
             }
         }
     }
@@ -94,13 +113,14 @@ pub fn throughput(record_size: usize, duration: Duration) -> std::io::Result<Mov
             counter.feed(&buffer[..n], |_| {});
         }
     });
-    let mut batch = Vec::with_capacity(BATCH + record_size + 4);
+    let mut batch = Vec::with_capacity(BATCH + record_size + 5);
     let record = vec![0xA5u8; record_size];
+    let prefix_len = (1..5).take_while(|i| record_size >> (7 * i) > 0).count() + 1;
     while started.elapsed() < duration {
         for _ in 0..64 {
             // Pack records back to back; write a full batch at a time.
-            while batch.len() + 4 + record_size <= BATCH {
-                batch.extend_from_slice(&(record_size as u32).to_be_bytes());
+            while batch.len() + prefix_len + record_size <= BATCH {
+                put_length(&mut batch, record_size);
                 batch.extend_from_slice(&record);
             }
             sender.write_all(&batch)?;
@@ -149,16 +169,53 @@ pub fn latency(
     let size = record_size.max(8);
     let interval = Duration::from_secs_f64(1.0 / rate as f64);
     let total = (rate as f64 * duration.as_secs_f64()) as u64;
-    let mut frame = vec![0u8; 4 + size];
-    frame[..4].copy_from_slice(&(size as u32).to_be_bytes());
+    let mut frame = Vec::with_capacity(5 + size);
+    put_length(&mut frame, size);
+    let body = frame.len();
+    frame.resize(body + size, 0);
     for i in 0..total {
         let scheduled = interval * i as u32;
         super::bench::pace(epoch, scheduled);
-        frame[4..12].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
+        frame[body..body + 8].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
         sender.write_all(&frame)?;
     }
     sender.shutdown(std::net::Shutdown::Write)?;
     reader
         .join()
         .map_err(|_| std::io::Error::other("baseline reader panicked"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_counter_reads_varint_framed_records_split_anywhere() {
+        let sizes = [0usize, 1, 8, 127, 128, 300, 16_383, 16_384, 20_000];
+        let mut stream = Vec::new();
+        for (i, &size) in sizes.iter().enumerate() {
+            put_length(&mut stream, size);
+            stream.extend(std::iter::repeat_n(i as u8, size));
+        }
+        // Prefix widths as LEB128 has them: 1 byte under 128, 2 under 16 384, 3 above.
+        let prefixes = 1 + 1 + 1 + 1 + 2 + 2 + 2 + 3 + 3;
+        assert_eq!(stream.len(), sizes.iter().sum::<usize>() + prefixes);
+        for chunk in [1, 2, 3, 7, 128, 4096, stream.len()] {
+            let mut counter = Counter::default();
+            let mut whole = Vec::new();
+            for piece in stream.chunks(chunk) {
+                counter.feed(piece, |record| whole.push(record.to_vec()));
+            }
+            assert_eq!(counter.records, sizes.len() as u64, "chunk {chunk}");
+            assert_eq!(counter.payload, sizes.iter().sum::<usize>() as u64);
+            // Records seen whole inside one read have the right bytes.
+            for record in &whole {
+                let index = sizes
+                    .iter()
+                    .position(|&s| s == record.len())
+                    .expect("a size");
+                assert!(record.iter().all(|&b| b == index as u8), "chunk {chunk}");
+            }
+        }
+    }
 }

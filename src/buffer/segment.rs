@@ -249,6 +249,7 @@ unsafe fn copy_small(src: *const u8, dst: *mut u8, n: usize) {
     // SAFETY: the caller's contract; each access below stays within the `n` bytes.
     unsafe {
         match n {
+            1 => dst.write(src.read()),
             4 => dst
                 .cast::<u32>()
                 .write_unaligned(src.cast::<u32>().read_unaligned()),
@@ -439,23 +440,32 @@ impl BufferBuilder {
         n
     }
 
-    /// Appends `[u32 big-endian length | bytes]` and publishes it: a whole record in one step.
-    /// The caller checked that it fits (`remaining() >= 4 + bytes.len()`).
+    /// Appends `[length prefix | bytes]` (see [`crate::record`]) and publishes it: a whole
+    /// record in one step. The caller checked that it fits
+    /// (`remaining() >= record::framed_len(bytes.len())`).
     #[inline]
     pub fn append_framed(&mut self, bytes: &[u8]) {
-        let total = 4 + bytes.len();
+        let len = bytes.len();
+        let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
+        let prefix_bytes = if len < 0x80 {
+            // The common small record: one prefix byte, no loop.
+            prefix[0] = len as u8;
+            1
+        } else {
+            crate::record::encode_prefix(len as u32, &mut prefix)
+        };
+        let total = prefix_bytes + len;
         assert!(
             total <= self.remaining(),
             "append_framed past the segment's end"
         );
         self.assert_writable();
-        let prefix = (bytes.len() as u32).to_be_bytes();
         // SAFETY: `[position, position + total)` lies inside the payload (checked above), above
         // every published byte, and this builder is the segment's only writer.
         unsafe {
             let dst = self.payload.as_ptr().add(self.position as usize);
-            dst.cast::<[u8; 4]>().write_unaligned(prefix);
-            copy_small(bytes.as_ptr(), dst.add(4), bytes.len());
+            copy_small(prefix.as_ptr(), dst, prefix_bytes);
+            copy_small(bytes.as_ptr(), dst.add(prefix_bytes), len);
         }
         self.position += total as u32;
         self.commit();

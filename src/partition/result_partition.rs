@@ -204,7 +204,7 @@ impl ResultPartition {
         // general path, which checks the same conditions again.
         if let Some(bytes) = record.as_contiguous() {
             if let Some(Some(builder)) = self.unicast.get_mut(target) {
-                if record::LENGTH_PREFIX + bytes.len() <= builder.remaining()
+                if record::framed_len(bytes.len()) <= builder.remaining()
                     && bytes.len() <= self.max_record_bytes
                     && !self.finished
                     && self.broadcast.is_none()

@@ -1,6 +1,6 @@
 //! Reading records back out of a channel's buffers.
 
-use super::{RecordError, LENGTH_PREFIX};
+use super::{decode_prefix, Prefix, RecordError, MAX_LENGTH_PREFIX};
 use crate::buffer::Buffer;
 
 /// Turns a channel's data buffers back into records (Flink's
@@ -15,7 +15,7 @@ pub struct RecordDeserializer {
     buffer: Option<Buffer>,
     position: usize,
     /// Length-prefix bytes gathered so far when the prefix itself spans buffers.
-    prefix: [u8; LENGTH_PREFIX],
+    prefix: [u8; MAX_LENGTH_PREFIX],
     prefix_len: usize,
     /// Length of the record being assembled in `scratch`, if any.
     spanning: Option<usize>,
@@ -40,7 +40,7 @@ impl RecordDeserializer {
         Self {
             buffer: None,
             position: 0,
-            prefix: [0; LENGTH_PREFIX],
+            prefix: [0; MAX_LENGTH_PREFIX],
             prefix_len: 0,
             spanning: None,
             scratch: Vec::new(),
@@ -83,11 +83,16 @@ impl RecordDeserializer {
             return false;
         };
         let bytes = buffer.as_slice();
-        let Some(prefix) = bytes.get(self.position..self.position + LENGTH_PREFIX) else {
+        // One prefix byte: every record under 128 bytes. Longer prefixes and everything at a
+        // buffer's edge take `advance`.
+        let Some(&first) = bytes.get(self.position) else {
             return false;
         };
-        let len = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
-        let start = self.position + LENGTH_PREFIX;
+        if first >= 0x80 {
+            return false;
+        }
+        let len = first as usize;
+        let start = self.position + 1;
         if len > self.max_record_bytes || bytes.len() - start < len {
             return false;
         }
@@ -122,32 +127,45 @@ impl RecordDeserializer {
                 }
                 continue;
             }
-            if self.prefix_len == 0 && rest.len() >= LENGTH_PREFIX {
-                // The common case: the prefix is whole in this buffer.
-                let len = self.checked_len([rest[0], rest[1], rest[2], rest[3]])?;
-                if rest.len() - LENGTH_PREFIX >= len {
-                    let start = self.position + LENGTH_PREFIX;
-                    self.position = start + len;
-                    self.current = Some(Location::Buffer { start, len });
-                    return Ok(true);
+            if self.prefix_len == 0 {
+                match decode_prefix(rest) {
+                    Prefix::Complete { len, size } => {
+                        // The common case: the prefix is whole in this buffer.
+                        let len = self.checked_len(len)?;
+                        if rest.len() - size >= len {
+                            let start = self.position + size;
+                            self.position = start + len;
+                            self.current = Some(Location::Buffer { start, len });
+                            return Ok(true);
+                        }
+                        self.position += size;
+                        self.begin_spanning(len);
+                        continue;
+                    }
+                    Prefix::Malformed => return Err(RecordError::MalformedLength),
+                    Prefix::Incomplete => {}
                 }
-                self.position += LENGTH_PREFIX;
-                self.begin_spanning(len);
-                continue;
             }
-            // The prefix itself spans buffers: gather it byte by byte.
-            let take = (LENGTH_PREFIX - self.prefix_len).min(rest.len());
+            // The prefix itself spans buffers: gather it until its last byte.
+            let take = (MAX_LENGTH_PREFIX - self.prefix_len).min(rest.len());
             self.prefix[self.prefix_len..self.prefix_len + take].copy_from_slice(&rest[..take]);
-            self.prefix_len += take;
-            self.position += take;
-            if self.prefix_len == LENGTH_PREFIX {
-                self.prefix_len = 0;
-                let len = self.checked_len(self.prefix)?;
-                self.begin_spanning(len);
-                if len == 0 {
-                    self.spanning = None;
-                    self.current = Some(Location::Scratch);
-                    return Ok(true);
+            match decode_prefix(&self.prefix[..self.prefix_len + take]) {
+                Prefix::Incomplete => {
+                    self.prefix_len += take;
+                    self.position += take;
+                }
+                Prefix::Malformed => return Err(RecordError::MalformedLength),
+                Prefix::Complete { len, size } => {
+                    // Only the bytes up to the prefix's end belong to it.
+                    self.position += size - self.prefix_len;
+                    self.prefix_len = 0;
+                    let len = self.checked_len(len)?;
+                    self.begin_spanning(len);
+                    if len == 0 {
+                        self.spanning = None;
+                        self.current = Some(Location::Scratch);
+                        return Ok(true);
+                    }
                 }
             }
         }
@@ -197,8 +215,7 @@ impl RecordDeserializer {
         self.scratch.clear();
     }
 
-    fn checked_len(&self, prefix: [u8; LENGTH_PREFIX]) -> Result<usize, RecordError> {
-        let len = u32::from_be_bytes(prefix) as usize;
+    fn checked_len(&self, len: usize) -> Result<usize, RecordError> {
         if len > self.max_record_bytes {
             return Err(RecordError::TooLarge {
                 len,
