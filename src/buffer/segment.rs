@@ -249,7 +249,6 @@ unsafe fn copy_small(src: *const u8, dst: *mut u8, n: usize) {
     // SAFETY: the caller's contract; each access below stays within the `n` bytes.
     unsafe {
         match n {
-            1 => dst.write(src.read()),
             4 => dst
                 .cast::<u32>()
                 .write_unaligned(src.cast::<u32>().read_unaligned()),
@@ -443,18 +442,15 @@ impl BufferBuilder {
     /// Appends `[length prefix | bytes]` (see [`crate::record`]) and publishes it: a whole
     /// record in one step. The caller checked that it fits
     /// (`remaining() >= record::framed_len(bytes.len())`).
-    #[inline]
+    #[inline(always)]
     pub fn append_framed(&mut self, bytes: &[u8]) {
         let len = bytes.len();
-        let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
-        let prefix_bytes = if len < 0x80 {
-            // The common small record: one prefix byte, no loop.
-            prefix[0] = len as u8;
-            1
-        } else {
-            crate::record::encode_prefix(len as u32, &mut prefix)
-        };
-        let total = prefix_bytes + len;
+        if len >= 0x80 {
+            self.append_framed_long(bytes);
+            return;
+        }
+        // The common small record: a one-byte prefix, kept small enough to inline.
+        let total = 1 + len;
         assert!(
             total <= self.remaining(),
             "append_framed past the segment's end"
@@ -464,8 +460,31 @@ impl BufferBuilder {
         // every published byte, and this builder is the segment's only writer.
         unsafe {
             let dst = self.payload.as_ptr().add(self.position as usize);
-            copy_small(prefix.as_ptr(), dst, prefix_bytes);
-            copy_small(bytes.as_ptr(), dst.add(prefix_bytes), len);
+            dst.write(len as u8);
+            copy_small(bytes.as_ptr(), dst.add(1), len);
+        }
+        self.position += total as u32;
+        self.commit();
+    }
+
+    /// [`append_framed`](Self::append_framed) for records of 128 bytes and more (a prefix of
+    /// two to five bytes; the copy dominates).
+    #[inline(never)]
+    fn append_framed_long(&mut self, bytes: &[u8]) {
+        let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
+        let prefix_bytes = crate::record::encode_prefix(bytes.len() as u32, &mut prefix);
+        let total = prefix_bytes + bytes.len();
+        assert!(
+            total <= self.remaining(),
+            "append_framed past the segment's end"
+        );
+        self.assert_writable();
+        // SAFETY: as in `append_framed`: inside the payload, above every published byte, and
+        // this builder is the segment's only writer.
+        unsafe {
+            let dst = self.payload.as_ptr().add(self.position as usize);
+            std::ptr::copy_nonoverlapping(prefix.as_ptr(), dst, prefix_bytes);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.add(prefix_bytes), bytes.len());
         }
         self.position += total as u32;
         self.commit();

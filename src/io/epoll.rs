@@ -210,8 +210,9 @@ impl Loop {
                     LISTENER => self.accept(),
                     WAKER => {}
                     token => {
-                        if event.is_readable() || event.is_read_closed() || event.is_error() {
-                            self.read(token, now);
+                        let closing = event.is_read_closed() || event.is_error();
+                        if event.is_readable() || closing {
+                            self.read(token, now, closing);
                         }
                         if event.is_writable() {
                             self.transmit(token, now);
@@ -413,7 +414,9 @@ impl Loop {
         Ok(token)
     }
 
-    fn read(&mut self, token: Token, now: Instant) {
+    /// Reads what the socket holds. `closing`: the readiness also reported the peer's end or
+    /// an error, which raises no new edge later, so the reads go on to the end or WouldBlock.
+    fn read(&mut self, token: Token, now: Instant, closing: bool) {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
@@ -426,6 +429,7 @@ impl Loop {
         for _ in 0..256 {
             let (destination, ahead) = conn.connection.read_targets();
             let destination_len = destination.len();
+            let asked = destination_len + ahead.len();
             let mut slices = [IoSliceMut::new(destination), IoSliceMut::new(ahead)];
             match conn.stream.read_vectored(&mut slices) {
                 Ok(0) => {
@@ -442,6 +446,13 @@ impl Loop {
                         // Send the queued ErrorResponse if the socket takes it, then close.
                         self.transmit(token, now);
                         self.close(token);
+                        return;
+                    }
+                    if n < asked && !closing {
+                        // A short read took everything the socket held: data arriving later
+                        // raises a new edge, so the read that would only say WouldBlock is
+                        // skipped (one syscall per readiness instead of two). Not when the
+                        // end already arrived: it would raise no edge again.
                         return;
                     }
                 }
@@ -480,6 +491,7 @@ impl Loop {
             }
             let mut slices = reuse_slices(std::mem::take(&mut scratch));
             conn.connection.write_slices(&mut slices, MAX_SLICES);
+            let offered: usize = slices.iter().map(|slice| slice.len()).sum();
             let written = conn.stream.write_vectored(&slices);
             slices.clear();
             scratch = reuse_slices(slices);
@@ -488,6 +500,12 @@ impl Loop {
                 Ok(n) => {
                     conn.connection.on_written(n);
                     conn.connection.poll_transmit(now);
+                    if n < offered {
+                        // The socket's send buffer is full: the next write would only say
+                        // WouldBlock. Writable readiness raises a new edge when ACKs free
+                        // room, and the loop goes on then.
+                        break;
+                    }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}

@@ -204,10 +204,11 @@ impl ResultPartition {
         // general path, which checks the same conditions again.
         if let Some(bytes) = record.as_contiguous() {
             if let Some(Some(builder)) = self.unicast.get_mut(target) {
+                // A unicast builder exists only while the partition is unfinished and not
+                // broadcasting (finish and broadcast close them all), so neither is looked at.
+                debug_assert!(!self.finished && self.broadcast.is_none());
                 if record::framed_len(bytes.len()) <= builder.remaining()
                     && bytes.len() <= self.max_record_bytes
-                    && !self.finished
-                    && self.broadcast.is_none()
                     && !self.pool.is_destroyed()
                 {
                     builder.append_framed(bytes);
