@@ -180,6 +180,8 @@ fn record(seq: u64) -> Vec<u8> {
 /// between happens while the exchange is open and mid-stream.
 struct LiveExchange {
     resume: mpsc::Sender<()>,
+    /// Told once the producer's first half is sent and its in-flight segments are back.
+    idle: mpsc::Receiver<()>,
     producer: thread::JoinHandle<()>,
     consumer: thread::JoinHandle<Result<u64, String>>,
     received: Arc<AtomicU64>,
@@ -194,6 +196,7 @@ impl LiveExchange {
             .unwrap();
         let half = records / 2;
         let (resume, resumed) = mpsc::channel::<()>();
+        let (idle_tx, idle) = mpsc::channel::<()>();
         let producer = thread::spawn(move || {
             let mut writer = RecordWriter::new(
                 partition,
@@ -203,6 +206,13 @@ impl LiveExchange {
             for seq in 0..records {
                 if seq == half {
                     writer.flush_all();
+                    // Idle means every sent segment came back: only the open builder holds
+                    // one. Before that, a segment still in the I/O thread's hands after the
+                    // consumer read its records would come back during the test's count.
+                    let pool = writer.partition().pool();
+                    if wait_until(|| pool.in_use_segments() <= 1) {
+                        let _ = idle_tx.send(());
+                    }
                     // Bounded: the test resumes or gives up.
                     resumed
                         .recv_timeout(LONG * 4)
@@ -235,6 +245,7 @@ impl LiveExchange {
         });
         Self {
             resume,
+            idle,
             producer,
             consumer,
             received,
@@ -247,6 +258,10 @@ impl LiveExchange {
         assert!(
             wait_until(|| self.received.load(Ordering::Acquire) >= self.half),
             "the live exchange did not deliver its first half"
+        );
+        assert!(
+            self.idle.recv_timeout(LONG).is_ok(),
+            "the producer's sent segments did not come back after the first half"
         );
     }
 
