@@ -443,12 +443,12 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
     }
 }
 
-/// A serializer error as the writer reports it: the sink's "pool destroyed" means the
-/// partition was released (by its consumer going away, or `release`) while the record was
+/// A serializer error as the writer reports it: the sink's [`RecordError::Released`] means
+/// the partition was released (by its consumer going away, or `release`) while the record was
 /// being written, which callers handle as [`PartitionError::Released`].
 fn released_or(error: RecordError) -> PartitionError {
     match error {
-        RecordError::Pool(PoolError::Destroyed) => PartitionError::Released,
+        RecordError::Released => PartitionError::Released,
         other => other.into(),
     }
 }
@@ -496,8 +496,14 @@ impl SegmentSink for PartitionSink<'_> {
                 Target::Unicast(index) => index,
                 Target::Broadcast => UNACCOUNTED,
             };
-            let builder = request_blocking(self.pool, channel, self.request_timeout)
-                .map_err(|_| RecordError::Pool(PoolError::Destroyed))?;
+            // `request_blocking` fails only as Released or with the pool's own error.
+            let builder =
+                request_blocking(self.pool, channel, self.request_timeout).map_err(|error| {
+                    match error {
+                        PartitionError::Pool(pool) => RecordError::Pool(pool),
+                        _ => RecordError::Released,
+                    }
+                })?;
             let consumer = builder.create_consumer_from_beginning();
             let queued = match self.target {
                 Target::Unicast(index) => self.shared.subpartitions[index].add_data(consumer),
@@ -509,7 +515,8 @@ impl SegmentSink for PartitionSink<'_> {
                     result
                 }
             };
-            queued.map_err(|_| RecordError::Pool(PoolError::Destroyed))?;
+            // A subpartition refuses data only once released.
+            queued.map_err(|_| RecordError::Released)?;
             *self.slot = Some(builder);
         }
         Ok(self.slot.as_mut().expect("set above"))

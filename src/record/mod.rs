@@ -120,6 +120,10 @@ pub enum RecordError {
     /// No segment could be obtained for the record (the pool was destroyed or timed out).
     #[error("no buffer for the record: {0}")]
     Pool(#[from] crate::buffer::PoolError),
+    /// The destination was released while the record was being written (a partition whose
+    /// consumer went away); the writer reports it as the partition's release.
+    #[error("the destination was released")]
+    Released,
 }
 
 /// Where serialized bytes go: the current builder of a subpartition, or a new one once the
