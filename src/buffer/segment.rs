@@ -444,13 +444,27 @@ impl BufferBuilder {
     /// (`remaining() >= record::framed_len(bytes.len())`).
     #[inline(always)]
     pub fn append_framed(&mut self, bytes: &[u8]) {
-        let len = bytes.len();
-        if len >= 0x80 {
+        if bytes.len() >= 0x80 {
             self.append_framed_long(bytes);
             return;
         }
         // The common small record: a one-byte prefix, kept small enough to inline.
-        let total = 1 + len;
+        self.put_framed(&[bytes.len() as u8], bytes);
+    }
+
+    /// [`append_framed`](Self::append_framed) for records of 128 bytes and more (a prefix of
+    /// two to five bytes; the copy dominates).
+    #[inline(never)]
+    fn append_framed_long(&mut self, bytes: &[u8]) {
+        let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
+        let prefix_bytes = crate::record::encode_prefix(bytes.len() as u32, &mut prefix);
+        self.put_framed(&prefix[..prefix_bytes], bytes);
+    }
+
+    /// Writes `prefix` and `bytes` back to back and publishes them.
+    #[inline(always)]
+    fn put_framed(&mut self, prefix: &[u8], bytes: &[u8]) {
+        let total = prefix.len() + bytes.len();
         assert!(
             total <= self.remaining(),
             "append_framed past the segment's end"
@@ -460,31 +474,8 @@ impl BufferBuilder {
         // every published byte, and this builder is the segment's only writer.
         unsafe {
             let dst = self.payload.as_ptr().add(self.position as usize);
-            dst.write(len as u8);
-            copy_small(bytes.as_ptr(), dst.add(1), len);
-        }
-        self.position += total as u32;
-        self.commit();
-    }
-
-    /// [`append_framed`](Self::append_framed) for records of 128 bytes and more (a prefix of
-    /// two to five bytes; the copy dominates).
-    #[inline(never)]
-    fn append_framed_long(&mut self, bytes: &[u8]) {
-        let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
-        let prefix_bytes = crate::record::encode_prefix(bytes.len() as u32, &mut prefix);
-        let total = prefix_bytes + bytes.len();
-        assert!(
-            total <= self.remaining(),
-            "append_framed past the segment's end"
-        );
-        self.assert_writable();
-        // SAFETY: as in `append_framed`: inside the payload, above every published byte, and
-        // this builder is the segment's only writer.
-        unsafe {
-            let dst = self.payload.as_ptr().add(self.position as usize);
-            std::ptr::copy_nonoverlapping(prefix.as_ptr(), dst, prefix_bytes);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.add(prefix_bytes), bytes.len());
+            copy_small(prefix.as_ptr(), dst, prefix.len());
+            copy_small(bytes.as_ptr(), dst.add(prefix.len()), bytes.len());
         }
         self.position += total as u32;
         self.commit();
