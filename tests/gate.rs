@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use fluxgate::buffer::{Buffer, NetworkBufferPool};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
-    AlignmentMode, Backoff, ChannelLocation, ChannelSpec, ChannelStateSink, CheckpointedInputGate,
-    ConsumedSubpartition, GateError, GateItem, InputGate, ReaderItem, RecordReader,
-    SingleInputGate, UnionInputGate,
+    AlignmentMode, Backoff, BufferOrEvent, ChannelLocation, ChannelSpec, ChannelStateSink,
+    CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate, ReaderItem,
+    RecordReader, SingleInputGate, UnionInputGate,
 };
 use fluxgate::partition::{
     PartitionError, PartitionManager, ResultPartition, ResultPartitionId, TaskEventListener,
@@ -305,6 +305,13 @@ fn the_gate_finishes_after_end_of_partition_from_every_channel() {
     assert_eq!(ended, vec![0, 1, 2]);
 }
 
+/// The checkpointed gate's next item, within LONG.
+fn next_item<G: InputGate>(gate: &mut CheckpointedInputGate<G>) -> BufferOrEvent {
+    gate.next_until(Some(Instant::now() + LONG))
+        .expect("no error")
+        .expect("an item before the end")
+}
+
 fn barrier(id: u64, alignment: Alignment) -> Event {
     Event::CheckpointBarrier(CheckpointBarrier {
         id,
@@ -452,25 +459,16 @@ fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
     b.emit_record(&b"b-before"[..], 0).unwrap();
     b.flush(0);
     // Channel 0 is blocked after its barrier: only b's data comes through.
-    let item = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let item = next_item(&mut checkpointed);
     assert_eq!((item.channel, data(&item.item)), (1, framed(b"b-before")));
     assert!(checkpointed.poll_next().unwrap().is_none());
     assert_eq!(checkpointed.blocked_channels(), &[0]);
     b.broadcast_event(&barrier(1, Alignment::Aligned), false)
         .unwrap();
-    let item = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let item = next_item(&mut checkpointed);
     assert_eq!(event(&item.item), &barrier(1, Alignment::Aligned));
     assert_eq!(checkpointed.pending_checkpoint(), None);
-    let item = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let item = next_item(&mut checkpointed);
     assert_eq!((item.channel, data(&item.item)), (0, framed(b"a-after")));
 }
 
@@ -491,30 +489,18 @@ fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
     b.broadcast_event(&Event::CancelCheckpointMarker(3), false)
         .unwrap();
     assert_eq!(
-        event(
-            &checkpointed
-                .next_until(Some(Instant::now() + LONG))
-                .unwrap()
-                .unwrap()
-                .item
-        ),
+        event(&next_item(&mut checkpointed).item),
         &Event::CancelCheckpointMarker(3)
     );
     assert_eq!(checkpointed.pending_checkpoint(), None);
-    let item = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let item = next_item(&mut checkpointed);
     assert_eq!((item.channel, data(&item.item)), (0, framed(b"a")));
     // The late barrier of the aborted checkpoint is swallowed and its channel resumed.
     b.broadcast_event(&barrier(3, Alignment::Aligned), false)
         .unwrap();
     b.emit_record(&b"b"[..], 0).unwrap();
     b.flush(0);
-    let item = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let item = next_item(&mut checkpointed);
     assert_eq!((item.channel, data(&item.item)), (1, framed(b"b")));
 }
 
@@ -535,10 +521,7 @@ fn unaligned_checkpoints_trigger_at_the_first_barrier_and_persist_in_flight_data
     a.flush(0);
     b.emit_record(&b"b-in-flight"[..], 0).unwrap();
     b.flush(0);
-    let first = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let first = next_item(&mut checkpointed);
     assert_eq!(
         event(&first.item),
         &barrier(4, Alignment::Unaligned),
@@ -714,28 +697,19 @@ fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
     );
     assert_eq!(checkpointed.pending_checkpoint(), Some(4));
     b.finish().unwrap();
-    let first = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let first = next_item(&mut checkpointed);
     assert_eq!(
         event(&first.item),
         &barrier(4, Alignment::Aligned),
         "the barrier comes first"
     );
     assert_eq!(checkpointed.pending_checkpoint(), None);
-    let second = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let second = next_item(&mut checkpointed);
     assert_eq!(
         (second.channel, event(&second.item)),
         (1, &Event::EndOfPartition)
     );
     // Channel 0 was resumed: its data after the barrier follows.
-    let third = checkpointed
-        .next_until(Some(Instant::now() + LONG))
-        .unwrap()
-        .unwrap();
+    let third = next_item(&mut checkpointed);
     assert_eq!((third.channel, data(&third.item)), (0, framed(b"after")));
 }
