@@ -16,7 +16,7 @@ use crate::gate::{
 use crate::io::epoll::EpollDriver;
 use crate::io::tls::{TlsContext, TlsError};
 use crate::io::uring::{self, UringDriver};
-use crate::io::{Command, DriverConfig, Transport};
+use crate::io::{Command, DriverConfig, DriverHandle, Transport};
 use crate::partition::{PartitionError, PartitionManager, ResultPartition, ResultPartitionId};
 use crate::protocol::{ClientConfig, RequestRate, ServerConfig};
 
@@ -108,18 +108,20 @@ enum Driver {
 }
 
 impl Driver {
-    fn local_addr(&self) -> SocketAddr {
+    /// What both drivers hand out the same way: the command queue, the waker, the address.
+    fn handle(&self) -> &DriverHandle {
         match self {
-            Driver::Epoll(d) => d.local_addr(),
-            Driver::Uring(d) => d.local_addr(),
+            Driver::Epoll(d) => d.handle(),
+            Driver::Uring(d) => d.handle(),
         }
     }
 
+    fn local_addr(&self) -> SocketAddr {
+        self.handle().local_addr
+    }
+
     fn submit(&self, command: Command) {
-        match self {
-            Driver::Epoll(d) => d.submit(command),
-            Driver::Uring(d) => d.submit(command),
-        }
+        self.handle().submit(command);
     }
 }
 

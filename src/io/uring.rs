@@ -293,14 +293,9 @@ impl UringDriver {
         })
     }
 
-    /// The address the server listens on (port 0 resolved).
-    pub fn local_addr(&self) -> SocketAddr {
-        self.handle.local_addr
-    }
-
-    /// Hands a command to the I/O thread.
-    pub(crate) fn submit(&self, command: Command) {
-        self.handle.submit(command);
+    /// The running thread's command queue, waker and listening address.
+    pub(crate) fn handle(&self) -> &DriverHandle {
+        &self.handle
     }
 }
 
