@@ -28,7 +28,7 @@ use fluxgate::env::EnvError;
 use fluxgate::gate::{ConsumedSubpartition, GateError, ReaderError, ReaderItem, RecordReader};
 use fluxgate::io::Transport;
 use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
-use fluxgate::protocol::auth::{consumer_proof, Nonce};
+use fluxgate::protocol::auth::{Nonce, Transcript};
 use fluxgate::protocol::frame::{
     decode_header, encode_buffer_response, encode_header, BufferResponseHeader, FrameHeader,
     BUFFER_RESPONSE_HEADER, FRAME_HEADER, VERSION,
@@ -338,7 +338,13 @@ impl RawPeer {
                 matches!(peer.read_message(), Some(Message::AuthProof { .. })),
                 "the server proves itself"
             );
-            let proof = consumer_proof(secret, nonce, server_nonce, 666, node);
+            let proof = Transcript {
+                client_nonce: nonce,
+                server_nonce,
+                client_node: 666,
+                server_node: node,
+            }
+            .client_proof(secret);
             peer.send(&frame(&Message::AuthProof { proof }));
         }
         peer

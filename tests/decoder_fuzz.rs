@@ -56,7 +56,7 @@ use fluxgate::gate::{
     SingleInputGate,
 };
 use fluxgate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
-use fluxgate::protocol::auth::{consumer_proof, producer_proof, Nonce, PROOF_LEN};
+use fluxgate::protocol::auth::{Nonce, Transcript, PROOF_LEN};
 use fluxgate::protocol::frame::{
     decode_buffer_response, decode_header, encode_header, BufferResponseHeader, FrameHeader,
     BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER, HANDSHAKE_BODY, MAGIC,
@@ -489,13 +489,13 @@ fn authenticating_handshake(nonce: Nonce) -> Vec<u8> {
 /// What a consumer (node [`PEER_NODE`]) that knows [`secret`] sends a fresh authenticating
 /// server first: its handshake and its proof.
 fn consumer_authentication() -> Vec<u8> {
-    let proof = consumer_proof(
-        &secret(),
-        CLIENT_NONCE,
-        SERVER_NONCE,
-        PEER_NODE,
-        SERVER_NODE,
-    );
+    let proof = Transcript {
+        client_nonce: CLIENT_NONCE,
+        server_nonce: SERVER_NONCE,
+        client_node: PEER_NODE,
+        server_node: SERVER_NODE,
+    }
+    .client_proof(&secret());
     cat(&[
         &authenticating_handshake(CLIENT_NONCE),
         &frame(&Message::AuthProof { proof }),
@@ -505,13 +505,13 @@ fn consumer_authentication() -> Vec<u8> {
 /// What a producer (node [`PEER_NODE`]) that knows [`secret`] sends a fresh authenticating
 /// client first: its handshake and its proof.
 fn producer_authentication() -> Vec<u8> {
-    let proof = producer_proof(
-        &secret(),
-        CLIENT_NONCE,
-        SERVER_NONCE,
-        CLIENT_NODE,
-        PEER_NODE,
-    );
+    let proof = Transcript {
+        client_nonce: CLIENT_NONCE,
+        server_nonce: SERVER_NONCE,
+        client_node: CLIENT_NODE,
+        server_node: PEER_NODE,
+    }
+    .server_proof(&secret());
     cat(&[
         &authenticating_handshake(SERVER_NONCE),
         &frame(&Message::AuthProof { proof }),

@@ -13,7 +13,7 @@ use fluxgate::gate::{
     SingleInputGate,
 };
 use fluxgate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
-use fluxgate::protocol::auth::{consumer_proof, Nonce};
+use fluxgate::protocol::auth::{Nonce, Transcript};
 use fluxgate::protocol::frame::{
     encode_buffer_response, encode_header, BufferResponseHeader, BUFFER_RESPONSE_HEADER,
     FRAME_HEADER,
@@ -816,7 +816,13 @@ fn a_proof_for_another_connection_is_refused() {
     let s = setup_with(1, 1, 64, None, shared.clone());
     let mut server = s.pair.server;
     // A proof recorded on a connection where the producer had another nonce.
-    let replayed = consumer_proof(shared.as_ref().unwrap(), [3; 32], [4; 32], 9, 1);
+    let replayed = Transcript {
+        client_nonce: [3; 32],
+        server_nonce: [4; 32],
+        client_node: 9,
+        server_node: 1,
+    }
+    .client_proof(shared.as_ref().unwrap());
     let mut bytes = handshake(true, [3; 32]);
     Message::AuthProof { proof: replayed }.encode(&mut bytes);
     bytes.extend(request(5));
@@ -830,7 +836,13 @@ fn a_proof_for_another_connection_is_refused() {
     // The right proof for this connection is let in.
     let s = setup_with(1, 1, 64, None, shared.clone());
     let mut server = s.pair.server;
-    let proof = consumer_proof(shared.as_ref().unwrap(), [3; 32], SERVER_NONCE, 9, 1);
+    let proof = Transcript {
+        client_nonce: [3; 32],
+        server_nonce: SERVER_NONCE,
+        client_node: 9,
+        server_node: 1,
+    }
+    .client_proof(shared.as_ref().unwrap());
     let mut bytes = handshake(true, [3; 32]);
     Message::AuthProof { proof }.encode(&mut bytes);
     bytes.extend(request(5));

@@ -89,21 +89,27 @@ impl fmt::Debug for Secret {
     }
 }
 
-/// What both proofs of one connection cover.
+/// What both proofs of one connection cover (public for tests that play one side by hand).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Transcript {
-    pub(crate) client_nonce: Nonce,
-    pub(crate) server_nonce: Nonce,
-    pub(crate) client_node: u128,
-    pub(crate) server_node: u128,
+pub struct Transcript {
+    /// The consumer's (connecting side's) nonce.
+    pub client_nonce: Nonce,
+    /// The producer's (accepting side's) nonce.
+    pub server_nonce: Nonce,
+    /// The consumer's node id.
+    pub client_node: u128,
+    /// The producer's node id.
+    pub server_node: u128,
 }
 
 impl Transcript {
-    pub(crate) fn server_proof(&self, secret: &Secret) -> Proof {
+    /// The proof the producer (server) sends.
+    pub fn server_proof(&self, secret: &Secret) -> Proof {
         secret.prove(SERVER_TAG, self)
     }
 
-    pub(crate) fn client_proof(&self, secret: &Secret) -> Proof {
+    /// The proof the consumer (client) sends.
+    pub fn client_proof(&self, secret: &Secret) -> Proof {
         secret.prove(CLIENT_TAG, self)
     }
 
@@ -121,41 +127,6 @@ pub fn fresh_nonce() -> Result<Nonce, getrandom::Error> {
     let mut nonce = [0; NONCE_LEN];
     getrandom::fill(&mut nonce)?;
     Ok(nonce)
-}
-
-/// The proof a producer with `secret` sends on a connection with these nonces and nodes
-/// (public for tests that play one side by hand).
-pub fn producer_proof(
-    secret: &Secret,
-    client_nonce: Nonce,
-    server_nonce: Nonce,
-    client_node: u128,
-    server_node: u128,
-) -> Proof {
-    Transcript {
-        client_nonce,
-        server_nonce,
-        client_node,
-        server_node,
-    }
-    .server_proof(secret)
-}
-
-/// The proof a consumer with `secret` sends (public for tests that play one side by hand).
-pub fn consumer_proof(
-    secret: &Secret,
-    client_nonce: Nonce,
-    server_nonce: Nonce,
-    client_node: u128,
-    server_node: u128,
-) -> Proof {
-    Transcript {
-        client_nonce,
-        server_nonce,
-        client_node,
-        server_node,
-    }
-    .client_proof(secret)
 }
 
 #[cfg(test)]
