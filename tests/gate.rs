@@ -713,3 +713,18 @@ fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
     let third = next_item(&mut checkpointed);
     assert_eq!((third.channel, data(&third.item)), (0, framed(b"after")));
 }
+
+#[test]
+fn a_zero_initial_backoff_allows_no_retry_instead_of_retrying_at_once_forever() {
+    let mut zero = Backoff::new(Duration::ZERO, Duration::from_millis(10));
+    assert!(!zero.increase());
+    let mut doubling = Backoff::new(Duration::from_millis(2), Duration::from_millis(8));
+    let delays: Vec<_> = std::iter::from_fn(|| doubling.increase().then(|| doubling.current()))
+        .take(10)
+        .collect();
+    assert_eq!(
+        delays,
+        [2, 4, 8].map(Duration::from_millis),
+        "doubling up to the maximum, then no more"
+    );
+}

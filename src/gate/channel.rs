@@ -53,9 +53,12 @@ impl Backoff {
         self.current
     }
 
-    /// Grows the delay; false when it already reached the maximum (give up).
+    /// Grows the delay; false when it already reached the maximum (give up), or when the
+    /// initial delay is zero (no retries: a zero delay would never grow).
     pub fn increase(&mut self) -> bool {
-        if self.current.is_zero() {
+        if self.initial.is_zero() {
+            false
+        } else if self.current.is_zero() {
             self.current = self.initial;
             true
         } else if self.current < self.max {

@@ -21,8 +21,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
-    open_client, refuse_connection, Command, ConnectFailure, DriverHandle, IoWaker,
-    RefusedConnects, WakeFn,
+    open_client, refuse_connection, Command, DriverHandle, IoWaker, RefusedConnects, WakeFn,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -289,15 +288,8 @@ impl Loop {
             _ => match self.open(peer, index) {
                 Ok(token) => token,
                 Err(error) => {
-                    let failure =
-                        self.refused
-                            .on_failure(peer, index, channel.clone(), backoff, &error, now);
-                    if let ConnectFailure::Fail(reason) = failure {
-                        channel.fail(crate::gate::GateError::Transport {
-                            channel: channel.channel(),
-                            reason,
-                        });
-                    }
+                    self.refused
+                        .on_failure(peer, index, channel, backoff, &error, now);
                     return;
                 }
             },

@@ -231,8 +231,8 @@ struct RefusedConnect {
 }
 
 /// Channels whose connection attempt failed in a way a later attempt may not: the peer's
-/// process is not listening yet (nodes started apart, a producer still starting), or its
-/// listen queue overflowed. They try again after the partition-request back-off
+/// process is not listening yet (nodes started apart, a producer still starting: refused), or
+/// it reset the attempt (a listen queue overflowing with `tcp_abort_on_overflow`). They try again after the partition-request back-off
 /// (`taskmanager.network.request-backoff.*`) and fail once it is exhausted. Shared by both
 /// drivers; the I/O thread's timer wakes it.
 #[derive(Default)]
@@ -256,17 +256,14 @@ pub(crate) struct DueConnect {
     pub(crate) backoff: crate::gate::Backoff,
 }
 
-/// What a driver does with a channel whose connection attempt failed.
-pub(crate) enum ConnectFailure {
-    /// Queued for another attempt.
-    Retrying,
-    /// Give up: fail the channel with this reason.
-    Fail(String),
-}
-
 impl RefusedConnects {
     /// Connecting `channel` to `peer` failed with `error` after the delays `backoff` already
-    /// went through.
+    /// went through: queues another attempt, or fails the channel once the back-off is
+    /// exhausted or the error is not one a later attempt may get past.
+    ///
+    /// Only a refusal or a reset is retried. A timed-out connect already waited the whole
+    /// connect timeout on the I/O thread; waiting it again per channel would stall every
+    /// other connection of the thread for minutes.
     pub(crate) fn on_failure(
         &mut self,
         peer: SocketAddr,
@@ -275,16 +272,17 @@ impl RefusedConnects {
         mut backoff: crate::gate::Backoff,
         error: &io::Error,
         now: Instant,
-    ) -> ConnectFailure {
+    ) {
         let retryable = matches!(
             error.kind(),
-            io::ErrorKind::ConnectionRefused
-                | io::ErrorKind::ConnectionReset
-                | io::ErrorKind::TimedOut
-                | io::ErrorKind::WouldBlock
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset
         );
         if !retryable || channel.is_released() || !backoff.increase() {
-            return ConnectFailure::Fail(format!("connecting to {peer} failed: {error}"));
+            channel.fail(crate::gate::GateError::Transport {
+                channel: channel.channel(),
+                reason: format!("connecting to {peer} failed: {error}"),
+            });
+            return;
         }
         tracing::debug!(%peer, %error, delay = ?backoff.current(), "connection refused; trying again after the back-off");
         self.waiting.push(RefusedConnect {
@@ -294,7 +292,6 @@ impl RefusedConnects {
             backoff,
             due: now + backoff.current(),
         });
-        ConnectFailure::Retrying
     }
 
     /// The next attempt due at `now`, with the back-off it went through; channels the gate

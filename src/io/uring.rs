@@ -51,8 +51,8 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    open_client, refuse_connection, Command, ConnectFailure, DriverConfig, DriverHandle,
-    DriverStats, IoWaker, RefusedConnects, WakeFn,
+    open_client, refuse_connection, Command, DriverConfig, DriverHandle, DriverStats, IoWaker,
+    RefusedConnects, WakeFn,
 };
 use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
@@ -838,15 +838,8 @@ impl Loop {
             _ => match self.open(peer, index) {
                 Ok(slot) => slot,
                 Err(error) => {
-                    let failure =
-                        self.refused
-                            .on_failure(peer, index, channel.clone(), backoff, &error, now);
-                    if let ConnectFailure::Fail(reason) = failure {
-                        channel.fail(crate::gate::GateError::Transport {
-                            channel: channel.channel(),
-                            reason,
-                        });
-                    }
+                    self.refused
+                        .on_failure(peer, index, channel, backoff, &error, now);
                     return;
                 }
             },
