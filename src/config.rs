@@ -158,6 +158,11 @@ pub struct NetworkConfig {
     /// comes from the `FLUXGATE_SECRET` environment variable. With authentication on and
     /// neither set, the environment refuses to start.
     pub secret_file: Option<PathBuf>,
+    /// `fluxgate.network.handshake-timeout` (ms): longest a connection may take to exchange
+    /// handshakes and, with authentication on, proofs; a peer that connects and stays silent
+    /// or never proves is closed then, so it cannot hold a `max-connections` slot or a
+    /// consumer's requests forever (default 10000).
+    pub handshake_timeout: Duration,
     /// `fluxgate.network.max-connections`: most connections a server keeps open at once;
     /// one more is accepted and closed at once, logged (default 1024).
     pub max_connections: usize,
@@ -176,7 +181,8 @@ pub struct NetworkConfig {
     pub partition_request_rate: u32,
     /// `fluxgate.network.partition-request-burst`: partition requests one connection may send
     /// at once (default 4096; keep it at least `max-channels-per-connection`, or a consumer
-    /// opening every channel of a connection at once is refused).
+    /// opening every channel of a connection at once is refused; the environment warns at
+    /// start when it is lower).
     pub partition_request_burst: u32,
     /// `security.ssl.internal.enabled` (alias `fluxgate.security.ssl.enabled`): connections
     /// between nodes run over mutual TLS (rustls): every node presents a certificate signed
@@ -227,6 +233,7 @@ impl Default for NetworkConfig {
             tcp_user_timeout: Duration::from_secs(10),
             auth: AuthMode::Auto,
             secret_file: None,
+            handshake_timeout: Duration::from_secs(10),
             max_connections: 1024,
             max_channels_per_connection: 4096,
             max_frame_size: None,
@@ -262,6 +269,7 @@ impl NetworkConfig {
         "fluxgate.network.tcp.user-timeout-ms",
         "fluxgate.security.auth",
         "fluxgate.security.secret-file",
+        "fluxgate.network.handshake-timeout",
         "fluxgate.network.max-connections",
         "fluxgate.network.max-channels-per-connection",
         "fluxgate.network.max-frame-size",
@@ -324,17 +332,16 @@ impl NetworkConfig {
             "taskmanager.network.netty.client.tcp.keepIntervalSec" => {
                 next.keepalive_interval = Duration::from_secs(count()? as u64)
             }
-            "taskmanager.network.netty.client.tcp.keepCount" => {
-                next.keepalive_count = u32::try_from(count()?).map_err(|_| invalid("too large"))?
-            }
+            "taskmanager.network.netty.client.tcp.keepCount" => next.keepalive_count = count32()?,
             "fluxgate.network.tcp.user-timeout-ms" => {
                 next.tcp_user_timeout = Duration::from_millis(count()? as u64)
             }
             "fluxgate.security.auth" => {
                 next.auth = value.parse().map_err(|reason: String| invalid(&reason))?
             }
-            "fluxgate.security.secret-file" => {
-                next.secret_file = (!value.trim().is_empty()).then(|| PathBuf::from(value))
+            "fluxgate.security.secret-file" => next.secret_file = path(),
+            "fluxgate.network.handshake-timeout" => {
+                next.handshake_timeout = Duration::from_millis(count()? as u64)
             }
             "fluxgate.network.max-connections" => next.max_connections = count()?,
             "fluxgate.network.max-channels-per-connection" => {
@@ -437,14 +444,30 @@ impl NetworkConfig {
                 "the initial back-off must be above 0 ms and at most the maximum",
             );
         }
-        if self.keepalive_idle.is_zero()
-            || self.keepalive_interval.is_zero()
-            || self.keepalive_count == 0
+        // The kernel's own ranges (TCP_KEEPIDLE/KEEPINTVL ≤ 32767 s, TCP_KEEPCNT ≤ 127,
+        // TCP_USER_TIMEOUT ≤ i32::MAX ms): outside them every socket option call fails.
+        if !(1..=32767).contains(&self.keepalive_idle.as_secs())
+            || !(1..=32767).contains(&self.keepalive_interval.as_secs())
+            || !(1..=127).contains(&self.keepalive_count)
         {
             return invalid(
                 "taskmanager.network.netty.client.tcp.keepIdleSec",
                 self.keepalive_idle.as_secs() as usize,
-                "keepalive idle time, interval and count must each be at least 1",
+                "keepalive idle time and interval must be 1 to 32767 s and count 1 to 127",
+            );
+        }
+        if self.tcp_user_timeout.as_millis() > i32::MAX as u128 {
+            return invalid(
+                "fluxgate.network.tcp.user-timeout-ms",
+                self.tcp_user_timeout.as_millis() as usize,
+                "must be at most 2147483647",
+            );
+        }
+        if self.handshake_timeout.is_zero() {
+            return invalid(
+                "fluxgate.network.handshake-timeout",
+                0,
+                "must be at least 1 ms",
             );
         }
         if self.max_connections == 0 {

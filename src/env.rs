@@ -169,6 +169,16 @@ impl ShuffleEnvironment {
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
         let options = &config.network;
+        if options.partition_request_rate > 0
+            && (options.partition_request_burst as usize) < options.max_channels_per_connection
+        {
+            tracing::warn!(
+                burst = options.partition_request_burst,
+                max_channels = options.max_channels_per_connection,
+                "fluxgate.network.partition-request-burst is below max-channels-per-connection: \
+                 a consumer opening every channel of one connection at once will be refused"
+            );
+        }
         let driver_config = DriverConfig {
             node: config.node,
             segment_size: options.segment_size,
@@ -183,6 +193,7 @@ impl ShuffleEnvironment {
                     burst: options.partition_request_burst,
                 },
                 secret: secret.clone(),
+                handshake_timeout: options.handshake_timeout,
                 ..ServerConfig::default()
             },
             client: ClientConfig {
@@ -190,6 +201,7 @@ impl ShuffleEnvironment {
                 max_channels: options.max_channels_per_connection,
                 segment_size: options.segment_size,
                 max_frame_size: options.max_frame_size(),
+                handshake_timeout: options.handshake_timeout,
                 secret,
             },
             max_connections: options.max_connections,

@@ -793,10 +793,10 @@ fn refused_with(messages: &[Message], expected: ErrorKind) -> bool {
 #[test]
 fn a_request_without_a_proof_gets_an_error_response_and_the_connection_closes() {
     for authenticate in [false, true] {
-        let s = setup_with(1, 1, 64, None, secret("the producer's secret"));
-        let mut server = s.pair.server;
+        let mut s = setup_with(1, 1, 64, None, secret("the producer's secret"));
+        let server = &mut s.pair.server;
         let bytes = [handshake(authenticate, [3; 32]), request(5)].concat();
-        let (result, written) = feed_server(&mut server, &bytes, Instant::now());
+        let (result, written) = feed_server(server, &bytes, Instant::now());
         assert!(
             matches!(result, Err(ProtocolError::Unauthenticated(_))),
             "{result:?}"
@@ -807,14 +807,15 @@ fn a_request_without_a_proof_gets_an_error_response_and_the_connection_closes() 
         );
         assert!(server.is_closing());
         assert_eq!(server.reader_count(), 0);
+        all_back(s);
     }
 }
 
 #[test]
 fn a_proof_for_another_connection_is_refused() {
     let shared = secret("the cluster's shared secret");
-    let s = setup_with(1, 1, 64, None, shared.clone());
-    let mut server = s.pair.server;
+    let mut s = setup_with(1, 1, 64, None, shared.clone());
+    let server = &mut s.pair.server;
     // A proof recorded on a connection where the producer had another nonce.
     let replayed = Transcript {
         client_nonce: [3; 32],
@@ -826,16 +827,17 @@ fn a_proof_for_another_connection_is_refused() {
     let mut bytes = handshake(true, [3; 32]);
     Message::AuthProof { proof: replayed }.encode(&mut bytes);
     bytes.extend(request(5));
-    let (result, written) = feed_server(&mut server, &bytes, Instant::now());
+    let (result, written) = feed_server(server, &bytes, Instant::now());
     assert!(matches!(result, Err(ProtocolError::Unauthenticated(_))));
     assert!(
         refused_with(&written, ErrorKind::Unauthenticated),
         "{written:?}"
     );
     assert_eq!(server.reader_count(), 0);
+    all_back(s);
     // The right proof for this connection is let in.
-    let s = setup_with(1, 1, 64, None, shared.clone());
-    let mut server = s.pair.server;
+    let mut s = setup_with(1, 1, 64, None, shared.clone());
+    let server = &mut s.pair.server;
     let proof = Transcript {
         client_nonce: [3; 32],
         server_nonce: SERVER_NONCE,
@@ -846,10 +848,11 @@ fn a_proof_for_another_connection_is_refused() {
     let mut bytes = handshake(true, [3; 32]);
     Message::AuthProof { proof }.encode(&mut bytes);
     bytes.extend(request(5));
-    let (result, _) = feed_server(&mut server, &bytes, Instant::now());
+    let (result, _) = feed_server(server, &bytes, Instant::now());
     assert_eq!(result, Ok(()));
     assert!(server.is_authenticated());
     assert_eq!(server.reader_count(), 1);
+    all_back(s);
 }
 
 #[test]
@@ -906,4 +909,73 @@ fn a_partition_request_flood_closes_the_connection_and_a_paced_one_does_not() {
     );
     assert!(server.is_closing());
     assert_eq!(server.reader_count(), 0, "views released");
+}
+
+/// The handshake deadline (`fluxgate.network.handshake-timeout`, 10 s by default).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[test]
+fn a_consumer_that_stays_silent_or_never_proves_is_closed_at_the_handshake_deadline() {
+    let start = Instant::now();
+    // (the producer's secret, what the consumer sends, the refusal it gets at the deadline)
+    let cases = [
+        (None, Vec::new(), ErrorKind::Protocol),
+        (
+            secret("the producer's secret"),
+            Vec::new(),
+            ErrorKind::Protocol,
+        ),
+        (
+            secret("the producer's secret"),
+            handshake(true, [3; 32]),
+            ErrorKind::Unauthenticated,
+        ),
+    ];
+    for (server_secret, sent, refusal) in cases {
+        let mut s = setup_with(1, 1, 64, None, server_secret);
+        let server = &mut s.pair.server;
+        let (result, _) = feed_server(server, &sent, start);
+        assert_eq!(result, Ok(()));
+        server.poll_transmit(start);
+        assert_eq!(server.poll_timeout(), Some(start + HANDSHAKE_TIMEOUT));
+        server.poll_transmit(start + HANDSHAKE_TIMEOUT - Duration::from_millis(1));
+        assert!(!server.is_closing(), "open until the deadline");
+        server.poll_transmit(start + HANDSHAKE_TIMEOUT);
+        assert!(server.is_closing(), "{refusal:?}");
+        let (_, written) = feed_server(server, &[], start + HANDSHAKE_TIMEOUT);
+        assert!(refused_with(&written, refusal), "{written:?}");
+        all_back(s);
+    }
+    // A consumer that completed its handshake has no deadline.
+    let mut s = setup_with(1, 1, 64, None, None);
+    let server = &mut s.pair.server;
+    let (result, _) = feed_server(server, &handshake(false, [0; 32]), start);
+    assert_eq!(result, Ok(()));
+    server.poll_transmit(start + HANDSHAKE_TIMEOUT * 100);
+    assert!(!server.is_closing());
+    assert_eq!(server.poll_timeout(), None);
+    all_back(s);
+}
+
+#[test]
+fn a_producer_that_stays_silent_fails_the_channels_at_the_handshake_deadline() {
+    let start = Instant::now();
+    let mut s = setup_with(2, 1, 64, None, None);
+    let client = &mut s.pair.client;
+    client.poll_transmit(start);
+    assert_eq!(client.poll_timeout(), Some(start + HANDSHAKE_TIMEOUT));
+    client.poll_transmit(start + HANDSHAKE_TIMEOUT - Duration::from_millis(1));
+    assert!(!client.is_closed(), "open until the deadline");
+    assert!(matches!(s.gate.poll_next(), Ok(None)));
+    s.pair.client.poll_transmit(start + HANDSHAKE_TIMEOUT);
+    assert!(s.pair.client.is_closed());
+    // Every channel reports it on the gate's next read.
+    for _ in 0..2 {
+        let error = s.gate.poll_next().unwrap_err();
+        assert!(
+            error.to_string().contains("no handshake from the producer"),
+            "{error}"
+        );
+    }
+    all_back(s);
 }

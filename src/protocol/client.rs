@@ -4,7 +4,7 @@ use std::fmt;
 use std::io::IoSlice;
 use std::sync::Arc;
 use std::task::Waker;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::auth::{Nonce, Proof, Secret, Transcript};
 use super::frame::{
@@ -35,6 +35,9 @@ pub struct ClientConfig {
     /// The cluster secret: with one, the connection authenticates (and requires the producer
     /// to); without, it does not (and fails against a producer that requires it).
     pub secret: Option<Arc<Secret>>,
+    /// Longest the producer may take to send its handshake and, with a secret, its proof
+    /// (`fluxgate.network.handshake-timeout`); then every channel of the connection fails.
+    pub handshake_timeout: Duration,
 }
 
 impl ClientConfig {
@@ -46,6 +49,7 @@ impl ClientConfig {
             segment_size,
             max_frame_size: usize::MAX,
             secret: None,
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -111,6 +115,9 @@ pub struct ClientConnection {
     discard: Box<[u8; DISCARD_CHUNK]>,
     outbound: Outbound,
     handshake_received: bool,
+    /// When the producer's handshake (and proof) must have come; set at the first poll.
+    handshake_deadline: Option<Instant>,
+    handshake_timeout: Duration,
     auth: Option<ClientAuth>,
     /// Requests may be sent: no authentication, or the producer proved itself and our proof
     /// is queued.
@@ -185,6 +192,8 @@ impl ClientConnection {
             discard: Box::new([0; DISCARD_CHUNK]),
             outbound,
             handshake_received: false,
+            handshake_deadline: None,
+            handshake_timeout: config.handshake_timeout,
             authenticated: auth.is_none(),
             auth,
             deferred: Vec::new(),
@@ -309,10 +318,13 @@ impl ClientConnection {
         }
     }
 
-    /// When a re-request is next due (for the driver's timer).
+    /// When a re-request or the handshake deadline is next due (for the driver's timer).
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let handshake = self
+            .handshake_deadline
+            .filter(|_| !self.closed && !self.is_established());
         if self.retrying == 0 {
-            return None;
+            return handshake;
         }
         self.channels
             .iter()
@@ -321,7 +333,38 @@ impl ClientConnection {
                 Retry::At(due) => Some(due),
                 _ => None,
             })
+            .chain(handshake)
             .min()
+    }
+
+    /// True once the producer's handshake arrived and, with a secret, its proof held.
+    fn is_established(&self) -> bool {
+        self.handshake_received && self.authenticated
+    }
+
+    /// Fails the channels of a connection whose producer stays silent or never proves the
+    /// secret (their requests would otherwise wait forever).
+    fn check_handshake_deadline(&mut self, now: Instant) {
+        if self.closed || self.is_established() {
+            return;
+        }
+        let timeout = self.handshake_timeout;
+        let deadline = *self.handshake_deadline.get_or_insert(now + timeout);
+        if now < deadline {
+            return;
+        }
+        let error = if self.handshake_received {
+            ProtocolError::Unauthenticated(format!(
+                "the producer sent no proof of the cluster secret within {timeout:?} \
+                 (fluxgate.network.handshake-timeout)"
+            ))
+        } else {
+            ProtocolError::Handshake(format!(
+                "no handshake from the producer within {timeout:?} \
+                 (fluxgate.network.handshake-timeout)"
+            ))
+        };
+        self.fail_all(&error);
     }
 
     /// Sends a task event to the producer of `receiver`'s partition.
@@ -388,6 +431,7 @@ impl ClientConnection {
 
     /// Moves what channels want sent (credit, resume, cancel) into the outbound queue.
     pub fn poll_transmit(&mut self, now: Instant) {
+        self.check_handshake_deadline(now);
         if !self.authenticated {
             // Credit and the like wait for authentication (their channels' requests do too).
             return;

@@ -45,6 +45,9 @@ pub struct ServerConfig {
     /// The cluster secret: with one, a consumer must prove it knows it before any request is
     /// served.
     pub secret: Option<Arc<Secret>>,
+    /// Longest the consumer may take to send its handshake and, with a secret, its proof
+    /// (`fluxgate.network.handshake-timeout`); then the connection is closed.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -59,6 +62,7 @@ impl Default for ServerConfig {
             max_frame_size: usize::MAX,
             request_rate: RequestRate::default(),
             secret: None,
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -168,6 +172,8 @@ pub struct ServerConnection {
     reader: FrameReader,
     outbound: Outbound,
     handshake_received: bool,
+    /// When the handshake (and proof) must be complete; set at the first poll.
+    handshake_deadline: Option<Instant>,
     auth: Option<ServerAuth>,
     /// Requests are served: no authentication, or the consumer proved the secret.
     authenticated: bool,
@@ -233,6 +239,7 @@ impl ServerConnection {
             next_retry: None,
             outbound,
             handshake_received: false,
+            handshake_deadline: None,
             authenticated: auth.is_none(),
             auth,
             requests: TokenBucket::new(config.request_rate),
@@ -255,6 +262,11 @@ impl ServerConnection {
     /// `n` bytes were read into [`read_buffer`](Self::read_buffer). An error closes the
     /// connection: an ErrorResponse is queued (write it, then close) and every view released.
     pub fn on_read(&mut self, n: usize, now: Instant) -> Result<(), ProtocolError> {
+        if self.closing {
+            // Closed, failed, or refused at creation (no nonce could be drawn): what still
+            // arrives is dropped unread, so nothing is served or answered any more.
+            return Ok(());
+        }
         let result = match self.reader.advance(n) {
             Ok(Step::Incomplete) => Ok(()),
             Ok(Step::Header(frame)) => match self.reader.read_body(frame) {
@@ -273,6 +285,7 @@ impl ServerConnection {
     /// Moves what can be sent into the outbound queue: for each ready reader in turn one
     /// buffer if it has credit, or an event regardless of credit; priority events first.
     pub fn poll_transmit(&mut self, now: Instant) {
+        self.check_handshake_deadline(now);
         self.handle_timeout(now);
         // Each reader is queued at most once; a reader that sent goes back to the tail.
         let mut budget = self.readers.len() * 2 + 1;
@@ -285,9 +298,42 @@ impl ServerConnection {
         }
     }
 
-    /// When [`handle_timeout`](Self::handle_timeout) is next due.
+    /// When [`handle_timeout`](Self::handle_timeout) (or the handshake deadline) is next due.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.next_retry
+        let handshake = self.handshake_deadline.filter(|_| !self.is_established());
+        match (self.next_retry, handshake) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// True once the consumer's handshake arrived and, with a secret, its proof held.
+    fn is_established(&self) -> bool {
+        self.handshake_received && self.authenticated
+    }
+
+    /// Closes a connection whose consumer stays silent or never proves the secret.
+    fn check_handshake_deadline(&mut self, now: Instant) {
+        if self.closing || self.is_established() {
+            return;
+        }
+        let timeout = self.config.handshake_timeout;
+        let deadline = *self.handshake_deadline.get_or_insert(now + timeout);
+        if now < deadline {
+            return;
+        }
+        let error = if self.handshake_received {
+            ProtocolError::Unauthenticated(format!(
+                "no proof of the cluster secret within {timeout:?} \
+                 (fluxgate.network.handshake-timeout)"
+            ))
+        } else {
+            ProtocolError::Handshake(format!(
+                "no handshake within {timeout:?} (fluxgate.network.handshake-timeout)"
+            ))
+        };
+        tracing::warn!(%error, "closing a connection that did not complete its handshake");
+        self.fail(&error);
     }
 
     /// Retries partition requests waiting for their partition; answers PartitionNotFound
