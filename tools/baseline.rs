@@ -30,14 +30,12 @@ fn connected_pair() -> std::io::Result<(TcpStream, TcpStream)> {
     Ok((sender, receiver))
 }
 
-/// `len` as an unsigned LEB128 varint appended to `out`.
+/// `len` as the engine's length prefix appended to `out` (its encoding only; no engine code
+/// runs on the baseline's data path).
 fn put_length(out: &mut Vec<u8>, len: usize) {
-    let mut value = len as u32;
-    while value >= 0x80 {
-        out.push((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
+    let mut prefix = [0; fluxgate::record::MAX_LENGTH_PREFIX];
+    let used = fluxgate::record::encode_prefix(len as u32, &mut prefix);
+    out.extend_from_slice(&prefix[..used]);
 }
 
 /// Counts the records in a byte stream of `[varint length | bytes]` records (split anywhere).
@@ -115,13 +113,17 @@ pub fn throughput(record_size: usize, duration: Duration) -> std::io::Result<Mov
     });
     let mut batch = Vec::with_capacity(BATCH + record_size + 5);
     let record = vec![0xA5u8; record_size];
-    let prefix_len = (1..5).take_while(|i| record_size >> (7 * i) > 0).count() + 1;
+    let framed = fluxgate::record::framed_len(record_size);
     while started.elapsed() < duration {
         for _ in 0..64 {
             // Pack records back to back; write a full batch at a time.
-            while batch.len() + prefix_len + record_size <= BATCH {
+            // At least one record per write, so records over 32 KiB are sent too.
+            loop {
                 put_length(&mut batch, record_size);
                 batch.extend_from_slice(&record);
+                if batch.len() + framed > BATCH {
+                    break;
+                }
             }
             sender.write_all(&batch)?;
             batch.clear();

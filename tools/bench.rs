@@ -449,9 +449,14 @@ pub enum Phase {
 struct ProducerProcess {
     child: std::process::Child,
     stdin: Option<std::process::ChildStdin>,
-    stdout: std::io::BufReader<std::process::ChildStdout>,
+    /// The child's stdout, a line at a time, from a thread that ends when the child does:
+    /// every wait for a line is bounded.
+    lines: std::sync::mpsc::Receiver<String>,
     addr: std::net::SocketAddr,
 }
+
+/// Longest the producer process may take to start, and to report after the run ends.
+const PRODUCER_REPLY: Duration = Duration::from_secs(60);
 
 /// What a producer process reports at the end of its phase.
 struct ProducerReport {
@@ -462,11 +467,13 @@ struct ProducerReport {
 
 impl ProducerProcess {
     fn spawn(phase: Phase) -> Result<Self, String> {
+        use std::io::BufRead;
         use std::process::{Command, Stdio};
         let exe =
             std::env::current_exe().map_err(|e| format!("cannot find the fluxgate binary: {e}"))?;
         // This process's own `bench` arguments (none when `fluxgate` ran with no subcommand).
         let own: Vec<String> = std::env::args()
+            .skip(1)
             .skip_while(|a| a != "bench")
             .skip(1)
             .collect();
@@ -484,39 +491,64 @@ impl ProducerProcess {
             .spawn()
             .map_err(|e| format!("cannot start the producer process: {e}"))?;
         let stdin = child.stdin.take();
-        let stdout = child.stdout.take().map(std::io::BufReader::new);
-        let mut process = match stdout {
-            Some(stdout) => Self {
-                child,
-                stdin,
-                stdout,
-                addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            },
-            None => return Err("the producer process has no stdout".into()),
+        let Some(stdout) = child.stdout.take() else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("the producer process has no stdout".into());
         };
-        let line = process.line()?;
+        let (sender, lines) = std::sync::mpsc::channel();
+        // Ends at the child's exit (end of its stdout) or when nobody listens any more.
+        thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut process = Self {
+            child,
+            stdin,
+            lines,
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        };
+        let line = process.line(PRODUCER_REPLY)?;
         process.addr = line
             .strip_prefix("ready ")
             .and_then(|addr| addr.trim().parse().ok())
-            .ok_or_else(|| {
-                format!(
-                    "the producer process said `{}`, not `ready ADDR`",
-                    line.trim()
-                )
-            })?;
+            .ok_or_else(|| format!("the producer process said `{line}`, not `ready ADDR`"))?;
         Ok(process)
     }
 
-    /// The producer process's next line; its exit is an error naming its status.
-    fn line(&mut self) -> Result<String, String> {
-        use std::io::BufRead;
-        let mut line = String::new();
-        match self.stdout.read_line(&mut line) {
-            Ok(n) if n > 0 => Ok(line),
-            _ => {
-                let status = self.child.wait().map_err(|e| e.to_string())?;
+    /// The producer process's next line within `timeout`; its exit is an error naming its
+    /// status.
+    fn line(&mut self, timeout: Duration) -> Result<String, String> {
+        use std::sync::mpsc::RecvTimeoutError;
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => Ok(line),
+            Err(RecvTimeoutError::Timeout) => {
+                Err(format!("the producer process said nothing for {timeout:?}"))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let status = self.wait()?;
                 Err(format!("the producer process exited ({status})"))
             }
+        }
+    }
+
+    /// Reaps the child, killing it if it has not exited within `PRODUCER_REPLY`.
+    fn wait(&mut self) -> Result<std::process::ExitStatus, String> {
+        let deadline = Instant::now() + PRODUCER_REPLY;
+        // Bounded by the deadline; a poll every few ms, then a kill.
+        loop {
+            if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                return self.child.wait().map_err(|e| e.to_string());
+            }
+            thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -534,11 +566,11 @@ impl ProducerProcess {
 
     /// Waits for the report; then lets the process exit and reaps it.
     fn finish(mut self) -> Result<ProducerReport, String> {
-        let line = self.line()?;
+        let line = self.line(PRODUCER_REPLY)?;
         let report = parse_done(&line)
-            .ok_or_else(|| format!("the producer process said `{}`, not `done …`", line.trim()))?;
+            .ok_or_else(|| format!("the producer process said `{line}`, not `done …`"))?;
         self.stdin = None;
-        let status = self.child.wait().map_err(|e| e.to_string())?;
+        let status = self.wait()?;
         if !status.success() {
             return Err(format!("the producer process failed ({status})"));
         }
@@ -593,16 +625,22 @@ fn producer_process(args: &BenchArgs, config: &NetworkConfig, phase: Phase) -> R
     };
     told(&mut out, format!("ready {}", env.local_addr()))?;
     let mut line = String::new();
-    input.read_line(&mut line).map_err(|e| e.to_string())?;
-    if line.trim() != "go" {
-        return Err("the benchmark process went away before the run".into());
-    }
+    let mut wait_for_go = || {
+        input.read_line(&mut line).map_err(|e| e.to_string())?;
+        if line.trim() != "go" {
+            return Err("the benchmark process went away before the run".to_string());
+        }
+        Ok(())
+    };
     let cpu_started = cpu_time();
     let metrics = match phase {
-        Phase::Throughput => produce_throughput(args, partitions)?,
+        Phase::Throughput => {
+            wait_for_go()?;
+            produce_throughput(args, partitions)?
+        }
         Phase::Latency => {
             let partition = partitions.into_iter().next().ok_or("no partition")?;
-            produce_latency(args, partition)?;
+            produce_latency(args, partition, wait_for_go)?;
             Vec::new()
         }
     };
@@ -774,7 +812,7 @@ fn throughput(
     let started = Instant::now();
     let cpu_started = cpu_time();
     let mut metrics = RunMetrics::default();
-    let (consumed, producer_cpu) = match producer_process {
+    let (consumed, producer_cpu, elapsed) = match producer_process {
         None => {
             let (produced, consumed) = thread::scope(|scope| {
                 let producing = scope.spawn(|| produce_throughput(args, local_partitions));
@@ -785,20 +823,23 @@ fn throughput(
                 (produced, consumed)
             });
             metrics.partitions = produced?;
-            (consumed?, Duration::ZERO)
+            (consumed?, Duration::ZERO, started.elapsed())
         }
         Some(mut process) => {
             process.go()?;
             let consumed = consume_throughput(gates, config.max_record_bytes)?;
+            // The run ends with the last record read; the producer's report and exit are not
+            // part of it.
+            let elapsed = started.elapsed();
             let report = process.finish()?;
             if !report.pool_full {
                 return Err("segments were not returned to the producer process's pool".into());
             }
             metrics.partitions = report.partitions;
-            (consumed, report.cpu)
+            (consumed, report.cpu, elapsed)
         }
     };
-    let elapsed = started.elapsed().as_secs_f64();
+    let elapsed = elapsed.as_secs_f64();
     if !pool_full(&env) {
         return Err("segments were not returned to their pools".into());
     }
@@ -823,15 +864,28 @@ fn wall_nanos() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// The latency run's producer: one record every 1/rate s, each carrying its *scheduled* send
-/// time, flushed at once (`execution.buffer-timeout` = 0).
-fn produce_latency(args: &BenchArgs, partition: ResultPartition) -> Result<(), String> {
+/// The send time a latency run's warm-up record carries: it is not measured.
+const WARM_UP: u64 = 0;
+
+/// The latency run's producer: first one warm-up record, which the consumer reads before the
+/// run starts (so connecting, the partition request and the first credit are not measured,
+/// as the baseline connects before its clock starts); then, once `start` returns, one record
+/// every 1/rate s, each carrying its *scheduled* send time, flushed at once
+/// (`execution.buffer-timeout` = 0).
+fn produce_latency(
+    args: &BenchArgs,
+    partition: ResultPartition,
+    start: impl FnOnce() -> Result<(), String>,
+) -> Result<(), String> {
+    let mut writer = RecordWriter::new(partition, ForwardSelector, BufferTimeout::Always);
+    let mut record = vec![0u8; args.record_size.max(8)];
+    record[..8].copy_from_slice(&WARM_UP.to_le_bytes());
+    writer.emit(&record[..]).map_err(|e| e.to_string())?;
+    start()?;
     let epoch = Instant::now();
     let epoch_wall = wall_nanos();
     let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let total = (args.rate as f64 * args.latency_duration) as u64;
-    let mut writer = RecordWriter::new(partition, ForwardSelector, BufferTimeout::Always);
-    let mut record = vec![0u8; args.record_size.max(8)];
     for i in 0..total {
         let scheduled = interval * i as u32;
         pace(epoch, scheduled);
@@ -842,10 +896,23 @@ fn produce_latency(args: &BenchArgs, partition: ResultPartition) -> Result<(), S
     writer.finish().map_err(|e| e.to_string())
 }
 
-fn consume_latency(gate: SingleInputGate, max_record: usize) -> Result<Histogram<u64>, String> {
+/// The latency run's consumer: reads the warm-up record, calls `started` (a remote producer
+/// is told to begin then), and records every later record's one-way latency.
+fn consume_latency(
+    gate: SingleInputGate,
+    max_record: usize,
+    started: impl FnOnce() -> Result<(), String>,
+) -> Result<Histogram<u64>, String> {
     let mut histogram =
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
     let mut reader = RecordReader::new(gate, max_record);
+    match reader.next_timeout(Duration::from_secs(30)) {
+        Ok(Some(ReaderItem::Record { bytes, .. }))
+            if bytes.get(..8) == Some(&WARM_UP.to_le_bytes()[..]) => {}
+        Ok(_) => return Err("the latency run did not begin with its warm-up record".into()),
+        Err(error) => return Err(error.to_string()),
+    }
+    started()?;
     loop {
         match reader.next_timeout(Duration::from_secs(30)) {
             Ok(Some(ReaderItem::Record { bytes, .. })) => {
@@ -867,27 +934,32 @@ fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<Histogram<u64>, S
     let exchange = Exchange::new(args, config, Phase::Latency)?;
     let local_partition = exchange.local_partitions(1, 1)?.pop();
     let gate = exchange.gate(0, 1)?;
-    match (exchange.producer_process, local_partition) {
-        (Some(mut process), _) => {
-            process.go()?;
-            let histogram = consume_latency(gate, config.max_record_bytes)?;
-            process.finish()?;
-            Ok(histogram)
+    let histogram = match exchange.producer_process {
+        Some(mut process) => {
+            let histogram = consume_latency(gate, config.max_record_bytes, || process.go())?;
+            if !process.finish()?.pool_full {
+                return Err("segments were not returned to the producer process's pool".into());
+            }
+            histogram
         }
-        (None, Some(partition)) => {
+        None => {
+            let partition = local_partition.ok_or("no local partition")?;
             let (produced, histogram) = thread::scope(|scope| {
-                let producing = scope.spawn(|| produce_latency(args, partition));
-                let histogram = consume_latency(gate, config.max_record_bytes);
+                let producing = scope.spawn(|| produce_latency(args, partition, || Ok(())));
+                let histogram = consume_latency(gate, config.max_record_bytes, || Ok(()));
                 let produced = producing
                     .join()
                     .unwrap_or_else(|_| Err("producer panicked".into()));
                 (produced, histogram)
             });
             produced?;
-            histogram
+            histogram?
         }
-        (None, None) => Err("no local partition".into()),
+    };
+    if !pool_full(&exchange.env) {
+        return Err("segments were not returned to their pools".into());
     }
+    Ok(histogram)
 }
 
 /// Waits until `scheduled` after `epoch`: sleeps while far ahead, yields when close, so the
@@ -949,9 +1021,15 @@ fn print(
                 "  throughput {:.1} s (buffer timeout {} ms); latency {} records/s for {:.1} s, flush every record",
                 args.duration, args.buffer_timeout, args.rate, args.latency_duration
             );
+            // The baseline never encrypts: say so beside an engine that does.
+            let baseline_name = if config.ssl_enabled && !args.local {
+                "raw TCP, no TLS"
+            } else {
+                "raw TCP"
+            };
             println!(
-                "  {:<20} {:>14} {:>14} {:>8}",
-                "figure", "fluxgate", "raw TCP", "ratio"
+                "  {:<20} {:>14} {:>16} {:>8}",
+                "figure", "fluxgate", baseline_name, "ratio"
             );
             for (name, unit, get) in metrics {
                 let Some(value) = get(engine) else { continue };
