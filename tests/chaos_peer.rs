@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fluxgate::config::{SecretError, SECRET_ENV};
 use fluxgate::env::EnvError;
@@ -124,7 +124,7 @@ fn auth_options(file: &SecretFile) -> [(&'static str, &str); 2] {
 
 /// Waits until every pool is full again (segments in flight on the way back).
 fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
-    wait_until(|| {
+    common::wait_until(LONG, || {
         envs.iter()
             .all(|e| e.network().available_segments() == e.network().total_segments())
     }) || {
@@ -141,20 +141,6 @@ fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
 }
 
 /// Waits (bounded by [`LONG`]) for `condition`; false if it never held.
-fn wait_until(mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + LONG;
-    // Bounded by the deadline.
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        thread::yield_now();
-    }
-}
-
 fn channel(partition: ResultPartitionId, peer: SocketAddr) -> ChannelDescriptor {
     ChannelDescriptor {
         consumed: ConsumedSubpartition {
@@ -210,7 +196,7 @@ impl LiveExchange {
                     // one. Before that, a segment still in the I/O thread's hands after the
                     // consumer read its records would come back during the test's count.
                     let pool = writer.partition().pool();
-                    if wait_until(|| pool.in_use_segments() <= 1) {
+                    if common::wait_until(LONG, || pool.in_use_segments() <= 1) {
                         let _ = idle_tx.send(());
                     }
                     // Bounded: the test resumes or gives up.
@@ -256,7 +242,7 @@ impl LiveExchange {
     /// Waits until the consumer read the first half (its connection is up and idle).
     fn wait_for_first_half(&self) {
         assert!(
-            wait_until(|| self.received.load(Ordering::Acquire) >= self.half),
+            common::wait_until(LONG, || self.received.load(Ordering::Acquire) >= self.half),
             "the live exchange did not deliver its first half"
         );
         assert!(
@@ -645,7 +631,7 @@ fn chaos_peers_leave_a_live_exchange_intact(transport: Transport, auth: bool) {
     for case in cases(auth) {
         play(producer.local_addr(), secret, &case);
         assert!(
-            wait_until(|| producer.network().available_segments() == baseline),
+            common::wait_until(LONG, || producer.network().available_segments() == baseline),
             "{}: the producer's segments did not come back ({} free, {baseline} before)",
             case.name,
             producer.network().available_segments()

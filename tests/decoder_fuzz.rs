@@ -282,10 +282,15 @@ fn run_server_with(
         let bytes = server_writes(&mut server, true);
         let frames = split_frames(&bytes);
         assert_eq!(frames.len(), 1, "{error:?}: wrote {frames:?}");
-        // The error's kind on the wire: the peer's own error is answered as a protocol error.
+        // The error's kind on the wire, written out here rather than asked of the code under
+        // test: refused proofs say Unauthenticated, exceeded limits LimitExceeded, anything
+        // else (the peer's own error too) Protocol.
         let kind = match error {
-            ProtocolError::Remote { .. } => ErrorKind::Protocol,
-            other => other.error_kind(),
+            ProtocolError::Unauthenticated(_) => ErrorKind::Unauthenticated,
+            ProtocolError::TooManyChannels { .. } | ProtocolError::RequestRateExceeded { .. } => {
+                ErrorKind::LimitExceeded
+            }
+            _ => ErrorKind::Protocol,
         };
         assert!(
             matches!(

@@ -57,6 +57,29 @@ fn env(node: u128, transport: Transport) -> ShuffleEnvironment {
     .unwrap()
 }
 
+/// Emits 8-byte records into `partition` (flushed every millisecond) until an emit fails;
+/// returns how many went out and the error. Bounded: the test makes emits fail within LONG.
+fn emit_until_error(
+    partition: fluxgate::partition::ResultPartition,
+) -> thread::JoinHandle<Result<(u64, PartitionError), String>> {
+    thread::spawn(move || {
+        let mut writer = RecordWriter::new(
+            partition,
+            ForwardSelector,
+            BufferTimeout::Every(Duration::from_millis(1)),
+        );
+        let started = Instant::now();
+        let mut seq = 0u64;
+        while started.elapsed() < 2 * LONG {
+            match writer.emit(&seq.to_le_bytes()[..]) {
+                Ok(()) => seq += 1,
+                Err(error) => return Ok((seq, error)),
+            }
+        }
+        Err(format!("still emitting after {:?}", 2 * LONG))
+    })
+}
+
 fn gate_of(
     env: &ShuffleEnvironment,
     partition: ResultPartitionId,
@@ -91,7 +114,8 @@ fn pool_full(env: &ShuffleEnvironment) -> bool {
 /// A child process killed (and reaped) when the test ends, however it ends.
 struct Process {
     child: Child,
-    lines: BufReader<std::process::ChildStdout>,
+    /// The child's stdout lines, from a thread that ends with the child: reads are bounded.
+    lines: std::sync::mpsc::Receiver<String>,
 }
 
 impl Process {
@@ -102,16 +126,27 @@ impl Process {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("the child starts");
-        let lines = BufReader::new(child.stdout.take().expect("piped"));
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let (sender, lines) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
         Self { child, lines }
     }
 
-    /// The child's next stdout line (its exit is a test failure).
+    /// The child's next stdout line within LONG (silence or its exit is a test failure).
     fn line(&mut self) -> String {
-        let mut line = String::new();
-        let n = self.lines.read_line(&mut line).expect("reading the child");
-        assert!(n > 0, "the child exited: {:?}", self.child.try_wait());
-        line
+        match self.lines.recv_timeout(LONG) {
+            Ok(line) => line,
+            Err(error) => panic!(
+                "no line from the child ({error}); it exited: {:?}",
+                self.child.try_wait()
+            ),
+        }
     }
 
     fn say(&mut self, text: &str) {
@@ -303,23 +338,7 @@ fn killing_the_consumer_process_releases_the_producer(transport: Transport) {
         .env(FAULT_PEER, producer_env.local_addr().to_string())
         .env(FAULT_TRANSPORT, transport_name(transport));
     let mut consumer = Process::spawn(command);
-    let writer = thread::spawn(move || {
-        let mut writer = RecordWriter::new(
-            partition,
-            ForwardSelector,
-            BufferTimeout::Every(Duration::from_millis(1)),
-        );
-        let started = Instant::now();
-        // Bounded: the consumer is killed within LONG, then the next emits fail.
-        let mut seq = 0u64;
-        while started.elapsed() < 2 * LONG {
-            match writer.emit(&seq.to_le_bytes()[..]) {
-                Ok(()) => seq += 1,
-                Err(error) => return Ok((seq, error)),
-            }
-        }
-        Err(format!("still emitting after {:?}", 2 * LONG))
-    });
+    let writer = emit_until_error(partition);
     // Bounded: the child prints a few lines of test-harness text before `reading`.
     let mut reading = false;
     for _ in 0..50 {
@@ -507,19 +526,6 @@ fn buffer_response(receiver: ReceiverId, sequence: u64, payload: &[u8]) -> Vec<u
     out
 }
 
-/// One record `[LEB128 length | bytes]` as the serializer writes it, written out here.
-fn framed_record(bytes: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    let mut len = bytes.len();
-    while len >= 0x80 {
-        out.push((len as u8) | 0x80);
-        len >>= 7;
-    }
-    out.push(len as u8);
-    out.extend_from_slice(bytes);
-    out
-}
-
 /// Reads until the gate's error (records before it are fine), bounded by LONG.
 fn first_error(gate: fluxgate::gate::SingleInputGate) -> ReaderError {
     let mut reader = RecordReader::new(gate, 1 << 20);
@@ -535,8 +541,8 @@ fn first_error(gate: fluxgate::gate::SingleInputGate) -> ReaderError {
 
 fn an_eof_in_the_middle_of_a_frame_fails_the_channel_naming_the_peer(transport: Transport) {
     let (addr, server) = fake_producer(|receiver| {
-        let whole = buffer_response(receiver, 0, &framed_record(b"whole"));
-        let mut cut = buffer_response(receiver, 1, &framed_record(&[5u8; 1000]));
+        let whole = buffer_response(receiver, 0, &common::framed_record(b"whole"));
+        let mut cut = buffer_response(receiver, 1, &common::framed_record(&[5u8; 1000]));
         cut.truncate(cut.len() / 2);
         [whole, cut].concat()
     });
@@ -561,8 +567,8 @@ on_both_drivers!(
 fn a_frame_out_of_sequence_fails_the_channel_with_reordering(transport: Transport) {
     let (addr, server) = fake_producer(|receiver| {
         // Sequence 0, then 2: buffer 1 went missing.
-        let first = buffer_response(receiver, 0, &framed_record(b"zero"));
-        let skipped = buffer_response(receiver, 2, &framed_record(b"two"));
+        let first = buffer_response(receiver, 0, &common::framed_record(b"zero"));
+        let skipped = buffer_response(receiver, 2, &common::framed_record(b"two"));
         [first, skipped].concat()
     });
     let consumer_env = env(9, transport);
@@ -598,23 +604,7 @@ fn a_consumer_cancelling_midway_releases_only_its_view(transport: Transport) {
     // other.
     let kept_gate = gate_of(&consumer_env, kept_id, producer_env.local_addr());
     let cancelled_gate = gate_of(&consumer_env, cancelled_id, producer_env.local_addr());
-    let writer = thread::spawn(move || {
-        let mut writer = RecordWriter::new(
-            cancelled,
-            ForwardSelector,
-            BufferTimeout::Every(Duration::from_millis(1)),
-        );
-        let started = Instant::now();
-        let mut seq = 0u64;
-        // Bounded: the consumer cancels within LONG, then the next emits fail.
-        while started.elapsed() < 2 * LONG {
-            match writer.emit(&seq.to_le_bytes()[..]) {
-                Ok(()) => seq += 1,
-                Err(error) => return Ok(error),
-            }
-        }
-        Err("still emitting".to_string())
-    });
+    let writer = emit_until_error(cancelled);
     let mut reader = RecordReader::new(cancelled_gate, 1 << 20);
     let mut received = 0u64;
     // Bounded: each read within LONG.
@@ -627,7 +617,7 @@ fn a_consumer_cancelling_midway_releases_only_its_view(transport: Transport) {
     }
     // The task gives up on its input midway: the gate closes, the request is cancelled.
     drop(reader);
-    let error = writer.join().unwrap().expect("emit failed");
+    let (_, error) = writer.join().unwrap().expect("emit failed");
     assert!(matches!(error, PartitionError::Released), "{error:?}");
     // The other channel on the same connection is served to its end.
     let kept = healthy_producer(&producer_env, kept_id, 20_000);

@@ -1,6 +1,8 @@
 //! Input gates over local channels: the scenarios the InputGate seed walks through, one test
 //! each, plus barriers, union gates and the async read.
 
+mod common;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -95,19 +97,6 @@ fn event(item: &GateItem) -> &Event {
     }
 }
 
-/// `[LEB128 length | bytes]`, written out here rather than by the crate's encoder.
-fn framed(record: &[u8]) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    let mut len = record.len();
-    while len >= 0x80 {
-        bytes.push((len as u8) | 0x80);
-        len >>= 7;
-    }
-    bytes.push(len as u8);
-    bytes.extend_from_slice(record);
-    bytes
-}
-
 #[test]
 fn partitions_are_requested_once_and_data_flows_by_reference() {
     let f = fixture();
@@ -123,7 +112,7 @@ fn partitions_are_requested_once_and_data_flows_by_reference() {
     let GateItem::Buffer(buffer) = &item.item else {
         panic!()
     };
-    assert_eq!(buffer.as_slice(), framed(b"hello"));
+    assert_eq!(buffer.as_slice(), common::framed_record(b"hello"));
     let metrics = gate.channel(0).unwrap().metrics().unwrap();
     assert_eq!(metrics.num_buffers_in.get(), 1);
     assert_eq!(metrics.num_bytes_in.get(), 6, "a 1-byte length and 5 bytes");
@@ -193,7 +182,7 @@ fn a_missing_partition_is_retried_with_doubling_backoff_then_found() {
     producer.flush(0);
     assert_eq!(
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
-        framed(b"late")
+        common::framed_record(b"late")
     );
 }
 
@@ -266,7 +255,7 @@ fn unknown_channels_become_local_get_requested_and_receive_pending_task_events()
     );
     assert_eq!(
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
-        framed(b"x")
+        common::framed_record(b"x")
     );
     gate.send_task_event(&Event::Task(b"again".to_vec()));
     assert_eq!(events.0.lock().unwrap().len(), 2);
@@ -343,7 +332,7 @@ fn an_aligned_barrier_blocks_its_channel_until_resumed() {
     gate.resume_consumption(0).unwrap();
     assert_eq!(
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
-        framed(b"after")
+        common::framed_record(b"after")
     );
 }
 
@@ -413,7 +402,13 @@ fn a_union_gate_remaps_channels_and_takes_gates_in_turn() {
         seen.push((item.channel, data(&item.item)));
     }
     seen.sort();
-    assert_eq!(seen, vec![(1, framed(b"a1")), (2, framed(b"b0"))]);
+    assert_eq!(
+        seen,
+        vec![
+            (1, common::framed_record(b"a1")),
+            (2, common::framed_record(b"b0"))
+        ]
+    );
     a.finish().unwrap();
     b.finish().unwrap();
     let mut ends = 0;
@@ -460,7 +455,10 @@ fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
     b.flush(0);
     // Channel 0 is blocked after its barrier: only b's data comes through.
     let item = next_item(&mut checkpointed);
-    assert_eq!((item.channel, data(&item.item)), (1, framed(b"b-before")));
+    assert_eq!(
+        (item.channel, data(&item.item)),
+        (1, common::framed_record(b"b-before"))
+    );
     assert!(checkpointed.poll_next().unwrap().is_none());
     assert_eq!(checkpointed.blocked_channels(), &[0]);
     b.broadcast_event(&barrier(1, Alignment::Aligned), false)
@@ -469,7 +467,10 @@ fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
     assert_eq!(event(&item.item), &barrier(1, Alignment::Aligned));
     assert_eq!(checkpointed.pending_checkpoint(), None);
     let item = next_item(&mut checkpointed);
-    assert_eq!((item.channel, data(&item.item)), (0, framed(b"a-after")));
+    assert_eq!(
+        (item.channel, data(&item.item)),
+        (0, common::framed_record(b"a-after"))
+    );
 }
 
 #[test]
@@ -494,14 +495,20 @@ fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
     );
     assert_eq!(checkpointed.pending_checkpoint(), None);
     let item = next_item(&mut checkpointed);
-    assert_eq!((item.channel, data(&item.item)), (0, framed(b"a")));
+    assert_eq!(
+        (item.channel, data(&item.item)),
+        (0, common::framed_record(b"a"))
+    );
     // The late barrier of the aborted checkpoint is swallowed and its channel resumed.
     b.broadcast_event(&barrier(3, Alignment::Aligned), false)
         .unwrap();
     b.emit_record(&b"b"[..], 0).unwrap();
     b.flush(0);
     let item = next_item(&mut checkpointed);
-    assert_eq!((item.channel, data(&item.item)), (1, framed(b"b")));
+    assert_eq!(
+        (item.channel, data(&item.item)),
+        (1, common::framed_record(b"b"))
+    );
 }
 
 #[test]
@@ -551,8 +558,8 @@ fn unaligned_checkpoints_trigger_at_the_first_barrier_and_persist_in_flight_data
     assert_eq!(
         persisted,
         vec![
-            (4, 0, framed(b"a-in-flight")),
-            (4, 1, framed(b"b-in-flight"))
+            (4, 0, common::framed_record(b"a-in-flight")),
+            (4, 1, common::framed_record(b"b-in-flight"))
         ]
     );
     assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
@@ -624,7 +631,7 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
         for _ in 0..10_000 {
             if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
                 let item = result.unwrap().unwrap();
-                assert_eq!(data(&item.item), framed(b"async"));
+                assert_eq!(data(&item.item), common::framed_record(b"async"));
                 return;
             }
             thread::park_timeout(LONG);
@@ -689,7 +696,7 @@ fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
     let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
     a.broadcast_event(&barrier(4, Alignment::Aligned), false)
         .unwrap();
-    a.emit_record(&b"after".to_vec()[..], 0).unwrap();
+    a.emit_record(&b"after"[..], 0).unwrap();
     a.flush(0);
     assert!(
         checkpointed.poll_next().unwrap().is_none(),
@@ -711,7 +718,12 @@ fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
     );
     // Channel 0 was resumed: its data after the barrier follows.
     let third = next_item(&mut checkpointed);
-    assert_eq!((third.channel, data(&third.item)), (0, framed(b"after")));
+    assert_eq!(
+        (third.channel, data(&third.item)),
+        (0, common::framed_record(b"after"))
+    );
+    drop((first, second, third, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 #[test]

@@ -548,8 +548,8 @@ fn a_barrier_is_written_even_when_blocked_consumers_hold_the_whole_pool() {
     // for one of those segments.
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
-    let (_view0, _) = view(&partition, 0);
-    let (_view1, _) = view(&partition, 1);
+    let (view0, _) = view(&partition, 0);
+    let (view1, _) = view(&partition, 1);
     let max = partition.pool().spec().max_segments;
     let per_channel = config.max_buffers_per_channel;
     assert!(
@@ -581,4 +581,6 @@ fn a_barrier_is_written_even_when_blocked_consumers_hold_the_whole_pool() {
         "the barrier was written without waiting for the pool"
     );
     drop(writer.join().unwrap());
+    drop((view0, view1));
+    assert_eq!(network.available_segments(), network.total_segments());
 }

@@ -236,28 +236,37 @@ fn a_length_prefix_split_over_three_buffers_is_gathered() {
     assert_eq!(records.len(), 1);
     assert!(records[0] == body, "the record's bytes differ");
     reader.finish().unwrap();
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
 fn lengths_take_one_byte_under_128_and_two_under_16_kib() {
-    for (len, prefix) in [
-        (0, 1),
-        (127, 1),
-        (128, 2),
-        (16_383, 2),
-        (16_384, 3),
-        (u32::MAX as usize, 5),
-    ] {
-        assert_eq!(record::prefix_len(len), prefix, "{len}");
+    // LEB128 written out by hand: seven bits a byte, least significant first, the top bit
+    // saying "more follows".
+    let cases: [(usize, &[u8]); 6] = [
+        (0, &[0x00]),
+        (127, &[0x7F]),
+        (128, &[0x80, 0x01]),
+        (16_383, &[0xFF, 0x7F]),
+        (16_384, &[0x80, 0x80, 0x01]),
+        (u32::MAX as usize, &[0xFF, 0xFF, 0xFF, 0xFF, 0x0F]),
+    ];
+    for (len, bytes) in cases {
+        assert_eq!(record::prefix_len(len), bytes.len(), "{len}");
         let mut out = [0u8; record::MAX_LENGTH_PREFIX];
-        assert_eq!(record::encode_prefix(len as u32, &mut out), prefix, "{len}");
+        let used = record::encode_prefix(len as u32, &mut out);
+        assert_eq!(&out[..used], bytes, "{len}");
         assert_eq!(
-            record::decode_prefix(&out[..prefix]),
-            record::Prefix::Complete { len, size: prefix }
+            record::decode_prefix(bytes),
+            record::Prefix::Complete {
+                len,
+                size: bytes.len()
+            }
         );
-        if prefix > 1 {
+        if bytes.len() > 1 {
             assert_eq!(
-                record::decode_prefix(&out[..prefix - 1]),
+                record::decode_prefix(&bytes[..bytes.len() - 1]),
                 record::Prefix::Incomplete
             );
         }

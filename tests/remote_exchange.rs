@@ -583,12 +583,11 @@ fn retries_of(gate: &fluxgate::gate::SingleInputGate) -> u64 {
 }
 
 /// Waits (bounded) until `condition` holds.
-fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + LONG;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        thread::yield_now();
-    }
+fn wait_until(what: &str, condition: impl FnMut() -> bool) {
+    assert!(
+        common::wait_until(LONG, condition),
+        "timed out waiting until {what}"
+    );
 }
 
 /// Reads one record through `gate` and checks it, then the end of the partition.

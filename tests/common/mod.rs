@@ -1,7 +1,11 @@
 //! What the integration tests that run on both drivers share: `#[macro_use] mod common;`.
 
+use std::time::{Duration, Instant};
+
 use fluxgate::io::Transport;
 
+// Each test binary that includes this module uses some of it.
+#[allow(dead_code)]
 /// Runs `test` on `transport`; on io_uring only where the kernel allows it (and says so
 /// loudly where it does not).
 pub fn on(transport: Transport, test: impl FnOnce(Transport)) {
@@ -15,6 +19,7 @@ pub fn on(transport: Transport, test: impl FnOnce(Transport)) {
 }
 
 /// One test per driver: `on_both_drivers!(body, body_epoll, body_uring)`.
+#[allow(unused_macros)]
 macro_rules! on_both_drivers {
     ($test:ident, $epoll:ident, $uring:ident) => {
         #[test]
@@ -27,4 +32,36 @@ macro_rules! on_both_drivers {
             common::on(fluxgate::io::Transport::Uring, $test);
         }
     };
+}
+
+/// Looks at `condition` until it holds or `timeout` passed; true if it held. Yields between
+/// looks: a bounded wait on a condition, not a sleep.
+#[allow(dead_code)]
+pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    // Bounded by the deadline.
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// One record as the serializer frames it, `[LEB128 length | bytes]`, written out here
+/// rather than by the crate's encoder (what tests compare against must not come from it).
+#[allow(dead_code)]
+pub fn framed_record(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut len = bytes.len();
+    while len >= 0x80 {
+        out.push((len as u8) | 0x80);
+        len >>= 7;
+    }
+    out.push(len as u8);
+    out.extend_from_slice(bytes);
+    out
 }
