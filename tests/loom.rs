@@ -539,7 +539,7 @@ fn io_thread_park_races_submit_and_ready_wake() {
         let submitter = {
             let waker = waker.clone();
             let commands = commands.clone();
-            loom::thread::spawn(move || waker.submit(&commands, 7))
+            loom::thread::spawn(move || waker.submit(&commands, 7).expect("room"))
         };
         ready.enqueue(0);
 
@@ -563,10 +563,10 @@ fn io_waker_does_not_signal_a_running_thread() {
         let submitter = {
             let waker = waker.clone();
             let commands = commands.clone();
-            loom::thread::spawn(move || waker.submit(&commands, 1))
+            loom::thread::spawn(move || waker.submit(&commands, 1).expect("room"))
         };
         Waker::from(waker.clone()).wake_by_ref();
-        waker.submit(&commands, 2);
+        waker.submit(&commands, 2).expect("room");
         submitter.join().unwrap();
         assert_eq!(eventfd.signals.load(Ordering::SeqCst), 0);
         assert_eq!(commands.len(), 2);

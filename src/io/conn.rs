@@ -49,11 +49,7 @@ impl Connection {
 
     /// The destination of the next read and the read-ahead area after it.
     pub(crate) fn read_targets(&mut self) -> (&mut [u8], &mut [u8]) {
-        let destination = match &mut self.side {
-            Side::Client(c) => c.read_buffer(),
-            Side::Server(s) => s.read_buffer(),
-        };
-        (destination, &mut self.ahead[..])
+        (read_buffer(&mut self.side), &mut self.ahead[..])
     }
 
     /// `n` bytes arrived: first into the destination, the rest into the read-ahead area,
@@ -64,34 +60,26 @@ impl Connection {
         destination_len: usize,
         now: Instant,
     ) -> Result<(), ProtocolError> {
-        let _entered = self.span.clone().entered();
+        // Fields borrowed apart, so the span is entered without a clone per read.
+        let Self { side, ahead, span } = self;
+        let _entered = span.enter();
         let direct = n.min(destination_len);
-        self.feed(direct, now)?;
-        let mut ahead = n - direct;
+        feed(side, direct, now)?;
+        let mut left = n - direct;
         let mut at = 0;
         // Bounded by the read-ahead bytes: each pass consumes at least one.
-        while ahead > 0 {
-            let (destination, area) = self.read_targets();
-            let take = destination.len().min(ahead);
+        while left > 0 {
+            let destination = read_buffer(side);
+            let take = destination.len().min(left);
             if take == 0 {
                 return Err(ProtocolError::Closed);
             }
-            destination[..take].copy_from_slice(&area[at..at + take]);
-            self.feed(take, now)?;
+            destination[..take].copy_from_slice(&ahead[at..at + take]);
+            feed(side, take, now)?;
             at += take;
-            ahead -= take;
+            left -= take;
         }
         Ok(())
-    }
-
-    fn feed(&mut self, n: usize, now: Instant) -> Result<(), ProtocolError> {
-        if n == 0 {
-            return Ok(());
-        }
-        match &mut self.side {
-            Side::Client(c) => c.on_read(n),
-            Side::Server(s) => s.on_read(n, now),
-        }
     }
 
     pub(crate) fn poll_transmit(&mut self, now: Instant) {
@@ -218,5 +206,24 @@ impl Connection {
             Side::Client(c) => c.on_connection_lost(reason),
             Side::Server(s) => s.on_connection_lost(),
         }
+    }
+}
+
+/// Where the side's next bytes go.
+fn read_buffer(side: &mut Side) -> &mut [u8] {
+    match side {
+        Side::Client(c) => c.read_buffer(),
+        Side::Server(s) => s.read_buffer(),
+    }
+}
+
+/// Hands `n` bytes read into [`read_buffer`] to the side's state machine.
+fn feed(side: &mut Side, n: usize, now: Instant) -> Result<(), ProtocolError> {
+    if n == 0 {
+        return Ok(());
+    }
+    match side {
+        Side::Client(c) => c.on_read(n),
+        Side::Server(s) => s.on_read(n, now),
     }
 }

@@ -71,6 +71,7 @@ impl EpollDriver {
         let mut io_loop = Loop {
             tokens: Vec::new(),
             slice_scratch: Vec::with_capacity(MAX_SLICES),
+            ciphertext: Box::default(),
             poll,
             listener,
             connections: HashMap::new(),
@@ -114,8 +115,6 @@ struct Conn {
 /// What a TLS connection adds to a plain one.
 struct TlsLink {
     session: rustls::Connection,
-    /// Ciphertext read from the socket, handed to the session in the pieces it takes.
-    ciphertext: Box<[u8]>,
     /// When the handshake must be done: a peer that stalls it is closed then.
     handshake_deadline: Instant,
 }
@@ -124,7 +123,6 @@ impl TlsLink {
     fn new(session: rustls::Connection, handshake_deadline: Instant) -> Box<Self> {
         Box::new(Self {
             session,
-            ciphertext: vec![0; CIPHERTEXT_READ].into_boxed_slice(),
             handshake_deadline,
         })
     }
@@ -142,6 +140,8 @@ struct Loop {
     tokens: Vec<Token>,
     /// Scratch for the slices of one `writev` (always empty between writes).
     slice_scratch: Vec<IoSlice<'static>>,
+    /// The read area of TLS connections (allocated at the first TLS read).
+    ciphertext: Box<[u8]>,
     poll: Poll,
     listener: TcpListener,
     connections: HashMap<Token, Conn>,
@@ -516,6 +516,17 @@ impl Loop {
     /// Reads a TLS connection: ciphertext from the socket in large reads, into its session
     /// in the pieces rustls takes, each piece's plaintext handed to the connection at once.
     fn read_tls(&mut self, token: Token, now: Instant) {
+        // One read area for every TLS connection of the thread: rustls copies what it is
+        // given, so nothing stays in it between calls.
+        let mut ciphertext = std::mem::take(&mut self.ciphertext);
+        if ciphertext.is_empty() {
+            ciphertext = vec![0; CIPHERTEXT_READ].into_boxed_slice();
+        }
+        self.read_tls_into(token, now, &mut ciphertext);
+        self.ciphertext = ciphertext;
+    }
+
+    fn read_tls_into(&mut self, token: Token, now: Instant, ciphertext: &mut [u8]) {
         let conn = self.connections.get_mut(&token).expect("present");
         let Conn {
             stream,
@@ -523,11 +534,7 @@ impl Loop {
             tls,
             ..
         } = conn;
-        let TlsLink {
-            session,
-            ciphertext,
-            ..
-        } = &mut **tls.as_mut().expect("a TLS connection");
+        let TlsLink { session, .. } = &mut **tls.as_mut().expect("a TLS connection");
         let mut drained = false;
         // Edge-triggered: read until WouldBlock, bounded per turn as for plain connections.
         for _ in 0..256 {
@@ -726,13 +733,15 @@ fn deliver_plaintext(
         if chunk.is_empty() {
             return Ok(());
         }
-        let (destination, ahead) = connection.read_targets();
+        // Straight into the state machine's destination: the plaintext is already in memory,
+        // so the read-ahead area (which saves socket reads) would only add a second copy.
+        let (destination, _) = connection.read_targets();
         let destination_len = destination.len();
-        let direct = chunk.len().min(destination_len);
-        destination[..direct].copy_from_slice(&chunk[..direct]);
-        let spill = (chunk.len() - direct).min(ahead.len());
-        ahead[..spill].copy_from_slice(&chunk[direct..direct + spill]);
-        let n = direct + spill;
+        let n = chunk.len().min(destination_len);
+        if n == 0 {
+            return Err(ProtocolError::Closed);
+        }
+        destination[..n].copy_from_slice(&chunk[..n]);
         reader.consume(n);
         connection.on_read(n, destination_len, now)?;
     }

@@ -208,7 +208,20 @@ pub(crate) struct DriverHandle {
 impl DriverHandle {
     /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
     pub(crate) fn submit(&self, command: Command) {
-        self.waker.submit(&self.commands, command);
+        let Err(command) = self.waker.submit(&self.commands, command) else {
+            return;
+        };
+        tracing::error!(
+            ?command,
+            "the I/O thread's command queue stayed full; command dropped"
+        );
+        if let Command::Connect { peer, channel, .. } = command {
+            // Its channel would wait forever otherwise.
+            channel.fail(crate::gate::GateError::Transport {
+                channel: channel.channel(),
+                reason: format!("the I/O thread took no request to connect to {peer}"),
+            });
+        }
     }
 }
 

@@ -246,6 +246,13 @@ impl UringDriver {
         config: DriverConfig,
         manager: Arc<PartitionManager>,
     ) -> io::Result<Self> {
+        if config.tls.is_some() {
+            // Connections here would run in plaintext: refuse rather than downgrade.
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "TLS runs on the epoll driver only",
+            ));
+        }
         let listener = TcpListener::bind(bind)?;
         let local_addr = listener.local_addr()?;
         let wake_file = Arc::new(eventfd()?);
@@ -370,9 +377,8 @@ struct ZcSend {
     slot: usize,
     generation: u32,
     tag: u64,
-    /// The send's own completion arrived (`more`: with a notification to come).
+    /// The send's own completion arrived.
     completed: bool,
-    more: bool,
     notified: bool,
 }
 
@@ -1171,7 +1177,6 @@ impl Loop {
                 generation,
                 tag,
                 completed: false,
-                more: false,
                 notified: false,
             };
             let index = match self.zc_free.pop() {
@@ -1224,8 +1229,7 @@ impl Loop {
             let conn = self.conns[slot].as_deref_mut().expect("present");
             conn.connection.on_written(0);
             if let Some((index, _)) = record {
-                self.zc_sends[index] = None;
-                self.zc_free.push(index);
+                self.free_zc_record(index);
             }
         }
     }
@@ -1235,23 +1239,15 @@ impl Loop {
         match kind {
             ZC_WRITE if cqueue::notif(flags) => self.on_zc_notification(slot, generation, result),
             ZC_WRITE => {
-                let Some(record) = self
-                    .zc_sends
-                    .get_mut(slot)
-                    .and_then(Option::as_mut)
-                    .filter(|r| r.generation == generation)
-                else {
+                let Some(record) = self.zc_record(slot, generation) else {
                     tracing::error!(slot, "io_uring: completion of an unknown zero-copy send");
                     return;
                 };
                 let more = cqueue::more(flags);
                 record.completed = true;
-                record.more = more;
                 let (conn_slot, tag) = (record.slot, record.tag);
-                let done = !more || record.notified;
-                if done {
-                    self.zc_sends[slot] = None;
-                    self.zc_free.push(slot);
+                if !more || record.notified {
+                    self.free_zc_record(slot);
                 }
                 // The send's own completion; without `more` no notification comes either.
                 self.in_flight -= 1 + usize::from(!more);
@@ -1325,24 +1321,32 @@ impl Loop {
         }
     }
 
+    /// The record of zero-copy send `index` of this `generation`, if it is still live.
+    fn zc_record(&mut self, index: usize, generation: u32) -> Option<&mut ZcSend> {
+        self.zc_sends
+            .get_mut(index)
+            .and_then(Option::as_mut)
+            .filter(|r| r.generation == generation)
+    }
+
+    /// Ends zero-copy send `index`'s record; the index is reused.
+    fn free_zc_record(&mut self, index: usize) {
+        self.zc_sends[index] = None;
+        self.zc_free.push(index);
+    }
+
     /// The kernel let go of a zero-copy send's bytes: its segments may go back to their
     /// pools (once no earlier send is unnotified). A notification reporting a copy switches
     /// zero-copy off for the connection.
     fn on_zc_notification(&mut self, index: usize, generation: u32, result: i32) {
-        let Some(record) = self
-            .zc_sends
-            .get_mut(index)
-            .and_then(Option::as_mut)
-            .filter(|r| r.generation == generation)
-        else {
+        let Some(record) = self.zc_record(index, generation) else {
             tracing::error!(index, "io_uring: notification of an unknown zero-copy send");
             return;
         };
         record.notified = true;
         let (slot, tag) = (record.slot, record.tag);
         if record.completed {
-            self.zc_sends[index] = None;
-            self.zc_free.push(index);
+            self.free_zc_record(index);
         }
         self.in_flight -= 1;
         self.stats.zc_notifications += 1;
@@ -1441,7 +1445,7 @@ impl Loop {
                 if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
                     tracing::warn!(
                         %error,
-                        peer = ?conn.stream.peer_addr().ok(),
+                        peer = ?conn.connection_peer(),
                         "protocol error; closing the connection"
                     );
                     // Send the queued ErrorResponse if the socket takes it, then close.

@@ -80,12 +80,16 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
     }
 
     /// A task thread hands `command` to the I/O thread through its bounded `queue` and wakes
-    /// it if parked. Blocks (bounded) only if the queue is full.
-    pub fn submit<T>(&self, queue: &ArrayQueue<T>, mut command: T) {
+    /// it if parked. Blocks (bounded) only if the queue is full; gives the command back when
+    /// the queue stayed full for about 10 s (the I/O thread is stuck).
+    pub fn submit<T>(&self, queue: &ArrayQueue<T>, mut command: T) -> Result<(), T> {
         // Bounded: the I/O thread drains the queue every loop turn.
         for _ in 0..10_000 {
             match queue.push(command) {
-                Ok(()) => break,
+                Ok(()) => {
+                    self.wake_if_parked();
+                    return Ok(());
+                }
                 Err(back) => {
                     command = back;
                     // A full queue is drained as soon as the thread runs; make sure it does.
@@ -94,7 +98,7 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
                 }
             }
         }
-        self.wake_if_parked();
+        Err(command)
     }
 }
 

@@ -455,7 +455,7 @@ impl ClientConnection {
                     &mut self.outbound,
                     &Message::CancelPartitionRequest { receiver },
                 );
-                self.channels[slot as usize] = None;
+                self.remove_channel(slot as usize);
                 continue;
             }
             let resume = channel.shared.take_resume_request();
@@ -619,7 +619,7 @@ impl ClientConnection {
                 .as_ref()
                 .is_some_and(|c| c.shared.is_released())
         }) {
-            self.channels[released] = None;
+            self.remove_channel(released);
             slot = None;
         }
         let builder = match slot.and_then(|s| self.channels[s].as_ref()) {
@@ -694,7 +694,7 @@ impl ClientConnection {
         if delivered.is_err() {
             // The channel failed (reordering, overflow): the gate reports it; stop its data.
             let receiver = channel.receiver;
-            self.channels[slot] = None;
+            self.remove_channel(slot);
             encode(
                 &mut self.outbound,
                 &Message::CancelPartitionRequest { receiver },
@@ -758,10 +758,7 @@ impl ClientConnection {
                 }
                 tracing::warn!(?receiver, ?kind, %message, "the producer reported a channel error");
                 if let Some(slot) = self.slot_of(receiver) {
-                    let channel = self.channels[slot].take().expect("slot_of checked it");
-                    if channel.retry != Retry::No {
-                        self.retrying -= 1;
-                    }
+                    let channel = self.remove_channel(slot).expect("slot_of checked it");
                     let error = match kind {
                         ErrorKind::PartitionNotFound => GateError::Partition {
                             channel: channel.shared.channel(),
@@ -803,6 +800,15 @@ impl ClientConnection {
         true
     }
 
+    /// Takes the channel in `slot` out, keeping the count of retrying channels exact.
+    fn remove_channel(&mut self, slot: usize) -> Option<ClientChannel> {
+        let channel = self.channels.get_mut(slot)?.take()?;
+        if channel.retry != Retry::No {
+            self.retrying -= 1;
+        }
+        Some(channel)
+    }
+
     /// The producer's handshake says whether it authenticates; both sides must agree.
     fn on_producer_handshake(
         &mut self,
@@ -837,20 +843,23 @@ impl ClientConnection {
     /// The producer proved it knows the secret: our proof follows, then the requests that
     /// waited for it.
     fn on_producer_proof(&mut self, proof: &Proof) -> Result<(), ProtocolError> {
-        let transcript = match &self.auth {
-            Some(ClientAuth {
-                transcript: Some(transcript),
-                ..
-            }) if !self.authenticated => *transcript,
-            _ => return Err(ProtocolError::UnexpectedMessage(MessageId::AuthProof)),
+        let Some(ClientAuth {
+            secret,
+            transcript: Some(transcript),
+            ..
+        }) = &self.auth
+        else {
+            return Err(ProtocolError::UnexpectedMessage(MessageId::AuthProof));
         };
-        let auth = self.auth.as_ref().expect("matched above");
-        if !transcript.verify_server(&auth.secret, proof) {
+        if self.authenticated {
+            return Err(ProtocolError::UnexpectedMessage(MessageId::AuthProof));
+        }
+        if !transcript.verify_server(secret, proof) {
             return Err(ProtocolError::Unauthenticated(
                 "the producer's proof is wrong: the two nodes have different secrets".into(),
             ));
         }
-        let ours = transcript.client_proof(&auth.secret);
+        let ours = transcript.client_proof(secret);
         encode(&mut self.outbound, &Message::AuthProof { proof: ours });
         let deferred = std::mem::take(&mut self.deferred);
         // After our CloseRequest nothing more may follow.
