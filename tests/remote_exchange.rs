@@ -24,24 +24,7 @@ fn env(node: u128, transport: Transport) -> ShuffleEnvironment {
 
 /// An environment with some options changed.
 fn env_with(node: u128, transport: Transport, options: &[(&str, &str)]) -> ShuffleEnvironment {
-    let mut network = NetworkConfig::default();
-    network
-        .set("taskmanager.memory.segment-size", "8kb")
-        .unwrap();
-    network
-        .set("taskmanager.memory.network.max", "16mb")
-        .unwrap();
-    network.set("fluxgate.memory.arena-size", "4mb").unwrap();
-    for (key, value) in options {
-        network.set(key, value).unwrap();
-    }
-    let env = ShuffleEnvironment::start(EnvConfig {
-        network,
-        node,
-        transport,
-        ..EnvConfig::default()
-    })
-    .unwrap();
+    let env = env_from(node, transport, options, |_| {});
     assert_eq!(env.transport(), transport, "the requested driver runs");
     env
 }

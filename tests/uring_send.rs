@@ -244,9 +244,17 @@ fn registered_files_are_used_and_their_slots_reused() {
     for round in 0..rounds {
         let consumer = env(3, loopback(), &small);
         small_exchange(&producer_env, &consumer, 2 * round);
+        assert!(
+            pool_full(&consumer),
+            "round {round}: the short-lived consumer leaked"
+        );
         drop(consumer);
         let producer = env(4, loopback(), &small);
         small_exchange(&producer, &consumer_env, 2 * round + 1);
+        assert!(
+            pool_full(&producer),
+            "round {round}: the short-lived producer leaked"
+        );
         drop(producer);
         // The long-lived ends saw the connections close and cleared their slots.
         wait_until("the long-lived ends to close their connections", || {
@@ -439,6 +447,64 @@ fn rand_suffix() -> u32 {
 }
 
 /// This test binary again in namespace `ns`, running `zc_child` as `role`.
+/// A child test process: its stdout lines come through a thread, so every wait is bounded,
+/// and it is killed and reaped when dropped (a failing test leaves none behind).
+struct Spawned {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Spawned {
+    fn new(mut child: Child) -> Self {
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let (sender, lines) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The next stdout line within LONG.
+    fn line(&mut self) -> String {
+        self.lines
+            .recv_timeout(LONG)
+            .unwrap_or_else(|error| panic!("no line from the child: {error}"))
+    }
+
+    /// Its exit status, within LONG.
+    fn wait(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + LONG;
+        // Bounded by the deadline: a look every few ms.
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the child did not exit within {LONG:?}"
+            );
+            thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// What it printed and nobody read yet (after its exit: everything left).
+    fn rest(&self) -> Vec<String> {
+        // The reader thread ends with the child's stdout; bounded by LONG per line.
+        std::iter::from_fn(|| self.lines.recv_timeout(LONG).ok()).collect()
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn spawn_child(ns: &str, role: &str, vars: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().unwrap();
     let mut command = Command::new("ip");
@@ -485,13 +551,9 @@ fn exchange_across(pair: &VethPair, mode: &str, records: u64) -> VethRun {
             SocketAddr::from((VethPair::A, 0)).to_string(), // port 0: the child reports its port
         ),
     ];
-    let mut producer = spawn_child(&pair.a, "producer", &vars);
-    let mut lines = BufReader::new(producer.stdout.take().unwrap()).lines();
+    let mut producer = Spawned::new(spawn_child(&pair.a, "producer", &vars));
     let addr = loop {
-        let line = lines
-            .next()
-            .expect("the producer reports its address")
-            .unwrap();
+        let line = producer.line();
         if let Some(addr) = line.strip_prefix("ZC listening ") {
             break addr.trim().to_string();
         }
@@ -499,20 +561,21 @@ fn exchange_across(pair: &VethPair, mode: &str, records: u64) -> VethRun {
     let mut vars = vars.to_vec();
     vars.retain(|(k, _)| *k != ADDR);
     vars.push((ADDR, addr));
-    let consumer = spawn_child(&pair.b, "consumer", &vars);
-    let consumer_out = consumer.wait_with_output().unwrap();
-    let consumer_text = String::from_utf8_lossy(&consumer_out.stdout).into_owned();
+    let mut consumer = Spawned::new(spawn_child(&pair.b, "consumer", &vars));
+    let consumer_status = consumer.wait();
+    let consumer_text = consumer.rest().join("\n");
     // The consumer is done: the producer may stop (closing its stdin tells it).
-    drop(producer.stdin.take());
-    let producer_text: String = lines
-        .map_while(Result::ok)
+    drop(producer.child.stdin.take());
+    let producer_status = producer.wait();
+    let producer_text = producer
+        .rest()
+        .into_iter()
         .filter(|l| l.starts_with("ZC "))
         .collect::<Vec<_>>()
         .join("\n");
-    let producer_status = producer.wait().unwrap();
     let elapsed = started.elapsed();
     assert!(
-        consumer_out.status.success(),
+        consumer_status.success(),
         "consumer failed:\n{consumer_text}"
     );
     assert!(
