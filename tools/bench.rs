@@ -353,6 +353,18 @@ fn start_env(
     .map_err(|e| e.to_string())
 }
 
+/// The producers' partitions, one subpartition per consumer.
+fn create_partitions(
+    env: &ShuffleEnvironment,
+    producers: usize,
+    consumers: usize,
+) -> Result<Vec<ResultPartition>, String> {
+    (0..producers)
+        .map(|p| env.create_partition(partition_id(p), consumers))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())
+}
+
 fn partition_id(producer: usize) -> ResultPartitionId {
     ResultPartitionId {
         partition: producer as u64,
@@ -385,10 +397,7 @@ impl Exchange {
         if self.producer_process.is_some() {
             return Ok(Vec::new());
         }
-        (0..producers)
-            .map(|p| self.env.create_partition(partition_id(p), consumers))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())
+        create_partitions(&self.env, producers, consumers)
     }
 
     fn gate(&self, consumer: usize, producers: usize) -> Result<SingleInputGate, String> {
@@ -612,10 +621,7 @@ fn producer_process(args: &BenchArgs, config: &NetworkConfig, phase: Phase) -> R
         Phase::Throughput => (args.producers, args.consumers),
         Phase::Latency => (1, 1),
     };
-    let partitions = (0..producers)
-        .map(|p| env.create_partition(partition_id(p), consumers))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
+    let partitions = create_partitions(&env, producers, consumers)?;
     let mut out = std::io::stdout().lock();
     let mut input = std::io::stdin().lock();
     let told = |out: &mut std::io::StdoutLock, text: String| {

@@ -323,9 +323,7 @@ impl Launch<'_> {
                 if record.is_some() || now < started + planned.after {
                     continue;
                 }
-                let at_unix_ms = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64);
+                let at_unix_ms = super::node::unix_millis();
                 let at = children[planned.node].take().map(|mut child| {
                     // SIGKILL: no orderly close, the kernel resets the node's connections.
                     let _ = child.kill();
@@ -538,21 +536,35 @@ pub struct Verification {
 impl Verification {
     /// Ok, or the reason for a non-zero exit.
     pub fn verdict(&self) -> Result<(), String> {
-        match self.problems.first() {
-            None => Ok(()),
-            Some(first) => {
-                let first = first.lines().next().unwrap_or_default();
-                let more = self.problems.len() - 1;
-                Err(if more == 0 {
-                    format!("the cluster run failed: {first}")
-                } else {
-                    format!(
-                        "the cluster run failed: {first} (and {more} more problems, listed above)"
-                    )
-                })
-            }
-        }
+        verdict("cluster", &self.problems)
     }
+}
+
+/// What a subtask's report says went wrong with the records it read: one line per kind.
+pub(crate) fn damage(report: &super::node::SubtaskReport) -> impl Iterator<Item = String> {
+    [
+        ("records reordered", report.reorders),
+        ("records duplicated", report.duplicates),
+        ("records corrupt", report.corrupt),
+        ("records misrouted (hash edge)", report.misrouted),
+        ("checkpoint barriers out of order", report.barrier_errors),
+    ]
+    .into_iter()
+    .filter(|&(_, n)| n > 0)
+    .map(|(what, n)| format!("{n} {what}"))
+}
+
+/// `Ok` without problems; else the `run` run's first problem (its first line) and how many
+/// more there are (they were listed above).
+pub(crate) fn verdict(run: &str, problems: &[String]) -> Result<(), String> {
+    let Some(first) = problems.first() else {
+        return Ok(());
+    };
+    let first = first.lines().next().unwrap_or_default();
+    Err(match problems.len() - 1 {
+        0 => format!("the {run} run failed: {first}"),
+        more => format!("the {run} run failed: {first} (and {more} more problems, listed above)"),
+    })
 }
 
 /// Checks the nodes' reports against each other and against the topology.
@@ -653,21 +665,8 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
                 for note in &report.notes {
                     v.problems.push(format!("{name}: {note}"));
                 }
-                for (what, n) in [
-                    ("reordered", report.reorders),
-                    ("duplicated", report.duplicates),
-                    ("corrupt", report.corrupt),
-                    ("misrouted (hash edge)", report.misrouted),
-                ] {
-                    if n > 0 {
-                        v.problems.push(format!("{name}: {n} records {what}"));
-                    }
-                }
-                if report.barrier_errors > 0 {
-                    v.problems.push(format!(
-                        "{name}: {} checkpoint barriers out of order",
-                        report.barrier_errors
-                    ));
+                for damage in damage(report) {
+                    v.problems.push(format!("{name}: {damage}"));
                 }
             }
             if row.reported < stage.parallelism && nodes_ok {

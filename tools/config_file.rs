@@ -43,9 +43,27 @@ pub fn apply_config_file(
     path: &Path,
     config: &mut NetworkConfig,
 ) -> Result<BTreeSet<String>, String> {
-    let mut set = BTreeSet::new();
-    for (key, value) in read_options(path)? {
-        config.set(&key, &value).map_err(|e| match e {
+    let options = read_options(path)?;
+    apply(path, &options, config)?;
+    Ok(options.into_iter().map(|(key, _)| key).collect())
+}
+
+/// A config file's options, checked against a default [`NetworkConfig`] first, to hand on to
+/// other processes (the `[network]` table of a generated topology).
+pub fn checked_options(path: &Path) -> Result<Vec<(String, String)>, String> {
+    let options = read_options(path)?;
+    apply(path, &options, &mut NetworkConfig::default())?;
+    Ok(options)
+}
+
+/// Sets `options` (read from `path`) on `config`, in order.
+fn apply(
+    path: &Path,
+    options: &[(String, String)],
+    config: &mut NetworkConfig,
+) -> Result<(), String> {
+    for (key, value) in options {
+        config.set(key, value).map_err(|e| match e {
             ConfigError::UnknownOption(_) => format!(
                 "config file `{}`: {e} (known options: {})",
                 path.display(),
@@ -53,16 +71,8 @@ pub fn apply_config_file(
             ),
             _ => format!("config file `{}`: {e}", path.display()),
         })?;
-        set.insert(key);
     }
-    Ok(set)
-}
-
-/// A config file's options, checked against a default [`NetworkConfig`] first, to hand on to
-/// other processes (the `[network]` table of a generated topology).
-pub fn checked_options(path: &Path) -> Result<Vec<(String, String)>, String> {
-    apply_config_file(path, &mut NetworkConfig::default())?;
-    read_options(path)
+    Ok(())
 }
 
 /// The leaves of `table` as (dotted key, value).

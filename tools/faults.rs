@@ -87,19 +87,7 @@ impl FaultVerification {
 
     /// Ok, or the reason for a non-zero exit.
     pub fn verdict(&self) -> Result<(), String> {
-        match self.problems.first() {
-            None => Ok(()),
-            Some(first) => {
-                let more = self.problems.len() - 1;
-                Err(if more == 0 {
-                    format!("the fault run failed: {first}")
-                } else {
-                    format!(
-                        "the fault run failed: {first} (and {more} more problems, listed above)"
-                    )
-                })
-            }
-        }
+        super::cluster::verdict("fault", &self.problems)
     }
 }
 
@@ -303,17 +291,9 @@ pub fn verify(
             }
             continue;
         };
-        for (what, n) in [
-            ("records reordered", report.reorders),
-            ("records duplicated", report.duplicates),
-            ("records corrupt", report.corrupt),
-            ("records misrouted (hash edge)", report.misrouted),
-            ("checkpoint barriers out of order", report.barrier_errors),
-        ] {
-            if n > 0 {
-                damaged = true;
-                v.problems.push(format!("{}: {n} {what}", name(t)));
-            }
+        for damage in super::cluster::damage(report) {
+            damaged = true;
+            v.problems.push(format!("{}: {damage}", name(t)));
         }
         for note in &report.notes {
             v.problems.push(format!("{}: {note}", name(t)));

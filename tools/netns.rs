@@ -179,10 +179,22 @@ fn run(program: &Path, args: &[&str]) -> Result<String, String> {
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run `{}`: {e}", shown()))?;
+    // Drained while it runs: a command that writes more than a pipe holds must not block.
+    fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> thread::JoinHandle<Vec<u8>> {
+        thread::spawn(move || {
+            let mut out = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut out);
+            }
+            out
+        })
+    }
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
     let deadline = Instant::now() + COMMAND_LIMIT;
-    loop {
+    let status = loop {
         match child.try_wait() {
-            Ok(Some(_)) => break,
+            Ok(Some(status)) => break status,
             Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(2)),
             Ok(None) => {
                 let _ = child.kill();
@@ -199,20 +211,19 @@ fn run(program: &Path, args: &[&str]) -> Result<String, String> {
                 return Err(format!("waiting for `{}` failed: {e}", shown()));
             }
         }
+    };
+    // It has exited: the pipes end, and their threads with them.
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
+    if status.success() {
+        return Ok(String::from_utf8_lossy(&stdout).into_owned());
     }
-    // It has exited: what it wrote is in the pipes (a few lines at most), read to their end.
-    let output = child
-        .wait_with_output()
-        .map_err(|e| format!("reading the output of `{}` failed: {e}", shown()))?;
-    if output.status.success() {
-        return Ok(String::from_utf8_lossy(&output.stdout).into_owned());
-    }
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&stderr);
     let why = stderr
         .lines()
         .map(str::trim)
         .find(|l| !l.is_empty())
-        .map_or_else(|| output.status.to_string(), str::to_string);
+        .map_or_else(|| status.to_string(), str::to_string);
     Err(format!("`{}` failed: {why}", shown()))
 }
 

@@ -1052,16 +1052,11 @@ impl ChannelSelector<[u8]> for Tap {
     }
 }
 
-fn unix_millis() -> u64 {
+/// Milliseconds since the Unix epoch (kill records, barrier timestamps).
+pub(crate) fn unix_millis() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn now_millis() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 fn barrier_for(mode: CheckpointMode, id: u64) -> CheckpointBarrier {
@@ -1072,7 +1067,7 @@ fn barrier_for(mode: CheckpointMode, id: u64) -> CheckpointBarrier {
     };
     CheckpointBarrier {
         id,
-        timestamp: now_millis(),
+        timestamp: unix_millis() as i64,
         kind: CheckpointKind::Checkpoint,
         alignment: if unaligned {
             Alignment::Unaligned
@@ -1393,7 +1388,6 @@ fn consume(
     let mut deserializers: Vec<RecordDeserializer> = (0..channels)
         .map(|_| RecordDeserializer::new(max_record_bytes))
         .collect();
-    let mut ended = vec![false; channels];
     // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask.
     let mut seen = 0u64;
     let mut held: Option<(usize, Vec<u8>)> = None;
@@ -1403,7 +1397,7 @@ fn consume(
             Ok(None) => break,
             Err(GateError::TimedOut) => {
                 let open: Vec<String> = (0..channels)
-                    .filter(|&c| !ended[c])
+                    .filter(|&c| !consumer.channels[c].ended)
                     .map(|c| c.to_string())
                     .collect();
                 // The node's main loop dumps its connections (the producer side of this
@@ -1477,7 +1471,6 @@ fn consume(
                 deserializers[channel]
                     .finish()
                     .map_err(|e| format!("channel {channel}: {e}"))?;
-                ended[channel] = true;
                 consumer.channels[channel].ended = true;
             }
             GateItem::Event {
@@ -1492,7 +1485,7 @@ fn consume(
             GateItem::Event { .. } => {}
         }
     }
-    if let Some(channel) = ended.iter().position(|e| !e) {
+    if let Some(channel) = consumer.channels.iter().position(|c| !c.ended) {
         return Err(Failed::from(format!(
             "the gate ended without EndOfPartition on channel {channel}"
         )));
