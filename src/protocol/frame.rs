@@ -503,9 +503,18 @@ impl Message {
         encode_header(&mut out[start..start + FRAME_HEADER], length, id);
     }
 
-    /// Decodes a control message's body (not BufferResponse, whose header is decoded with
-    /// [`decode_buffer_response`]).
+    /// Decodes a message's body. A control message's body must be exactly as long as its
+    /// header says, so the limits checked on the header's length hold for what decodes; a
+    /// BufferResponse's is its fixed part only (the payload follows on its own).
     pub fn decode(frame: &FrameHeader, body: &[u8]) -> Result<Message, DecodeError> {
+        let framed = (frame.length as usize).saturating_sub(FRAME_HEADER);
+        if frame.id != MessageId::BufferResponse && body.len() != framed {
+            return Err(DecodeError::BodyLength {
+                id: frame.id as u8,
+                expected: framed,
+                actual: body.len(),
+            });
+        }
         let mut r = Reader::new(body, frame.id);
         let message = match frame.id {
             MessageId::Handshake => {
