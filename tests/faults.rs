@@ -17,7 +17,7 @@
 #[macro_use]
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -126,15 +126,7 @@ impl Process {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("the child starts");
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let (sender, lines) = std::sync::mpsc::channel();
-        thread::spawn(move || {
-            for line in stdout.lines().map_while(Result::ok) {
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = common::stdout_lines(&mut child);
         Self { child, lines }
     }
 

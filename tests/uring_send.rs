@@ -7,7 +7,9 @@
 //! under `ip netns exec`, on the ignored `zc_child` test, which reads its role from the
 //! environment (the pattern of `tests/faults.rs`).
 
-use std::io::{BufRead, BufReader, Write};
+mod common;
+
+use std::io::Write;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -456,15 +458,7 @@ struct Spawned {
 
 impl Spawned {
     fn new(mut child: Child) -> Self {
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let (sender, lines) = std::sync::mpsc::channel();
-        thread::spawn(move || {
-            for line in stdout.lines().map_while(Result::ok) {
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = common::stdout_lines(&mut child);
         Self { child, lines }
     }
 

@@ -65,3 +65,20 @@ pub fn framed_record(bytes: &[u8]) -> Vec<u8> {
     out.extend_from_slice(bytes);
     out
 }
+
+/// A child's stdout, a line at a time, from a thread that ends with the child: waits for a
+/// line can then be bounded (`recv_timeout`).
+#[allow(dead_code)]
+pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout piped"));
+    let (sender, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            if sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
+}
