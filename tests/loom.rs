@@ -1,7 +1,7 @@
 //! loom model checks of the lock-free protocols (run with `RUSTFLAGS="--cfg loom"`, as
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
-//! wake-ups, the channels-with-data / ready-reader queue with its enqueued flags, and the I/O
-//! thread's parked flag.
+//! wake-ups, the channels-with-data / ready-reader queue with its enqueued flags, the I/O
+//! thread's parked flag, and a subpartition's backlog count.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -15,11 +15,12 @@
 #![cfg(loom)]
 
 use fluxgate::buffer::{Buffer, DataType, LocalPoolSpec, NetworkBufferPool};
+use fluxgate::partition::{AvailabilityListener, ResultPartition, ResultPartitionId};
 use fluxgate::NetworkConfig;
 use loom::thread;
 
-/// A network memory of `segments` segments of 4 KiB.
-fn network(segments: usize) -> NetworkBufferPool {
+/// A configuration of `segments` segments of 4 KiB.
+fn config(segments: usize) -> NetworkConfig {
     let mut config = NetworkConfig::default();
     config
         .set("taskmanager.memory.segment-size", "4kb")
@@ -31,7 +32,12 @@ fn network(segments: usize) -> NetworkBufferPool {
         )
         .unwrap();
     config.set("fluxgate.memory.arena-size", "64kb").unwrap();
-    NetworkBufferPool::new(&config).unwrap()
+    config
+}
+
+/// A network memory of `segments` segments of 4 KiB.
+fn network(segments: usize) -> NetworkBufferPool {
+    NetworkBufferPool::new(&config(segments)).unwrap()
 }
 
 /// What the writer of model (a) appends, in two commits: consumers may see 0, 2 or 5 bytes.
@@ -713,5 +719,54 @@ fn local_pool_listener_races_recycle() {
         drop((now, told, second));
         drop(local);
         assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// A subpartition reader that is never told anything (the models poll it).
+struct Unheard;
+
+impl AvailabilityListener for Unheard {
+    fn notify_data_available(&self) {}
+    fn notify_priority_event(&self) {}
+}
+
+/// (p) The producer finishes a data buffer (here by finishing the partition) while the reader
+/// takes it: the reader may see the buffer finished before the producer has counted it in the
+/// backlog, yet the backlog it reports with every item stays between 0 and the one buffer
+/// there is. (It once wrapped below zero there: a sender announced a backlog of 2^32 - 1.)
+#[test]
+fn subpartition_backlog_races_the_finish_of_a_buffer() {
+    bounded_model(|| {
+        let config = config(4);
+        let pool = NetworkBufferPool::new(&config).unwrap();
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 1,
+        };
+        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
+        let mut view = partition
+            .handle()
+            .create_view(0, Arc::new(Unheard))
+            .unwrap();
+        partition.emit_record(&b"record"[..], 0).unwrap();
+
+        let producer = thread::spawn(move || {
+            partition.finish().unwrap();
+            partition
+        });
+        let mut items = Vec::new();
+        for _ in 0..2 {
+            if let Some(item) = view.poll_next() {
+                items.push((item.buffer.data_type(), item.backlog));
+            }
+        }
+        let partition = producer.join().unwrap();
+        for &(data_type, backlog) in &items {
+            assert!(
+                backlog <= 1,
+                "{data_type:?} came with a backlog of {backlog}"
+            );
+        }
+        drop((items, view, partition));
     });
 }

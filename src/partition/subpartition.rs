@@ -34,7 +34,8 @@ pub(crate) struct PipelinedSubpartition {
     priority: ArrayQueue<PriorityItem>,
     /// Items pushed to the data lane so far (written by the producer only).
     data_enqueued: AtomicU64,
-    /// Finished data buffers not yet fully taken by the reader.
+    /// Finished data buffers not yet fully taken by the reader (for a moment one below zero,
+    /// wrapped: see [`SubpartitionView::backlog`]).
     backlog: AtomicUsize,
     /// Events in the data lane not yet taken.
     queued_events: AtomicUsize,
@@ -288,7 +289,15 @@ impl SubpartitionView {
         if self.blocked {
             return 0;
         }
-        self.subpartition.backlog.load(Ordering::Acquire)
+        // The producer counts a buffer just after it finishes it, so this reader may take the
+        // buffer out (and count it down) first: the count then wraps to one below zero until
+        // the producer's increment lands. That moment's backlog is 0.
+        let count = self.subpartition.backlog.load(Ordering::Acquire);
+        if count > isize::MAX as usize {
+            0
+        } else {
+            count
+        }
     }
 
     /// True after an aligned barrier was taken and before `resume_consumption`.
