@@ -110,6 +110,12 @@ mod model {
         }
     }
 
+    impl Default for AtomicWaker {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
     impl AtomicWaker {
         pub fn new() -> Self {
             Self {
