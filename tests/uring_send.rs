@@ -28,20 +28,6 @@ const ADDR: &str = "FLUXGATE_ZC_ADDR";
 const MODE: &str = "FLUXGATE_ZC_MODE";
 const RECORDS: &str = "FLUXGATE_ZC_RECORDS";
 
-fn uring_unavailable() -> Option<String> {
-    fluxgate::io::uring::probe().err()
-}
-
-fn skip_without_uring(test: &str) -> bool {
-    match uring_unavailable() {
-        Some(reason) => {
-            eprintln!("SKIPPED: {test}: io_uring unavailable: {reason}");
-            true
-        }
-        None => false,
-    }
-}
-
 /// An io_uring environment with 32 KiB segments bound to `bind`.
 fn env(node: u128, bind: SocketAddr, options: &[(&str, &str)]) -> ShuffleEnvironment {
     let mut network = NetworkConfig::default();
@@ -175,7 +161,7 @@ fn consume(env: &ShuffleEnvironment, producer: SocketAddr) -> u64 {
 
 #[test]
 fn a_loopback_exchange_never_sends_zero_copy() {
-    if skip_without_uring("a_loopback_exchange_never_sends_zero_copy") {
+    if common::skip_without_uring("a_loopback_exchange_never_sends_zero_copy") {
         return;
     }
     let producer_env = env(1, loopback(), &[]);
@@ -230,7 +216,7 @@ fn small_exchange(producer: &ShuffleEnvironment, consumer: &ShuffleEnvironment, 
 #[test]
 fn registered_files_are_used_and_their_slots_reused() {
     let test = "registered_files_are_used_and_their_slots_reused";
-    if skip_without_uring(test) {
+    if common::skip_without_uring(test) {
         return;
     }
     // Connections stay open while both environments live: each round pairs a long-lived
@@ -284,7 +270,7 @@ fn registered_files_are_used_and_their_slots_reused() {
 #[test]
 fn forced_zero_copy_sends_on_loopback_deliver_every_record_and_segment() {
     let test = "forced_zero_copy_sends_on_loopback_deliver_every_record_and_segment";
-    if skip_without_uring(test) {
+    if common::skip_without_uring(test) {
         return;
     }
     if !stats(&env(9, loopback(), &[])).zc_available {
@@ -315,7 +301,7 @@ fn forced_zero_copy_sends_on_loopback_deliver_every_record_and_segment() {
 #[test]
 fn a_consumer_gone_mid_stream_leaves_no_segment_behind_zero_copy_sends() {
     let test = "a_consumer_gone_mid_stream_leaves_no_segment_behind_zero_copy_sends";
-    if skip_without_uring(test) {
+    if common::skip_without_uring(test) {
         return;
     }
     let always = [("fluxgate.network.zero-copy-send", "always")];
@@ -596,7 +582,7 @@ fn exchange_across(pair: &VethPair, mode: &str, records: u64) -> VethRun {
 #[test]
 fn zero_copy_sends_cross_a_veth_pair_between_namespaces() {
     let test = "zero_copy_sends_cross_a_veth_pair_between_namespaces";
-    if skip_without_uring(test) {
+    if common::skip_without_uring(test) {
         return;
     }
     let pair = match VethPair::create() {
@@ -649,7 +635,7 @@ fn zero_copy_sends_cross_a_veth_pair_between_namespaces() {
 #[test]
 #[ignore = "a measurement, not a check"]
 fn measure_veth_zero_copy_modes() {
-    if skip_without_uring("measure_veth") {
+    if common::skip_without_uring("measure_veth") {
         return;
     }
     let pair = match VethPair::create() {

@@ -9,13 +9,23 @@ use fluxgate::io::Transport;
 /// Runs `test` on `transport`; on io_uring only where the kernel allows it (and says so
 /// loudly where it does not).
 pub fn on(transport: Transport, test: impl FnOnce(Transport)) {
-    if transport == Transport::Uring {
-        if let Err(reason) = fluxgate::io::uring::probe() {
-            eprintln!("SKIPPED: io_uring unavailable: {reason}");
-            return;
-        }
+    if transport == Transport::Uring && skip_without_uring("this io_uring test") {
+        return;
     }
     test(transport);
+}
+
+#[allow(dead_code)]
+/// True (after a `SKIPPED:` line naming `test` and the reason) where the kernel refuses
+/// io_uring.
+pub fn skip_without_uring(test: &str) -> bool {
+    match fluxgate::io::uring::probe() {
+        Ok(()) => false,
+        Err(reason) => {
+            eprintln!("SKIPPED: {test}: io_uring unavailable: {reason}");
+            true
+        }
+    }
 }
 
 /// One test per driver: `on_both_drivers!(body, body_epoll, body_uring)`.
