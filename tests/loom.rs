@@ -768,5 +768,6 @@ fn subpartition_backlog_races_the_finish_of_a_buffer() {
             );
         }
         drop((items, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }
