@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
-use super::conn::{Connection, Side};
+use super::conn::{Connection, Side, READ_AHEAD};
 use super::{
     open_client, refuse_connection, Command, DriverConfig, DriverHandle, DriverStats, IoWaker,
     RefusedConnects, WakeFn,
@@ -67,6 +67,8 @@ const CQ_ENTRIES: u32 = 1024;
 const MAX_PARK: Duration = Duration::from_millis(100);
 /// Slices handed to one `Writev`.
 const MAX_SLICES: usize = 64;
+/// Most extra read rounds per loop turn (see `Loop::read_on`).
+const READ_ROUNDS: usize = 16;
 /// Bytes of control frames (and of anything outside the network memory) copied per write.
 const STAGING: usize = 16 * 1024;
 /// How long shutdown waits for cancelled operations to complete.
@@ -437,6 +439,10 @@ struct Loop {
     orphans: Vec<Orphan>,
     /// Reused storage for `write_slices` (empty between uses).
     slice_scratch: Vec<IoSlice<'static>>,
+    /// Slots whose last read filled every byte it offered (the socket likely holds more),
+    /// and the reused list a read round works through.
+    full_reads: Vec<usize>,
+    read_round: Vec<usize>,
     /// Reused storage for reaped completions.
     cqe_scratch: Vec<(u64, i32, u32)>,
     shutting_down: bool,
@@ -518,6 +524,8 @@ impl Loop {
             orphans: Vec::new(),
             slice_scratch: Vec::with_capacity(MAX_SLICES),
             cqe_scratch: Vec::with_capacity(CQ_ENTRIES as usize),
+            full_reads: Vec::with_capacity(16),
+            read_round: Vec::with_capacity(16),
             shutting_down: false,
             stats: DriverStats::default(),
         }
@@ -655,8 +663,46 @@ impl Loop {
                 break;
             }
             self.reap(Instant::now());
+            self.read_on();
         }
         self.shutdown();
+    }
+
+    /// Reads again, before the next turn's writes, from every socket whose last read filled
+    /// all it offered, for at most [`READ_ROUNDS`] rounds: the epoll driver reads a socket dry
+    /// in the same way. Without it a busy connection gets one read per loop turn, and the
+    /// writes queued between two such short turns leave in many small `writev`s (measured:
+    /// 17 KB a write against epoll's 100 KB, and 30 % fewer records through a 3-node stress
+    /// run).
+    fn read_on(&mut self) {
+        for _ in 0..READ_ROUNDS {
+            if self.full_reads.is_empty() {
+                break;
+            }
+            std::mem::swap(&mut self.full_reads, &mut self.read_round);
+            for index in 0..self.read_round.len() {
+                let slot = self.read_round[index];
+                let readable =
+                    self.conns
+                        .get(slot)
+                        .and_then(|c| c.as_deref())
+                        .is_some_and(|conn| {
+                            conn.closing.is_none() && !conn.reading && !conn.stop_reading
+                        });
+                if readable {
+                    self.submit_read(slot);
+                }
+            }
+            self.read_round.clear();
+            // A read of data already there completes inside this call; one that finds none
+            // stays in flight, as it would after the next turn's submission.
+            if let Err(error) = self.enter(Duration::ZERO) {
+                tracing::warn!(%error, "io_uring_enter failed while reading on");
+                break;
+            }
+            self.reap(Instant::now());
+        }
+        self.full_reads.clear();
     }
 
     /// Submits everything queued and waits up to `timeout` for a completion.
@@ -1442,6 +1488,10 @@ impl Loop {
             0 => self.begin_close(slot, "connection closed by the peer".into()),
             n if n > 0 => {
                 let destination_len = conn.read_destination_len;
+                if n as usize == destination_len + READ_AHEAD {
+                    self.full_reads.push(slot);
+                }
+                let conn = self.conns[slot].as_deref_mut().expect("checked");
                 if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
                     tracing::warn!(
                         %error,
