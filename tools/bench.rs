@@ -662,15 +662,6 @@ fn producer_process(args: &BenchArgs, config: &NetworkConfig, phase: Phase) -> R
     Ok(())
 }
 
-/// The selector the command line asked for, over byte records.
-enum AnySelector {
-    RoundRobin(RoundRobinSelector),
-    Hash(KeyHashSelector<fn(&[u8]) -> u64>),
-    Broadcast(BroadcastSelector),
-    /// Producer i feeds consumer i.
-    Forward(usize),
-}
-
 fn record_key(record: &[u8]) -> u64 {
     let mut key = [0u8; 8];
     let n = record.len().min(8);
@@ -678,29 +669,80 @@ fn record_key(record: &[u8]) -> u64 {
     u64::from_le_bytes(key)
 }
 
-impl ChannelSelector<[u8]> for AnySelector {
+/// `--partitioner forward`: producer i feeds consumer i.
+struct ToChannel(usize);
+
+impl ChannelSelector<[u8]> for ToChannel {
     #[inline]
-    fn select(&mut self, record: &[u8], channels: usize) -> Selection {
-        match self {
-            AnySelector::RoundRobin(s) => s.select(record, channels),
-            AnySelector::Hash(s) => s.select(record, channels),
-            AnySelector::Broadcast(s) => ChannelSelector::<[u8]>::select(s, record, channels),
-            AnySelector::Forward(own) => Selection::Channel(*own),
-        }
+    fn select(&mut self, _record: &[u8], _channels: usize) -> Selection {
+        Selection::Channel(self.0)
     }
 }
 
-fn selector(partitioner: Partitioner, producer: usize) -> AnySelector {
-    match partitioner {
-        Partitioner::RoundRobin => {
-            AnySelector::RoundRobin(RoundRobinSelector::starting_at(producer))
-        }
-        Partitioner::Hash => {
-            AnySelector::Hash(KeyHashSelector::new(record_key as fn(&[u8]) -> u64, 128))
-        }
-        Partitioner::Broadcast => AnySelector::Broadcast(BroadcastSelector),
-        Partitioner::Forward => AnySelector::Forward(producer),
+/// One producer's emit loop with the selector the command line asked for. The choice is made
+/// here, once per thread, and each arm is its own monomorphic loop, as a job's writer has one
+/// selector type: a per-record `match` over the choices would be harness cost in the figures.
+fn produce_one(
+    args: &BenchArgs,
+    index: usize,
+    partition: ResultPartition,
+    started: Instant,
+) -> Result<OutputMetricsSnapshot, String> {
+    let timeout = BufferTimeout::from_millis(args.buffer_timeout);
+    match args.partitioner {
+        Partitioner::RoundRobin => emit_for(
+            args,
+            RecordWriter::new(partition, RoundRobinSelector::starting_at(index), timeout),
+            started,
+        ),
+        Partitioner::Hash => emit_for(
+            args,
+            RecordWriter::new(
+                partition,
+                KeyHashSelector::new(record_key as fn(&[u8]) -> u64, 128),
+                timeout,
+            ),
+            started,
+        ),
+        Partitioner::Broadcast => emit_for(
+            args,
+            RecordWriter::new(partition, BroadcastSelector, timeout),
+            started,
+        ),
+        Partitioner::Forward => emit_for(
+            args,
+            RecordWriter::new(partition, ToChannel(index), timeout),
+            started,
+        ),
     }
+}
+
+/// Emits `--record-size` records through `writer` until `--duration` after `started`, then
+/// finishes the partition; returns its final metrics.
+fn emit_for<S: ChannelSelector<[u8]>>(
+    args: &BenchArgs,
+    mut writer: RecordWriter<S>,
+    started: Instant,
+) -> Result<OutputMetricsSnapshot, String> {
+    let duration = Duration::from_secs_f64(args.duration);
+    let mut record = vec![0u8; args.record_size];
+    let mut sequence = 0u64;
+    while started.elapsed() < duration {
+        for _ in 0..1024 {
+            // A fixed-size store when the record has room for the whole sequence number: no
+            // `memcpy` call per record in the harness.
+            if let Some(head) = record.first_chunk_mut::<8>() {
+                *head = sequence.to_le_bytes();
+            } else {
+                let n = record.len();
+                record.copy_from_slice(&sequence.to_le_bytes()[..n]);
+            }
+            writer.emit(&record[..]).map_err(|e| e.to_string())?;
+            sequence += 1;
+        }
+    }
+    writer.finish().map_err(|e| e.to_string())?;
+    Ok(writer.partition().metrics_snapshot())
 }
 
 /// Emits records from one thread per partition for `--duration` seconds, then finishes;
@@ -709,38 +751,13 @@ fn produce_throughput(
     args: &BenchArgs,
     partitions: Vec<ResultPartition>,
 ) -> Result<Vec<OutputMetricsSnapshot>, String> {
-    let duration = Duration::from_secs_f64(args.duration);
-    let timeout = BufferTimeout::from_millis(args.buffer_timeout);
     let started = Instant::now();
     thread::scope(|scope| {
         let writers: Vec<_> = partitions
             .into_iter()
             .enumerate()
             .map(|(index, partition)| {
-                let partitioner = args.partitioner;
-                let record_size = args.record_size;
-                scope.spawn(move || -> Result<OutputMetricsSnapshot, String> {
-                    let mut writer =
-                        RecordWriter::new(partition, selector(partitioner, index), timeout);
-                    let mut record = vec![0u8; record_size];
-                    let mut sequence = 0u64;
-                    while started.elapsed() < duration {
-                        for _ in 0..1024 {
-                            // A fixed-size store when the record has room for the whole
-                            // sequence number: no `memcpy` call per record in the harness.
-                            if let Some(head) = record.first_chunk_mut::<8>() {
-                                *head = sequence.to_le_bytes();
-                            } else {
-                                let n = record.len();
-                                record.copy_from_slice(&sequence.to_le_bytes()[..n]);
-                            }
-                            writer.emit(&record[..]).map_err(|e| e.to_string())?;
-                            sequence += 1;
-                        }
-                    }
-                    writer.finish().map_err(|e| e.to_string())?;
-                    Ok(writer.partition().metrics_snapshot())
-                })
+                scope.spawn(move || produce_one(args, index, partition, started))
             })
             .collect();
         writers

@@ -192,7 +192,10 @@ impl ResultPartition {
 
     /// Serializes `record` into subpartition `target`. Blocks while no buffer is free (the
     /// back pressure); fails when the partition was released.
-    #[inline]
+    // Always inlined: the common case below is a handful of instructions, and left to the
+    // inliner a caller with several writer types (several monomorphic emit loops) got a call
+    // per record instead, measured 15 % more CPU per 8-byte record.
+    #[inline(always)]
     pub fn emit_record<R: Record + ?Sized>(
         &mut self,
         record: &R,
