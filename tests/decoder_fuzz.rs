@@ -56,7 +56,7 @@ use fluxgate::gate::{
     SingleInputGate,
 };
 use fluxgate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
-use fluxgate::protocol::auth::{Nonce, Transcript, PROOF_LEN};
+use fluxgate::protocol::auth::{Nonce, Proof, Transcript, PROOF_LEN};
 use fluxgate::protocol::frame::{
     decode_buffer_response, decode_header, encode_header, BufferResponseHeader, FrameHeader,
     BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER, HANDSHAKE_BODY, MAGIC,
@@ -494,31 +494,31 @@ fn authenticating_handshake(nonce: Nonce) -> Vec<u8> {
 /// What a consumer (node [`PEER_NODE`]) that knows [`secret`] sends a fresh authenticating
 /// server first: its handshake and its proof.
 fn consumer_authentication() -> Vec<u8> {
-    let proof = Transcript {
-        client_nonce: CLIENT_NONCE,
-        server_nonce: SERVER_NONCE,
-        client_node: PEER_NODE,
-        server_node: SERVER_NODE,
-    }
-    .client_proof(&secret());
-    cat(&[
-        &authenticating_handshake(CLIENT_NONCE),
-        &frame(&Message::AuthProof { proof }),
-    ])
+    let transcript = transcript(PEER_NODE, SERVER_NODE);
+    peer_authentication(CLIENT_NONCE, transcript.client_proof(&secret()))
 }
 
 /// What a producer (node [`PEER_NODE`]) that knows [`secret`] sends a fresh authenticating
 /// client first: its handshake and its proof.
 fn producer_authentication() -> Vec<u8> {
-    let proof = Transcript {
+    let transcript = transcript(CLIENT_NODE, PEER_NODE);
+    peer_authentication(SERVER_NONCE, transcript.server_proof(&secret()))
+}
+
+/// The handshake of the fixed nonces between `client_node` and `server_node`.
+fn transcript(client_node: u128, server_node: u128) -> Transcript {
+    Transcript {
         client_nonce: CLIENT_NONCE,
         server_nonce: SERVER_NONCE,
-        client_node: CLIENT_NODE,
-        server_node: PEER_NODE,
+        client_node,
+        server_node,
     }
-    .server_proof(&secret());
+}
+
+/// A peer's first bytes: its authenticating handshake with `nonce`, then `proof`.
+fn peer_authentication(nonce: Nonce, proof: Proof) -> Vec<u8> {
     cat(&[
-        &authenticating_handshake(SERVER_NONCE),
+        &authenticating_handshake(nonce),
         &frame(&Message::AuthProof { proof }),
     ])
 }
