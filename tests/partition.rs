@@ -584,3 +584,42 @@ fn a_barrier_is_written_even_when_blocked_consumers_hold_the_whole_pool() {
     drop((view0, view1));
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+/// Polls `future` once with a waker that does nothing; `None` while it is pending.
+fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    match future.as_mut().poll(&mut context) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[test]
+fn an_async_unicast_record_after_a_broadcast_one_stays_between_the_broadcasts() {
+    let (network, config) = setup(16);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.broadcast_record(&b"first broadcast"[..]).unwrap();
+    poll_once(partition.emit_record_async(&b"unicast"[..], 0))
+        .expect("a free segment: the future is ready at once")
+        .unwrap();
+    partition
+        .broadcast_record(&b"second broadcast"[..])
+        .unwrap();
+    partition.flush_all();
+    let mut records = Vec::new();
+    while let Some(item) = view.poll_next() {
+        records.extend(records_of(&item));
+    }
+    assert_eq!(
+        records,
+        vec![
+            b"first broadcast".to_vec(),
+            b"unicast".to_vec(),
+            b"second broadcast".to_vec()
+        ]
+    );
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}

@@ -369,6 +369,10 @@ impl ResultPartition {
         target: usize,
         builder: BufferBuilder,
     ) -> Result<(), PartitionError> {
+        // A unicast builder exists only while no broadcast builder is open (`emit_record`'s
+        // fast path relies on it): a later broadcast record must not land in a buffer queued
+        // ahead of this one.
+        self.finish_broadcast_builder();
         let consumer = builder.create_consumer_from_beginning();
         self.handle.shared.subpartitions[target].add_data(consumer)?;
         self.unicast[target] = Some(builder);
