@@ -437,17 +437,18 @@ enum Target {
 
 /// Finishes a builder and tells the subpartition(s) reading it.
 fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &PartitionShared) {
+    let readers = match target {
+        Target::Unicast(index) => &shared.subpartitions[index..=index],
+        Target::Broadcast => &shared.subpartitions[..],
+    };
+    // Counted before the finish publishes the buffer, or a reader could take it out and count
+    // it down first (the backlog wrapped below zero: a sender once announced 2^32 - 1).
+    readers.iter().for_each(|s| s.count_finishing_buffer());
     let bytes = builder.finish();
     drop(builder);
     shared.metrics.num_buffers_out.add(1);
     shared.metrics.num_bytes_out.add(bytes as u64);
-    match target {
-        Target::Unicast(index) => shared.subpartitions[index].on_data_finished(),
-        Target::Broadcast => shared
-            .subpartitions
-            .iter()
-            .for_each(|s| s.on_data_finished()),
-    }
+    readers.iter().for_each(|s| s.on_data_finished());
 }
 
 /// A serializer error as the writer reports it: the sink's [`RecordError::Released`] means

@@ -34,8 +34,8 @@ pub(crate) struct PipelinedSubpartition {
     priority: ArrayQueue<PriorityItem>,
     /// Items pushed to the data lane so far (written by the producer only).
     data_enqueued: AtomicU64,
-    /// Finished data buffers not yet fully taken by the reader (for a moment one below zero,
-    /// wrapped: see [`SubpartitionView::backlog`]).
+    /// Finished data buffers not yet fully taken by the reader (and, for a moment, the one
+    /// being finished: see [`PipelinedSubpartition::count_finishing_buffer`]).
     backlog: AtomicUsize,
     /// Events in the data lane not yet taken.
     queued_events: AtomicUsize,
@@ -87,9 +87,15 @@ impl PipelinedSubpartition {
         self.push_data(consumer)
     }
 
-    /// The producer finished the data builder at the tail: one more complete buffer.
-    pub(crate) fn on_data_finished(&self) {
+    /// The producer is about to finish the data builder at the tail: one more complete
+    /// buffer. Counted before the buffer shows as finished, so a reader that takes it out (and
+    /// counts it down) at once finds it counted; until the finish the count is one ahead.
+    pub(crate) fn count_finishing_buffer(&self) {
         self.backlog.fetch_add(1, Ordering::Release);
+    }
+
+    /// The producer finished the data builder at the tail (counted just before).
+    pub(crate) fn on_data_finished(&self) {
         self.notify_if_waiting();
     }
 
@@ -289,15 +295,7 @@ impl SubpartitionView {
         if self.blocked {
             return 0;
         }
-        // The producer counts a buffer just after it finishes it, so this reader may take the
-        // buffer out (and count it down) first: the count then wraps to one below zero until
-        // the producer's increment lands. That moment's backlog is 0.
-        let count = self.subpartition.backlog.load(Ordering::Acquire);
-        if count > isize::MAX as usize {
-            0
-        } else {
-            count
-        }
+        self.subpartition.backlog.load(Ordering::Acquire)
     }
 
     /// True after an aligned barrier was taken and before `resume_consumption`.
