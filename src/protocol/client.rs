@@ -411,6 +411,12 @@ impl ClientConnection {
     /// `n` bytes were read into [`read_buffer`](Self::read_buffer). An error closes the
     /// connection: every channel on it fails.
     pub fn on_read(&mut self, n: usize) -> Result<(), ProtocolError> {
+        if self.closed {
+            // Failed (e.g. at the handshake deadline) while a read was in flight: its bytes
+            // were aimed at a reader `fail_all` has since reset, so they are dropped unread,
+            // as a closing server drops them.
+            return Ok(());
+        }
         let result = self.advance(n);
         if let Err(error) = &result {
             self.fail_all(error);
