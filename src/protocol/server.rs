@@ -300,11 +300,12 @@ impl ServerConnection {
 
     /// When [`handle_timeout`](Self::handle_timeout) (or the handshake deadline) is next due.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let handshake = self.handshake_deadline.filter(|_| !self.is_established());
-        match (self.next_retry, handshake) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        // Not once closing: the deadline has done its work, and an expired one would make the
+        // driver poll without waiting until the socket is gone.
+        let handshake = self
+            .handshake_deadline
+            .filter(|_| !self.closing && !self.is_established());
+        self.next_retry.into_iter().chain(handshake).min()
     }
 
     /// True once the consumer's handshake arrived and, with a secret, its proof held.
@@ -332,7 +333,7 @@ impl ServerConnection {
                 "no handshake within {timeout:?} (fluxgate.network.handshake-timeout)"
             ))
         };
-        tracing::warn!(%error, "closing a connection that did not complete its handshake");
+        // `fail` logs it.
         self.fail(&error);
     }
 
