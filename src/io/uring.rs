@@ -680,20 +680,14 @@ impl Loop {
                 break;
             }
             std::mem::swap(&mut self.full_reads, &mut self.read_round);
-            for index in 0..self.read_round.len() {
-                let slot = self.read_round[index];
-                let readable =
-                    self.conns
-                        .get(slot)
-                        .and_then(|c| c.as_deref())
-                        .is_some_and(|conn| {
-                            conn.closing.is_none() && !conn.reading && !conn.stop_reading
-                        });
+            while let Some(slot) = self.read_round.pop() {
+                let readable = self
+                    .live(slot)
+                    .is_some_and(|conn| !conn.reading && !conn.stop_reading);
                 if readable {
                     self.submit_read(slot);
                 }
             }
-            self.read_round.clear();
             // A read of data already there completes inside this call; one that finds none
             // stays in flight, as it would after the next turn's submission.
             if let Err(error) = self.enter(Duration::ZERO) {

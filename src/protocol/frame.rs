@@ -507,7 +507,7 @@ impl Message {
     /// header says, so the limits checked on the header's length hold for what decodes; a
     /// BufferResponse's is its fixed part only (the payload follows on its own).
     pub fn decode(frame: &FrameHeader, body: &[u8]) -> Result<Message, DecodeError> {
-        let framed = (frame.length as usize).saturating_sub(FRAME_HEADER);
+        let framed = frame.body_len();
         if frame.id != MessageId::BufferResponse && body.len() != framed {
             return Err(DecodeError::BodyLength {
                 id: frame.id as u8,
