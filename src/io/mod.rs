@@ -207,9 +207,10 @@ pub(crate) struct DriverHandle {
 
 impl DriverHandle {
     /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
-    pub(crate) fn submit(&self, command: Command) {
+    /// False when the command was dropped (the queue stayed full: the I/O thread is stuck).
+    pub(crate) fn submit(&self, command: Command) -> bool {
         let Err(command) = self.waker.submit(&self.commands, command) else {
-            return;
+            return true;
         };
         tracing::error!(
             ?command,
@@ -222,13 +223,15 @@ impl DriverHandle {
                 reason: format!("the I/O thread took no request to connect to {peer}"),
             });
         }
+        false
     }
 }
 
 impl Drop for DriverHandle {
     fn drop(&mut self) {
-        self.submit(Command::Shutdown);
-        if let Some(thread) = self.thread.take() {
+        let queued = self.submit(Command::Shutdown);
+        if let Some(thread) = self.thread.take().filter(|_| queued) {
+            // A stuck thread that never took the shutdown is left behind, not waited for.
             let _ = thread.join();
         }
     }
