@@ -210,6 +210,10 @@ mod tests {
             }
             assert_eq!(counter.records, sizes.len() as u64, "chunk {chunk}");
             assert_eq!(counter.payload, sizes.iter().sum::<usize>() as u64);
+            if chunk == stream.len() {
+                // One read holds every record whole: each is handed over.
+                assert_eq!(whole.len(), sizes.len());
+            }
             // Records seen whole inside one read have the right bytes.
             for record in &whole {
                 let index = sizes
