@@ -122,25 +122,6 @@ fn auth_options(file: &SecretFile) -> [(&'static str, &str); 2] {
     ]
 }
 
-/// Waits until every pool is full again (segments in flight on the way back).
-fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
-    common::wait_until(LONG, || {
-        envs.iter()
-            .all(|e| e.network().available_segments() == e.network().total_segments())
-    }) || {
-        for e in envs {
-            eprintln!(
-                "{}: {} of {} segments free",
-                e.local_addr(),
-                e.network().available_segments(),
-                e.network().total_segments()
-            );
-        }
-        false
-    }
-}
-
-/// Waits (bounded by [`LONG`]) for `condition`; false if it never held.
 fn channel(partition: ResultPartitionId, peer: SocketAddr) -> ChannelDescriptor {
     ChannelDescriptor {
         consumed: ConsumedSubpartition {
@@ -639,7 +620,10 @@ fn chaos_peers_leave_a_live_exchange_intact(transport: Transport, auth: bool) {
     }
     live.finish(records);
     drop(chaos_partition);
-    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+    assert!(
+        common::pools_full(&[&producer, &consumer]),
+        "segments leaked"
+    );
 }
 
 fn chaos_without_authentication(transport: Transport) {
@@ -709,12 +693,15 @@ fn wrong_or_missing_secrets_fail_the_gate_with_unauthenticated(transport: Transp
             );
         }
         drop(reader);
-        assert!(pools_full(&[&consumer]), "{name}: consumer segments leaked");
+        assert!(
+            common::pools_full(&[&consumer]),
+            "{name}: consumer segments leaked"
+        );
     }
     // Two subpartitions were never consumed: releasing the partition frees their data.
     drop(partition);
     producer.partition_manager().release(LIVE).unwrap();
-    assert!(pools_full(&[&producer]), "producer segments leaked");
+    assert!(common::pools_full(&[&producer]), "producer segments leaked");
 }
 on_both_drivers!(
     wrong_or_missing_secrets_fail_the_gate_with_unauthenticated,
@@ -759,7 +746,7 @@ fn connections_beyond_the_limit_are_closed_at_once(transport: Transport) {
     assert!(served.is_some(), "the freed slot was never reused");
     live.finish(records);
     drop((second, served));
-    assert!(pools_full(&[&producer, &consumer]));
+    assert!(common::pools_full(&[&producer, &consumer]));
 }
 on_both_drivers!(
     connections_beyond_the_limit_are_closed_at_once,

@@ -95,22 +95,6 @@ fn gate_of(
     .unwrap()
 }
 
-fn pool_full(env: &ShuffleEnvironment) -> bool {
-    let deadline = Instant::now() + LONG;
-    while Instant::now() < deadline {
-        if env.network().available_segments() == env.network().total_segments() {
-            return true;
-        }
-        thread::yield_now();
-    }
-    eprintln!(
-        "{} of {} segments free",
-        env.network().available_segments(),
-        env.network().total_segments()
-    );
-    false
-}
-
 /// A child process killed (and reaped) when the test ends, however it ends.
 struct Process {
     child: Child,
@@ -270,8 +254,8 @@ fn killing_the_producer_process_fails_its_consumer_naming_the_peer(transport: Tr
     read_healthy(healthy_gate, HEALTHY);
     healthy.join().expect("the healthy producer finished");
     drop(doomed);
-    assert!(pool_full(&consumer_env));
-    assert!(pool_full(&healthy_env));
+    assert!(common::pool_full(&consumer_env));
+    assert!(common::pool_full(&healthy_env));
 }
 on_both_drivers!(
     killing_the_producer_process_fails_its_consumer_naming_the_peer,
@@ -351,7 +335,7 @@ fn killing_the_consumer_process_releases_the_producer(transport: Transport) {
         "the writer learns its consumer is gone: {error:?}"
     );
     assert!(
-        pool_full(&producer_env),
+        common::pool_full(&producer_env),
         "every segment the view held came back"
     );
 }
@@ -445,8 +429,8 @@ fn a_stalled_peer_backpressures_only_its_producer(transport: Transport) {
     assert!(blocked > 0, "the writer waited for buffers (back pressure)");
     assert!(matches!(error, PartitionError::Released), "{error:?}");
     drop(handle);
-    assert!(pool_full(&producer_env));
-    assert!(pool_full(&consumer_env));
+    assert!(common::pool_full(&producer_env));
+    assert!(common::pool_full(&consumer_env));
 }
 on_both_drivers!(
     a_stalled_peer_backpressures_only_its_producer,
@@ -546,7 +530,7 @@ fn an_eof_in_the_middle_of_a_frame_fails_the_channel_naming_the_peer(transport: 
     }
     server.join().unwrap();
     assert!(
-        pool_full(&consumer_env),
+        common::pool_full(&consumer_env),
         "the half-filled segment came back"
     );
 }
@@ -572,7 +556,7 @@ fn a_frame_out_of_sequence_fails_the_channel_with_reordering(transport: Transpor
         other => panic!("expected Reordering, got {other:?}"),
     }
     server.join().unwrap();
-    assert!(pool_full(&consumer_env));
+    assert!(common::pool_full(&consumer_env));
 }
 on_both_drivers!(
     a_frame_out_of_sequence_fails_the_channel_with_reordering,
@@ -615,8 +599,8 @@ fn a_consumer_cancelling_midway_releases_only_its_view(transport: Transport) {
     let kept = healthy_producer(&producer_env, kept_id, 20_000);
     read_healthy(kept_gate, 20_000);
     kept.join().unwrap();
-    assert!(pool_full(&producer_env));
-    assert!(pool_full(&consumer_env));
+    assert!(common::pool_full(&producer_env));
+    assert!(common::pool_full(&consumer_env));
 }
 on_both_drivers!(
     a_consumer_cancelling_midway_releases_only_its_view,

@@ -6,7 +6,7 @@
 mod common;
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
@@ -44,31 +44,6 @@ fn record(producer: usize, seq: u64) -> Vec<u8> {
     bytes.extend_from_slice(&seq.to_be_bytes());
     bytes.resize(16 + len, (seq % 251) as u8);
     bytes
-}
-
-/// Waits until both pools are full again (segments in flight on the way back).
-fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
-    let deadline = Instant::now() + LONG;
-    loop {
-        if envs
-            .iter()
-            .all(|e| e.network().available_segments() == e.network().total_segments())
-        {
-            return true;
-        }
-        if Instant::now() > deadline {
-            for e in envs {
-                eprintln!(
-                    "{}: {} of {} segments free",
-                    e.local_addr(),
-                    e.network().available_segments(),
-                    e.network().total_segments()
-                );
-            }
-            return false;
-        }
-        thread::yield_now();
-    }
 }
 
 /// P producers on one environment, C consumers on another; every record checked.
@@ -178,7 +153,7 @@ fn exchange(producers: usize, consumers: usize, records: u64, transport: Transpo
         assert_eq!(total, records * producers as u64);
     });
     assert!(
-        pools_full(&[&producer_env, &consumer_env]),
+        common::pools_full(&[&producer_env, &consumer_env]),
         "segments leaked"
     );
 }
@@ -259,7 +234,7 @@ fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
         assert!(peak <= max, "producer used {peak} segments, pool max {max}");
         assert!(peak_gate <= 1.0);
     });
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     a_slow_consumer_keeps_the_producer_within_its_pool,
@@ -348,7 +323,7 @@ fn barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking(transport: 
     drop((first, third));
     drop(gate);
     drop(partition);
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking,
@@ -398,7 +373,7 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: T
         other => panic!("expected ConnectionLost, got {other:?}"),
     }
     drop(reader);
-    assert!(pools_full(&[&consumer_env]));
+    assert!(common::pools_full(&[&consumer_env]));
 }
 on_both_drivers!(
     a_producer_that_disappears_fails_the_consumer_with_a_typed_error,
@@ -445,7 +420,7 @@ fn a_partition_registered_late_is_found_within_the_request_timeout(transport: Tr
     ));
     drop(reader);
     drop(partition);
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     a_partition_registered_late_is_found_within_the_request_timeout,
@@ -504,7 +479,7 @@ fn a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected(transport:
     }
     drop(reader);
     drop(partition);
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected,
@@ -610,7 +585,7 @@ fn a_partition_refused_at_first_is_found_by_a_retried_request(transport: Transpo
     partition.finish().unwrap();
     read_one(gate, b"found late");
     drop(partition);
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     a_partition_refused_at_first_is_found_by_a_retried_request,
@@ -643,7 +618,7 @@ fn a_partition_never_registered_fails_with_partition_not_found(transport: Transp
     // 2, 4, 8, 16 ms: four re-requests, then the one answered at the maximum gives up.
     assert_eq!(retries_of(reader.gate()), 4);
     drop(reader);
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     a_partition_never_registered_fails_with_partition_not_found,
@@ -671,7 +646,7 @@ fn a_refused_connection_is_retried_until_the_producer_listens(transport: Transpo
     partition.finish().unwrap();
     read_one(gate, b"listening now");
     drop(partition);
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(
     a_refused_connection_is_retried_until_the_producer_listens,
@@ -703,7 +678,7 @@ fn a_connection_refused_for_good_fails_the_channel(transport: Transport) {
     }
     assert_eq!(retries_of(reader.gate()), 4);
     drop(reader);
-    assert!(pools_full(&[&consumer_env]));
+    assert!(common::pools_full(&[&consumer_env]));
 }
 on_both_drivers!(
     a_connection_refused_for_good_fails_the_channel,

@@ -133,31 +133,6 @@ fn record(producer: usize, seq: u64) -> Vec<u8> {
     bytes
 }
 
-/// Waits (bounded) until every pool is full again: segments in flight come back.
-fn pools_full(envs: &[&ShuffleEnvironment]) -> bool {
-    let deadline = Instant::now() + LONG;
-    loop {
-        if envs
-            .iter()
-            .all(|e| e.network().available_segments() == e.network().total_segments())
-        {
-            return true;
-        }
-        if Instant::now() > deadline {
-            for e in envs {
-                eprintln!(
-                    "{}: {} of {} segments free",
-                    e.local_addr(),
-                    e.network().available_segments(),
-                    e.network().total_segments()
-                );
-            }
-            return false;
-        }
-        thread::yield_now();
-    }
-}
-
 fn channel(
     partition: ResultPartitionId,
     subpartition: usize,
@@ -253,7 +228,10 @@ fn one_to_one_over_tls() {
     let producer = env(1, &certs.options("producer", "ca"));
     let consumer = env(2, &certs.options("consumer", "ca"));
     exchange(&producer, &consumer, 1, 1, 20_000);
-    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+    assert!(
+        common::pools_full(&[&producer, &consumer]),
+        "segments leaked"
+    );
 }
 
 #[test]
@@ -262,7 +240,10 @@ fn four_to_four_over_tls() {
     let producer = env(1, &certs.options("producer", "ca"));
     let consumer = env(2, &certs.options("consumer", "ca"));
     exchange(&producer, &consumer, 4, 4, 5_000);
-    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+    assert!(
+        common::pools_full(&[&producer, &consumer]),
+        "segments leaked"
+    );
 }
 
 #[test]
@@ -370,7 +351,10 @@ fn certificates_from_another_ca_are_refused_and_the_server_serves_others() {
             ),
             "{name}: got {first:?} after {took:?}"
         );
-        assert!(pools_full(&[&stranger]), "{name}: stranger segments leaked");
+        assert!(
+            common::pools_full(&[&stranger]),
+            "{name}: stranger segments leaked"
+        );
     }
     // The producer still serves the cluster: the record it holds, then a full exchange.
     let consumer = env(2, &certs.options("consumer", "ca"));
@@ -378,7 +362,10 @@ fn certificates_from_another_ca_are_refused_and_the_server_serves_others() {
     assert_eq!(first, Ok(Some(record(0, 0))), "the cluster's consumer");
     release(&producer, partition, pid(0));
     exchange(&producer, &consumer, 1, 1, 2_000);
-    assert!(pools_full(&[&producer, &consumer]), "segments leaked");
+    assert!(
+        common::pools_full(&[&producer, &consumer]),
+        "segments leaked"
+    );
 }
 
 #[test]
@@ -425,7 +412,12 @@ fn plain_tcp_peers_and_tls_nodes_do_not_mix() {
     let (first, _) = first_record(&producer, &consumer, pid(0));
     assert_eq!(first, Ok(Some(record(0, 0))), "the cluster's consumer");
     release(&producer, partition, pid(0));
-    assert!(pools_full(&[&producer, &plain, &plain_producer, &consumer]));
+    assert!(common::pools_full(&[
+        &producer,
+        &plain,
+        &plain_producer,
+        &consumer
+    ]));
 }
 
 #[test]
@@ -484,7 +476,7 @@ fn a_slow_tls_consumer_keeps_the_producer_within_its_pool() {
         let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
         assert!(peak <= max, "producer used {peak} segments, pool max {max}");
     });
-    assert!(pools_full(&[&producer_env, &consumer_env]));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 
 #[test]
@@ -526,5 +518,5 @@ fn stalled_tls_handshakes_are_closed_after_the_timeout() {
     );
     assert!(took < WITHIN, "failed only after {took:?}");
     drop(mute);
-    assert!(pools_full(&[&producer, &consumer]));
+    assert!(common::pools_full(&[&producer, &consumer]));
 }

@@ -82,27 +82,6 @@ fn stats(env: &ShuffleEnvironment) -> DriverStats {
     env.driver_stats().expect("the I/O thread answers")
 }
 
-fn pool_full(env: &ShuffleEnvironment) -> bool {
-    let deadline = Instant::now() + LONG;
-    loop {
-        let network = env.network();
-        if network.available_segments() == network.total_segments() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            eprintln!(
-                "{}: {} of {} segments free\n{}",
-                env.local_addr(),
-                network.available_segments(),
-                network.total_segments(),
-                env.debug_dump()
-            );
-            return false;
-        }
-        thread::sleep(Duration::from_millis(2));
-    }
-}
-
 fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = Instant::now() + LONG;
     while !condition() {
@@ -170,7 +149,7 @@ fn a_loopback_exchange_never_sends_zero_copy() {
     let producer = produce(&producer_env, records);
     assert_eq!(consume(&consumer_env, producer_env.local_addr()), records);
     producer.join().unwrap();
-    assert!(pool_full(&producer_env) && pool_full(&consumer_env));
+    assert!(common::pool_full(&producer_env) && common::pool_full(&consumer_env));
     for env in [&producer_env, &consumer_env] {
         let stats = stats(env);
         eprintln!("{}: {stats:?}", env.local_addr());
@@ -233,14 +212,14 @@ fn registered_files_are_used_and_their_slots_reused() {
         let consumer = env(3, loopback(), &small);
         small_exchange(&producer_env, &consumer, 2 * round);
         assert!(
-            pool_full(&consumer),
+            common::pool_full(&consumer),
             "round {round}: the short-lived consumer leaked"
         );
         drop(consumer);
         let producer = env(4, loopback(), &small);
         small_exchange(&producer, &consumer_env, 2 * round + 1);
         assert!(
-            pool_full(&producer),
+            common::pool_full(&producer),
             "round {round}: the short-lived producer leaked"
         );
         drop(producer);
@@ -250,7 +229,7 @@ fn registered_files_are_used_and_their_slots_reused() {
                 && stats(&consumer_env).file_slots_in_use == 0
         });
     }
-    assert!(pool_full(&producer_env) && pool_full(&consumer_env));
+    assert!(common::pool_full(&producer_env) && common::pool_full(&consumer_env));
     for env in [&producer_env, &consumer_env] {
         let stats = stats(env);
         eprintln!("{}: {stats:?}", env.local_addr());
@@ -286,7 +265,7 @@ fn forced_zero_copy_sends_on_loopback_deliver_every_record_and_segment() {
     let producer = produce(&producer_env, records);
     assert_eq!(consume(&consumer_env, producer_env.local_addr()), records);
     producer.join().unwrap();
-    assert!(pool_full(&producer_env) && pool_full(&consumer_env));
+    assert!(common::pool_full(&producer_env) && common::pool_full(&consumer_env));
     let stats = stats(&producer_env);
     eprintln!("{stats:?}");
     assert!(stats.zc_sends > 10, "{stats:?}");
@@ -348,7 +327,10 @@ fn a_consumer_gone_mid_stream_leaves_no_segment_behind_zero_copy_sends() {
         let _ = producer_env.partition_manager().release(pid(round));
         writer.join().unwrap();
     }
-    assert!(pool_full(&producer_env), "every held segment returned");
+    assert!(
+        common::pool_full(&producer_env),
+        "every held segment returned"
+    );
     let stats = stats(&producer_env);
     eprintln!("{stats:?}");
     assert!(stats.zc_sends > 0);
@@ -434,7 +416,6 @@ fn rand_suffix() -> u32 {
         % 100_000
 }
 
-/// This test binary again in namespace `ns`, running `zc_child` as `role`.
 /// A child test process: its stdout lines come through a thread, so every wait is bounded,
 /// and it is killed and reaped when dropped (a failing test leaves none behind).
 struct Spawned {
@@ -485,6 +466,7 @@ impl Drop for Spawned {
     }
 }
 
+/// This test binary again in namespace `ns`, running `zc_child` as `role`.
 fn spawn_child(ns: &str, role: &str, vars: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().unwrap();
     let mut command = Command::new("ip");
@@ -691,7 +673,7 @@ fn zc_child() {
             // Serve until the consumer is done (the parent closes stdin).
             let mut rest = String::new();
             let _ = std::io::stdin().read_line(&mut rest);
-            let full = pool_full(&env);
+            let full = common::pool_full(&env);
             let s = stats(&env);
             println!(
                 "ZC producer pool_full={} zc_available={} zc_sends={} zc_notifications={} \
@@ -715,7 +697,7 @@ fn zc_child() {
             let env = env(2, SocketAddr::from((VethPair::B, 0)), &options);
             let cpu_start = cpu();
             let read = consume(&env, addr);
-            let full = pool_full(&env);
+            let full = common::pool_full(&env);
             let s = stats(&env);
             println!(
                 "ZC consumer records={read} pool_full={} zc_sends={} reads={} cpu_ticks={}",

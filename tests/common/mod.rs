@@ -92,3 +92,36 @@ pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receive
     });
     lines
 }
+
+#[allow(dead_code)]
+/// How long segments still in flight (in a socket, an I/O thread, a reader) may take to come
+/// back to their pools.
+pub const POOLS_REFILL: Duration = Duration::from_secs(20);
+
+#[allow(dead_code)]
+/// Waits (at most [`POOLS_REFILL`]) until every environment's pool is full again; false, with
+/// each pool's count and the environment's dump on stderr, if one never fills.
+pub fn pools_full(envs: &[&fluxgate::ShuffleEnvironment]) -> bool {
+    let full = |e: &&fluxgate::ShuffleEnvironment| {
+        e.network().available_segments() == e.network().total_segments()
+    };
+    if wait_until(POOLS_REFILL, || envs.iter().all(full)) {
+        return true;
+    }
+    for env in envs {
+        eprintln!(
+            "{}: {} of {} segments free\n{}",
+            env.local_addr(),
+            env.network().available_segments(),
+            env.network().total_segments(),
+            env.debug_dump()
+        );
+    }
+    false
+}
+
+#[allow(dead_code)]
+/// [`pools_full`] of one environment.
+pub fn pool_full(env: &fluxgate::ShuffleEnvironment) -> bool {
+    pools_full(&[env])
+}
