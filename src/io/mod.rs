@@ -238,11 +238,12 @@ impl Drop for DriverHandle {
 }
 
 /// A remote channel whose connection was refused, waiting to try again.
-struct RefusedConnect {
-    peer: SocketAddr,
-    connection_index: usize,
-    channel: Arc<RemoteChannelShared>,
-    backoff: crate::gate::Backoff,
+pub(crate) struct RefusedConnect {
+    pub(crate) peer: SocketAddr,
+    pub(crate) connection_index: usize,
+    pub(crate) channel: Arc<RemoteChannelShared>,
+    /// The delays it went through so far.
+    pub(crate) backoff: crate::gate::Backoff,
     due: Instant,
 }
 
@@ -262,14 +263,6 @@ impl fmt::Debug for RefusedConnects {
             .field("waiting", &self.waiting.len())
             .finish()
     }
-}
-
-/// A refused connection whose back-off ran out: try it again.
-pub(crate) struct DueConnect {
-    pub(crate) peer: SocketAddr,
-    pub(crate) connection_index: usize,
-    pub(crate) channel: Arc<RemoteChannelShared>,
-    pub(crate) backoff: crate::gate::Backoff,
 }
 
 impl RefusedConnects {
@@ -313,7 +306,7 @@ impl RefusedConnects {
     /// The next attempt due at `now`, with the back-off it went through; channels the gate
     /// released meanwhile are dropped. A driver calls it until `None`: an attempt that fails
     /// again is queued with a later due time, so the loop ends.
-    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<DueConnect> {
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<RefusedConnect> {
         // Bounded by the list: each pass removes an entry or steps past one.
         let mut index = 0;
         while index < self.waiting.len() {
@@ -323,12 +316,7 @@ impl RefusedConnects {
             } else if entry.due <= now {
                 let entry = self.waiting.swap_remove(index);
                 entry.channel.note_retry();
-                return Some(DueConnect {
-                    peer: entry.peer,
-                    connection_index: entry.connection_index,
-                    channel: entry.channel,
-                    backoff: entry.backoff,
-                });
+                return Some(entry);
             } else {
                 index += 1;
             }
