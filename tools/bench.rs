@@ -967,9 +967,22 @@ fn latency(args: &BenchArgs, config: &NetworkConfig) -> Result<Histogram<u64>, S
         }
         None => {
             let partition = local_partition.ok_or("no local partition")?;
+            // The producer starts its schedule once the consumer read the warm-up record, as
+            // the producer process does on `go`.
+            let (warmed_up, wait_warm_up) = std::sync::mpsc::sync_channel::<()>(1);
             let (produced, histogram) = thread::scope(|scope| {
-                let producing = scope.spawn(|| produce_latency(args, partition, || Ok(())));
-                let histogram = consume_latency(gate, config.max_record_bytes, || Ok(()));
+                let producing = scope.spawn(move || {
+                    produce_latency(args, partition, || {
+                        wait_warm_up
+                            .recv_timeout(PRODUCER_REPLY)
+                            .map_err(|_| "the consumer did not read the warm-up record".to_string())
+                    })
+                });
+                let histogram = consume_latency(gate, config.max_record_bytes, || {
+                    warmed_up
+                        .send(())
+                        .map_err(|_| "the producer is gone".to_string())
+                });
                 let produced = producing
                     .join()
                     .unwrap_or_else(|_| Err("producer panicked".into()));
