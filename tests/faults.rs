@@ -19,7 +19,7 @@ mod common;
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -95,53 +95,15 @@ fn gate_of(
     .unwrap()
 }
 
-/// A child process killed (and reaped) when the test ends, however it ends.
-struct Process {
-    child: Child,
-    /// The child's stdout lines, from a thread that ends with the child: reads are bounded.
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Process {
-    fn spawn(mut command: Command) -> Self {
-        let mut child = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("the child starts");
-        let lines = common::stdout_lines(&mut child);
-        Self { child, lines }
-    }
-
-    /// The child's next stdout line within LONG (silence or its exit is a test failure).
-    fn line(&mut self) -> String {
-        match self.lines.recv_timeout(LONG) {
-            Ok(line) => line,
-            Err(error) => panic!(
-                "no line from the child ({error}); it exited: {:?}",
-                self.child.try_wait()
-            ),
-        }
-    }
-
-    fn say(&mut self, text: &str) {
-        let stdin = self.child.stdin.as_mut().expect("piped");
-        writeln!(stdin, "{text}").expect("the child reads");
-    }
-
-    /// SIGKILL: no orderly close, the kernel closes its sockets.
-    fn kill(&mut self) {
-        self.child.kill().expect("the child can be killed");
-        self.child.wait().expect("reaped");
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A child started from `command` with its stdin and stdout piped.
+fn spawn(mut command: Command) -> common::ChildProcess {
+    let child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the child starts");
+    common::ChildProcess::new(child, LONG)
 }
 
 /// Emits `count` numbered records into a fresh partition of `env`, for a healthy exchange
@@ -201,7 +163,7 @@ fn killing_the_producer_process_fails_its_consumer_naming_the_peer(transport: Tr
         "--transport",
         transport_name(transport),
     ]);
-    let mut producer = Process::spawn(command);
+    let mut producer = spawn(command);
     let ready = producer.line();
     let addr: SocketAddr = ready
         .trim()
@@ -313,7 +275,7 @@ fn killing_the_consumer_process_releases_the_producer(transport: Transport) {
         ])
         .env(FAULT_PEER, producer_env.local_addr().to_string())
         .env(FAULT_TRANSPORT, transport_name(transport));
-    let mut consumer = Process::spawn(command);
+    let mut consumer = spawn(command);
     let writer = emit_until_error(partition);
     // Bounded: the child prints a few lines of test-harness text before `reading`.
     let mut reading = false;

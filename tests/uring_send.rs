@@ -416,56 +416,6 @@ fn rand_suffix() -> u32 {
         % 100_000
 }
 
-/// A child test process: its stdout lines come through a thread, so every wait is bounded,
-/// and it is killed and reaped when dropped (a failing test leaves none behind).
-struct Spawned {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Spawned {
-    fn new(mut child: Child) -> Self {
-        let lines = common::stdout_lines(&mut child);
-        Self { child, lines }
-    }
-
-    /// The next stdout line within LONG.
-    fn line(&mut self) -> String {
-        self.lines
-            .recv_timeout(LONG)
-            .unwrap_or_else(|error| panic!("no line from the child: {error}"))
-    }
-
-    /// Its exit status, within LONG.
-    fn wait(&mut self) -> std::process::ExitStatus {
-        let deadline = Instant::now() + LONG;
-        // Bounded by the deadline: a look every few ms.
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the child did not exit within {LONG:?}"
-            );
-            thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    /// What it printed and nobody read yet (after its exit: everything left).
-    fn rest(&self) -> Vec<String> {
-        // The reader thread ends with the child's stdout; bounded by LONG per line.
-        std::iter::from_fn(|| self.lines.recv_timeout(LONG).ok()).collect()
-    }
-}
-
-impl Drop for Spawned {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// This test binary again in namespace `ns`, running `zc_child` as `role`.
 fn spawn_child(ns: &str, role: &str, vars: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().unwrap();
@@ -513,7 +463,7 @@ fn exchange_across(pair: &VethPair, mode: &str, records: u64) -> VethRun {
             SocketAddr::from((VethPair::A, 0)).to_string(), // port 0: the child reports its port
         ),
     ];
-    let mut producer = Spawned::new(spawn_child(&pair.a, "producer", &vars));
+    let mut producer = common::ChildProcess::new(spawn_child(&pair.a, "producer", &vars), LONG);
     let addr = loop {
         let line = producer.line();
         if let Some(addr) = line.strip_prefix("ZC listening ") {
@@ -523,7 +473,7 @@ fn exchange_across(pair: &VethPair, mode: &str, records: u64) -> VethRun {
     let mut vars = vars.to_vec();
     vars.retain(|(k, _)| *k != ADDR);
     vars.push((ADDR, addr));
-    let mut consumer = Spawned::new(spawn_child(&pair.b, "consumer", &vars));
+    let mut consumer = common::ChildProcess::new(spawn_child(&pair.b, "consumer", &vars), LONG);
     let consumer_status = consumer.wait();
     let consumer_text = consumer.rest().join("\n");
     // The consumer is done: the producer may stop (closing its stdin tells it).

@@ -93,6 +93,77 @@ pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receive
     lines
 }
 
+/// A child test process whose every wait is bounded by `within`: its stdout lines come
+/// through [`stdout_lines`], and it is killed and reaped when dropped (a failing test leaves
+/// none behind).
+#[allow(dead_code)]
+pub struct ChildProcess {
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    within: Duration,
+}
+
+#[allow(dead_code)]
+impl ChildProcess {
+    /// `child` must have its stdout piped.
+    pub fn new(mut child: std::process::Child, within: Duration) -> Self {
+        let lines = stdout_lines(&mut child);
+        Self {
+            child,
+            lines,
+            within,
+        }
+    }
+
+    /// The next stdout line (silence or the child's exit is a test failure).
+    pub fn line(&mut self) -> String {
+        match self.lines.recv_timeout(self.within) {
+            Ok(line) => line,
+            Err(error) => panic!(
+                "no line from the child ({error}); it exited: {:?}",
+                self.child.try_wait()
+            ),
+        }
+    }
+
+    /// Writes a line to the child's (piped) stdin.
+    pub fn say(&mut self, text: &str) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().expect("stdin piped");
+        writeln!(stdin, "{text}").expect("the child reads");
+    }
+
+    /// Its exit status.
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        let mut status = None;
+        let exited = wait_until(self.within, || {
+            status = self.child.try_wait().expect("the child can be waited for");
+            status.is_some()
+        });
+        assert!(exited, "the child did not exit within {:?}", self.within);
+        status.expect("exited")
+    }
+
+    /// What it printed and nobody read yet (after its exit: everything left).
+    pub fn rest(&self) -> Vec<String> {
+        // The reader thread ends with the child's stdout; each line bounded.
+        std::iter::from_fn(|| self.lines.recv_timeout(self.within).ok()).collect()
+    }
+
+    /// SIGKILL: no orderly close, the kernel closes its sockets.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("the child can be killed");
+        self.child.wait().expect("reaped");
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[allow(dead_code)]
 /// How long segments still in flight (in a socket, an I/O thread, a reader) may take to come
 /// back to their pools.
