@@ -13,7 +13,7 @@ use super::frame::{
 };
 use super::inbound::{FrameReader, Step};
 use super::outbound::Outbound;
-use super::ProtocolError;
+use super::{HandshakeDeadline, ProtocolError};
 use crate::buffer::BufferBuilder;
 use crate::gate::{Backoff, ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared};
 use crate::partition::{PartitionError, ResultPartitionId};
@@ -115,9 +115,8 @@ pub struct ClientConnection {
     discard: Box<[u8; DISCARD_CHUNK]>,
     outbound: Outbound,
     handshake_received: bool,
-    /// When the producer's handshake (and proof) must have come; set at the first poll.
-    handshake_deadline: Option<Instant>,
-    handshake_timeout: Duration,
+    /// When the producer's handshake (and proof) must have come; started at the first poll.
+    handshake_deadline: HandshakeDeadline,
     auth: Option<ClientAuth>,
     /// Requests may be sent: no authentication, or the producer proved itself and our proof
     /// is queued.
@@ -192,8 +191,7 @@ impl ClientConnection {
             discard: Box::new([0; DISCARD_CHUNK]),
             outbound,
             handshake_received: false,
-            handshake_deadline: None,
-            handshake_timeout: config.handshake_timeout,
+            handshake_deadline: HandshakeDeadline::new(config.handshake_timeout),
             authenticated: auth.is_none(),
             auth,
             deferred: Vec::new(),
@@ -322,6 +320,7 @@ impl ClientConnection {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let handshake = self
             .handshake_deadline
+            .due()
             .filter(|_| !self.closed && !self.is_established());
         if self.retrying == 0 {
             return handshake;
@@ -348,23 +347,13 @@ impl ClientConnection {
         if self.closed || self.is_established() {
             return;
         }
-        let timeout = self.handshake_timeout;
-        let deadline = *self.handshake_deadline.get_or_insert(now + timeout);
-        if now < deadline {
-            return;
+        let received = self.handshake_received;
+        if let Some(error) = self
+            .handshake_deadline
+            .expired(now, received, "the producer")
+        {
+            self.fail_all(&error);
         }
-        let error = if self.handshake_received {
-            ProtocolError::Unauthenticated(format!(
-                "the producer sent no proof of the cluster secret within {timeout:?} \
-                 (fluxgate.network.handshake-timeout)"
-            ))
-        } else {
-            ProtocolError::Handshake(format!(
-                "no handshake from the producer within {timeout:?} \
-                 (fluxgate.network.handshake-timeout)"
-            ))
-        };
-        self.fail_all(&error);
     }
 
     /// Sends a task event to the producer of `receiver`'s partition.

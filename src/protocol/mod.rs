@@ -110,3 +110,48 @@ impl ProtocolError {
         self.error_kind() == ErrorKind::Unauthenticated
     }
 }
+
+/// `fluxgate.network.handshake-timeout` on one side of a connection: the peer must complete
+/// its handshake (and, with a secret, its proof) before the deadline, which starts at the
+/// first look. Both the client and the server keep one.
+#[derive(Debug, Clone, Copy)]
+struct HandshakeDeadline {
+    timeout: std::time::Duration,
+    at: Option<std::time::Instant>,
+}
+
+impl HandshakeDeadline {
+    fn new(timeout: std::time::Duration) -> Self {
+        Self { timeout, at: None }
+    }
+
+    /// When it is due, once started.
+    fn due(&self) -> Option<std::time::Instant> {
+        self.at
+    }
+
+    /// The error to fail the connection with once `now` is past the deadline, naming what the
+    /// peer (`"the producer"`, `"the consumer"`) did not send.
+    fn expired(
+        &mut self,
+        now: std::time::Instant,
+        handshake_received: bool,
+        peer: &str,
+    ) -> Option<ProtocolError> {
+        let timeout = self.timeout;
+        if now < *self.at.get_or_insert(now + timeout) {
+            return None;
+        }
+        Some(if handshake_received {
+            ProtocolError::Unauthenticated(format!(
+                "{peer} sent no proof of the cluster secret within {timeout:?} \
+                 (fluxgate.network.handshake-timeout)"
+            ))
+        } else {
+            ProtocolError::Handshake(format!(
+                "no handshake from {peer} within {timeout:?} \
+                 (fluxgate.network.handshake-timeout)"
+            ))
+        })
+    }
+}

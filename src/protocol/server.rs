@@ -15,7 +15,7 @@ use super::frame::{
 };
 use super::inbound::{FrameReader, Step};
 use super::outbound::Outbound;
-use super::ProtocolError;
+use super::{HandshakeDeadline, ProtocolError};
 use crate::buffer::HEADROOM;
 use crate::event::Event;
 use crate::gate::ChannelQueueHandle;
@@ -172,8 +172,8 @@ pub struct ServerConnection {
     reader: FrameReader,
     outbound: Outbound,
     handshake_received: bool,
-    /// When the handshake (and proof) must be complete; set at the first poll.
-    handshake_deadline: Option<Instant>,
+    /// When the consumer's handshake (and proof) must be complete; started at the first poll.
+    handshake_deadline: HandshakeDeadline,
     auth: Option<ServerAuth>,
     /// Requests are served: no authentication, or the consumer proved the secret.
     authenticated: bool,
@@ -239,7 +239,7 @@ impl ServerConnection {
             next_retry: None,
             outbound,
             handshake_received: false,
-            handshake_deadline: None,
+            handshake_deadline: HandshakeDeadline::new(config.handshake_timeout),
             authenticated: auth.is_none(),
             auth,
             requests: TokenBucket::new(config.request_rate),
@@ -304,6 +304,7 @@ impl ServerConnection {
         // driver poll without waiting until the socket is gone.
         let handshake = self
             .handshake_deadline
+            .due()
             .filter(|_| !self.closing && !self.is_established());
         self.next_retry.into_iter().chain(handshake).min()
     }
@@ -318,23 +319,14 @@ impl ServerConnection {
         if self.closing || self.is_established() {
             return;
         }
-        let timeout = self.config.handshake_timeout;
-        let deadline = *self.handshake_deadline.get_or_insert(now + timeout);
-        if now < deadline {
-            return;
+        let received = self.handshake_received;
+        if let Some(error) = self
+            .handshake_deadline
+            .expired(now, received, "the consumer")
+        {
+            // `fail` logs it.
+            self.fail(&error);
         }
-        let error = if self.handshake_received {
-            ProtocolError::Unauthenticated(format!(
-                "no proof of the cluster secret within {timeout:?} \
-                 (fluxgate.network.handshake-timeout)"
-            ))
-        } else {
-            ProtocolError::Handshake(format!(
-                "no handshake within {timeout:?} (fluxgate.network.handshake-timeout)"
-            ))
-        };
-        // `fail` logs it.
-        self.fail(&error);
     }
 
     /// Retries partition requests waiting for their partition; answers PartitionNotFound
