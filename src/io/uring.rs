@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
-use super::conn::{Connection, Side, READ_AHEAD};
+use super::conn::{Connection, Side};
 use super::{
     open_client, refuse_connection, Command, DriverConfig, DriverHandle, DriverStats, IoWaker,
     RefusedConnects, WakeFn,
@@ -1482,7 +1482,8 @@ impl Loop {
             0 => self.begin_close(slot, "connection closed by the peer".into()),
             n if n > 0 => {
                 let destination_len = conn.read_destination_len;
-                if n as usize == destination_len + READ_AHEAD {
+                let offered: usize = conn.read_iov.iter().map(|iov| iov.iov_len).sum();
+                if n as usize == offered {
                     self.full_reads.push(slot);
                 }
                 let conn = self.conns[slot].as_deref_mut().expect("checked");
