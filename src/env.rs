@@ -211,6 +211,7 @@ impl ShuffleEnvironment {
             network: Some(network.clone()),
             tls: tls.clone(),
             zero_copy_send: options.zero_copy_send,
+            busy_poll: options.io_thread_busy_poll,
         };
         let (driver, transport) = match config.transport {
             Transport::Epoll => {

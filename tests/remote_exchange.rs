@@ -48,8 +48,19 @@ fn record(producer: usize, seq: u64) -> Vec<u8> {
 
 /// P producers on one environment, C consumers on another; every record checked.
 fn exchange(producers: usize, consumers: usize, records: u64, transport: Transport) {
-    let producer_env = env(1, transport);
-    let consumer_env = env(2, transport);
+    exchange_with(producers, consumers, records, transport, &[]);
+}
+
+/// [`exchange`] between environments with `options` changed on both.
+fn exchange_with(
+    producers: usize,
+    consumers: usize,
+    records: u64,
+    transport: Transport,
+    options: &[(&str, &str)],
+) {
+    let producer_env = env_with(1, transport, options);
+    let consumer_env = env_with(2, transport, options);
     let peer = producer_env.local_addr();
     let partitions: Vec<_> = (0..producers)
         .map(|p| producer_env.create_partition(pid(p), consumers).unwrap())
@@ -165,6 +176,24 @@ on_both_drivers!(
     one_to_one_over_loopback,
     one_to_one_over_loopback_epoll,
     one_to_one_over_loopback_uring
+);
+
+/// I/O threads that keep polling for a while before they sleep: the work they find without
+/// a wake-up, and the work that wakes them once the window has passed (the producers' 5 ms
+/// flush timeout leaves gaps longer than it), all arrive exactly.
+fn four_to_four_with_busy_polling_io_threads(transport: Transport) {
+    exchange_with(
+        4,
+        4,
+        5_000,
+        transport,
+        &[("fluxgate.network.io-thread.busy-poll-us", "200")],
+    );
+}
+on_both_drivers!(
+    four_to_four_with_busy_polling_io_threads,
+    four_to_four_with_busy_polling_io_threads_epoll,
+    four_to_four_with_busy_polling_io_threads_uring
 );
 
 fn four_to_four_over_one_connection(transport: Transport) {

@@ -21,7 +21,8 @@ use mio::{Events, Interest, Poll, Token};
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
-    open_client, refuse_connection, Command, DriverHandle, IoWaker, RefusedConnects, WakeFn,
+    open_client, refuse_connection, BusyPoll, Command, DriverHandle, IoWaker, RefusedConnects,
+    WakeFn,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -84,6 +85,7 @@ impl EpollDriver {
             std_waker: Waker::from(waker.clone()),
             config,
             manager,
+            worked: false,
         };
         let thread = thread::Builder::new()
             .name("fluxgate-io-epoll".into())
@@ -157,11 +159,15 @@ struct Loop {
     std_waker: Waker,
     config: DriverConfig,
     manager: Arc<PartitionManager>,
+    /// Set when a turn handled a command or wrote frames: work for [`BusyPoll`], besides the
+    /// readiness events.
+    worked: bool,
 }
 
 impl Loop {
     fn run(&mut self) {
         let mut events = Events::with_capacity(256);
+        let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
             if !self.drain_commands() {
                 break;
@@ -176,22 +182,31 @@ impl Loop {
                 self.transmit(*token, now);
             }
             self.tokens = tokens;
+            if std::mem::take(&mut self.worked) {
+                busy_poll.worked(now);
+            }
+            // Busy-polling: look again without sleeping and without announcing a park, so
+            // wakers make no syscall; this turn's drain and transmit saw their work.
+            let polling = busy_poll.look_again(now);
             // Park: announce it, then look once more for work that raced the announcement.
-            let busy = self.waker.prepare_park(|| {
-                let mut busy = !self.commands.is_empty();
-                for conn in self.connections.values() {
-                    busy |=
-                        conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
-                }
-                busy
-            });
+            let busy = polling
+                || self.waker.prepare_park(|| {
+                    let mut busy = !self.commands.is_empty();
+                    for conn in self.connections.values() {
+                        busy |= conn.connection.set_waker(&self.std_waker)
+                            || conn.connection.has_pending();
+                    }
+                    busy
+                });
             let timeout = if busy {
                 Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
             let polled = self.poll.poll(&mut events, Some(timeout));
-            self.waker.unpark();
+            if !polling {
+                self.waker.unpark();
+            }
             if let Err(error) = polled {
                 if error.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(%error, "epoll wait failed; the I/O thread stops");
@@ -199,6 +214,9 @@ impl Loop {
                 }
             }
             let now = Instant::now();
+            if !events.is_empty() {
+                busy_poll.worked(now);
+            }
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept(),
@@ -250,6 +268,7 @@ impl Loop {
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
         while let Some(command) = self.commands.pop() {
+            self.worked = true;
             match command {
                 Command::Shutdown => return false,
                 Command::Stats(reply) => {
@@ -485,6 +504,7 @@ impl Loop {
             match written {
                 Ok(0) => break,
                 Ok(n) => {
+                    self.worked = true;
                     conn.connection.on_written(n);
                     conn.connection.poll_transmit(now);
                     if n < offered {
@@ -649,6 +669,7 @@ impl Loop {
             match accepted {
                 Ok(0) => break,
                 Ok(n) => {
+                    self.worked = true;
                     connection.on_written(n);
                     connection.poll_transmit(now);
                 }

@@ -22,7 +22,7 @@ mod waker;
 #[doc(hidden)]
 pub mod waker;
 
-pub(crate) use waker::IoWaker;
+pub(crate) use waker::{BusyPoll, IoWaker};
 
 use std::fmt;
 use std::io;
@@ -67,6 +67,9 @@ pub struct DriverConfig {
     /// Zero-copy sends to non-loopback peers (`fluxgate.network.zero-copy-send`; io_uring
     /// only).
     pub zero_copy_send: crate::ZeroCopySend,
+    /// How long the thread keeps looking for work before it sleeps
+    /// (`fluxgate.network.io-thread.busy-poll-us`; zero: it sleeps at once).
+    pub busy_poll: Duration,
 }
 
 impl DriverConfig {

@@ -51,8 +51,8 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    open_client, refuse_connection, Command, DriverConfig, DriverHandle, DriverStats, IoWaker,
-    RefusedConnects, WakeFn,
+    open_client, refuse_connection, BusyPoll, Command, DriverConfig, DriverHandle, DriverStats,
+    IoWaker, RefusedConnects, WakeFn,
 };
 use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
@@ -630,7 +630,11 @@ impl Loop {
     }
 
     fn run(&mut self) {
+        let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
+            if !self.commands.is_empty() {
+                busy_poll.worked(Instant::now());
+            }
             if !self.drain_commands() {
                 break;
             }
@@ -640,29 +644,38 @@ impl Loop {
                 self.pump(slot, now);
             }
             self.arm_listener_and_wake(now);
+            // Busy-polling: look again without sleeping and without announcing a park, so
+            // wakers make no syscall; this turn's drain and pumps saw their work.
+            let polling = busy_poll.look_again(now);
             // Park: announce it, then look once more for work that raced the announcement.
-            let busy = self.waker.prepare_park(|| {
-                let mut busy = !self.commands.is_empty();
-                for conn in self.conns.iter().flatten() {
-                    if conn.closing.is_none() {
-                        busy |= conn.connection.set_waker(&self.std_waker)
-                            || conn.connection.has_pending();
+            let busy = polling
+                || self.waker.prepare_park(|| {
+                    let mut busy = !self.commands.is_empty();
+                    for conn in self.conns.iter().flatten() {
+                        if conn.closing.is_none() {
+                            busy |= conn.connection.set_waker(&self.std_waker)
+                                || conn.connection.has_pending();
+                        }
                     }
-                }
-                busy
-            });
+                    busy
+                });
             let timeout = if busy {
                 Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
             let entered = self.enter(timeout);
-            self.waker.unpark();
+            if !polling {
+                self.waker.unpark();
+            }
             if let Err(error) = entered {
                 tracing::error!(%error, "io_uring_enter failed; the I/O thread stops");
                 break;
             }
-            self.reap(Instant::now());
+            let now = Instant::now();
+            if self.reap(now) > 0 {
+                busy_poll.worked(now);
+            }
             self.read_on();
         }
         self.shutdown();
@@ -702,6 +715,9 @@ impl Loop {
     /// Submits everything queued and waits up to `timeout` for a completion.
     fn enter(&mut self, timeout: Duration) -> io::Result<()> {
         self.stats.enters += 1;
+        if timeout.is_zero() {
+            return self.enter_without_waiting();
+        }
         let timespec = types::Timespec::from(timeout);
         let args = types::SubmitArgs::new().timespec(&timespec);
         match self.ring.submitter().submit_with_args(1, &args) {
@@ -718,7 +734,38 @@ impl Loop {
         }
     }
 
-    fn reap(&mut self, now: Instant) {
+    /// Handles every completion the ring holds; returns how many there were.
+    /// Submits everything queued and runs the ring's deferred work (completing what is ready),
+    /// without waiting. A wait for one completion with a zero timeout is not the same: when
+    /// nothing is ready the kernel arms a timer and sleeps until it fires, a context switch
+    /// and tens of microseconds on a loaded machine (measured: a busy-polling thread ran once
+    /// every 20–30 µs that way).
+    fn enter_without_waiting(&mut self) -> io::Result<()> {
+        let queued = self.ring.submission().len() as u32;
+        // GETEVENTS with no minimum: deferred task work (DEFER_TASKRUN) runs only in an enter
+        // that carries it, and the kernel returns as soon as that work is done.
+        let flags = io_uring::EnterFlags::GETEVENTS.bits();
+        // SAFETY: every queued entry was pushed through `push`, whose contract keeps the
+        // memory it points to valid until its completion is reaped; no signal mask is passed.
+        match unsafe {
+            self.ring
+                .submitter()
+                .enter::<libc::sigset_t>(queued, 0, flags, None)
+        } {
+            Ok(_) => Ok(()),
+            Err(error)
+                if matches!(
+                    error.raw_os_error(),
+                    Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
+                ) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    fn reap(&mut self, now: Instant) -> usize {
         let mut cqes = std::mem::take(&mut self.cqe_scratch);
         cqes.extend(
             self.ring
@@ -728,8 +775,10 @@ impl Loop {
         for &(data, result, flags) in &cqes {
             self.complete(data, result, flags, now);
         }
+        let reaped = cqes.len();
         cqes.clear();
         self.cqe_scratch = cqes;
+        reaped
     }
 
     fn next_timeout(&self, now: Instant) -> Duration {
