@@ -777,6 +777,35 @@ fn bench_applies_a_config_file_and_flags_win() {
 }
 
 #[test]
+fn bench_busy_polls_its_io_threads_when_asked() {
+    let run = short_bench(&["--no-baseline", "--busy-poll-us", "300"]);
+    assert!(run.status.success(), "{}", run.all());
+    assert!(
+        run.stdout
+            .contains("I/O threads busy-poll 300 µs before they sleep"),
+        "{}",
+        run.all()
+    );
+    assert!(run.stdout.contains("latency_p50_us"), "{}", run.all());
+    let run = short_bench(&["--no-baseline"]);
+    assert!(run.status.success(), "{}", run.all());
+    assert!(
+        !run.stdout.contains("busy-poll"),
+        "off by default\n{}",
+        run.all()
+    );
+    let run = fluxgate(&["bench", "--busy-poll-us", "1000001"], LIMIT);
+    assert_clean_failure(
+        &run,
+        &[
+            "--busy-poll-us",
+            "fluxgate.network.io-thread.busy-poll-us",
+            "at most 1000000",
+        ],
+    );
+}
+
+#[test]
 fn bench_config_file_errors_are_clear() {
     let cases = [
         (

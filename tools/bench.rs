@@ -56,6 +56,11 @@ pub struct BenchArgs {
     /// 0 flush every record, N flush at most N ms after a write.
     #[arg(long, default_value_t = 100, allow_hyphen_values = true)]
     buffer_timeout: i64,
+    /// `fluxgate.network.io-thread.busy-poll-us`: µs an I/O thread keeps polling for work
+    /// after its last work before it sleeps, trading CPU for latency [default: 0, or the
+    /// --config file's].
+    #[arg(long, value_name = "US")]
+    busy_poll_us: Option<u64>,
     /// Seconds of the throughput run.
     #[arg(long, default_value_t = 3.0)]
     duration: f64,
@@ -228,6 +233,14 @@ fn network_config(args: &BenchArgs) -> Result<NetworkConfig, String> {
         config
             .set("taskmanager.memory.segment-size", &size.to_string())
             .map_err(|e| format!("--segment-size: {e}"))?;
+    }
+    if let Some(micros) = args.busy_poll_us {
+        config
+            .set(
+                "fluxgate.network.io-thread.busy-poll-us",
+                &micros.to_string(),
+            )
+            .map_err(|e| format!("--busy-poll-us: {e}"))?;
     }
     if !from_file.contains("taskmanager.memory.network.max") {
         // Room for every partition's and gate's pool.
@@ -1057,6 +1070,12 @@ fn print(
                 "  throughput {:.1} s (buffer timeout {} ms); latency {} records/s for {:.1} s, flush every record",
                 args.duration, args.buffer_timeout, args.rate, args.latency_duration
             );
+            if !config.io_thread_busy_poll.is_zero() && !args.local {
+                println!(
+                    "  I/O threads busy-poll {} µs before they sleep (fluxgate.network.io-thread.busy-poll-us)",
+                    config.io_thread_busy_poll.as_micros()
+                );
+            }
             // The baseline never encrypts: say so beside an engine that does.
             let baseline_name = if config.ssl_enabled && !args.local {
                 "raw TCP, no TLS"
