@@ -390,7 +390,7 @@ impl NetworkConfig {
             "fluxgate.network.io-thread.busy-poll-us" => {
                 let micros = count()?;
                 if micros > MAX_BUSY_POLL_US {
-                    return Err(invalid("must be at most 1000000 (1 s)"));
+                    return Err(invalid(&format!("must be at most {MAX_BUSY_POLL_US}")));
                 }
                 next.io_thread_busy_poll = Duration::from_micros(micros as u64)
             }

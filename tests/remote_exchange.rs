@@ -178,9 +178,102 @@ on_both_drivers!(
     one_to_one_over_loopback_uring
 );
 
+/// One record at a time, each read before the next is written, between environments with
+/// `options`: every I/O thread runs out of work after each record. Returns how often the I/O
+/// threads of both environments slept (`DriverStats::sleeps`) from the second record to the
+/// last; the first one connects, requests the partition and brings the first credit.
+fn sleeps_in_a_ping_pong(transport: Transport, options: &[(&str, &str)], records: u64) -> u64 {
+    let producer_env = env_with(1, transport, options);
+    let consumer_env = env_with(2, transport, options);
+    let partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(producer_env.local_addr()),
+        }])
+        .unwrap();
+    let sleeps = || {
+        [&producer_env, &consumer_env]
+            .iter()
+            .map(|env| env.driver_stats().expect("the I/O thread answers").sleeps)
+            .sum::<u64>()
+    };
+    let (read, wait_read) = std::sync::mpsc::sync_channel::<()>(1);
+    let slept = thread::scope(|s| {
+        s.spawn(move || {
+            let mut writer = RecordWriter::new(
+                partition,
+                RoundRobinSelector::default(),
+                BufferTimeout::Always,
+            );
+            for seq in 0..records {
+                writer.emit(&record(0, seq)[..]).unwrap();
+                wait_read.recv_timeout(LONG).expect("the consumer read it");
+            }
+            writer.finish().unwrap();
+        });
+        let mut reader = RecordReader::new(gate, 1 << 20);
+        let mut before = 0;
+        for seq in 0..records {
+            match reader.next_timeout(LONG).unwrap() {
+                Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, &record(0, seq)[..]),
+                other => panic!("record {seq} expected, got {other:?}"),
+            }
+            if seq == 0 {
+                before = sleeps();
+            }
+            if seq + 1 == records {
+                break;
+            }
+            read.send(()).unwrap();
+        }
+        let slept = sleeps() - before;
+        read.send(()).unwrap();
+        match reader.next_timeout(LONG).unwrap() {
+            Some(ReaderItem::Event { event, .. }) => assert_eq!(event, Event::EndOfPartition),
+            other => panic!("the end of the partition expected, got {other:?}"),
+        }
+        assert!(reader.next_timeout(LONG).unwrap().is_none());
+        slept
+    });
+    assert!(
+        common::pools_full(&[&producer_env, &consumer_env]),
+        "segments leaked"
+    );
+    slept
+}
+
+/// With a window longer than any gap of a ping-pong, the I/O threads find every record and
+/// credit by polling: hardly a sleep. Without one they sleep several times per record, which
+/// shows the count can tell the two apart.
+fn busy_polling_io_threads_do_not_sleep_between_records(transport: Transport) {
+    const RECORDS: u64 = 200;
+    let polling = sleeps_in_a_ping_pong(
+        transport,
+        &[("fluxgate.network.io-thread.busy-poll-us", "1000000")],
+        RECORDS,
+    );
+    assert!(
+        polling < RECORDS / 4,
+        "{polling} sleeps over {RECORDS} records with a 1 s busy-poll window"
+    );
+    let parking = sleeps_in_a_ping_pong(transport, &[], RECORDS);
+    assert!(
+        parking >= RECORDS / 2,
+        "only {parking} sleeps over {RECORDS} records without busy polling"
+    );
+}
+on_both_drivers!(
+    busy_polling_io_threads_do_not_sleep_between_records,
+    busy_polling_io_threads_do_not_sleep_between_records_epoll,
+    busy_polling_io_threads_do_not_sleep_between_records_uring
+);
+
 /// I/O threads that keep polling for a while before they sleep: the work they find without
-/// a wake-up, and the work that wakes them once the window has passed (the producers' 5 ms
-/// flush timeout leaves gaps longer than it), all arrive exactly.
+/// a wake-up, and the work that wakes them once the window has passed, all arrive exactly.
 fn four_to_four_with_busy_polling_io_threads(transport: Transport) {
     exchange_with(
         4,

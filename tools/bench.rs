@@ -56,9 +56,9 @@ pub struct BenchArgs {
     /// 0 flush every record, N flush at most N ms after a write.
     #[arg(long, default_value_t = 100, allow_hyphen_values = true)]
     buffer_timeout: i64,
-    /// `fluxgate.network.io-thread.busy-poll-us`: µs an I/O thread keeps polling for work
-    /// after its last work before it sleeps, trading CPU for latency [default: 0, or the
-    /// --config file's].
+    /// `fluxgate.network.io-thread.busy-poll-us` of both processes: µs an I/O thread keeps
+    /// polling for work after its last work before it sleeps, trading CPU for latency (remote
+    /// runs only; --local has no I/O thread) [default: 0, or the --config file's].
     #[arg(long, value_name = "US")]
     busy_poll_us: Option<u64>,
     /// Seconds of the throughput run.

@@ -86,6 +86,7 @@ impl EpollDriver {
             config,
             manager,
             worked: false,
+            sleeps: 0,
         };
         let thread = thread::Builder::new()
             .name("fluxgate-io-epoll".into())
@@ -162,6 +163,8 @@ struct Loop {
     /// Set when a turn handled a command or wrote frames: work for [`BusyPoll`], besides the
     /// readiness events.
     worked: bool,
+    /// Waits that could sleep (`DriverStats::sleeps`).
+    sleeps: u64,
 }
 
 impl Loop {
@@ -185,28 +188,27 @@ impl Loop {
             if std::mem::take(&mut self.worked) {
                 busy_poll.worked(now);
             }
-            // Busy-polling: look again without sleeping and without announcing a park, so
-            // wakers make no syscall; this turn's drain and transmit saw their work.
-            let polling = busy_poll.look_again(now);
-            // Park: announce it, then look once more for work that raced the announcement.
-            let busy = polling
-                || self.waker.prepare_park(|| {
-                    let mut busy = !self.commands.is_empty();
-                    for conn in self.connections.values() {
-                        busy |= conn.connection.set_waker(&self.std_waker)
-                            || conn.connection.has_pending();
-                    }
-                    busy
-                });
-            let timeout = if busy {
+            // Busy-polling (this turn's drain and transmit saw the work a parked thread would
+            // be woken for), or park: announce it, then look once more for work that raced the
+            // announcement.
+            let wait = self.waker.prepare_wait(&mut busy_poll, now, || {
+                let mut busy = !self.commands.is_empty();
+                for conn in self.connections.values() {
+                    busy |=
+                        conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
+                }
+                busy
+            });
+            let timeout = if wait.at_once() {
                 Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
-            let polled = self.poll.poll(&mut events, Some(timeout));
-            if !polling {
-                self.waker.unpark();
+            if !timeout.is_zero() {
+                self.sleeps += 1;
             }
+            let polled = self.poll.poll(&mut events, Some(timeout));
+            self.waker.end_wait(wait);
             if let Err(error) = polled {
                 if error.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(%error, "epoll wait failed; the I/O thread stops");
@@ -272,7 +274,10 @@ impl Loop {
             match command {
                 Command::Shutdown => return false,
                 Command::Stats(reply) => {
-                    let _ = reply.send(super::DriverStats::default());
+                    let _ = reply.send(super::DriverStats {
+                        sleeps: self.sleeps,
+                        ..super::DriverStats::default()
+                    });
                 }
                 Command::Dump(reply) => {
                     let mut out = String::new();
@@ -648,7 +653,10 @@ impl Loop {
             if session.wants_write() {
                 match session.write_tls(stream) {
                     Ok(0) => break,
-                    Ok(_) => continue,
+                    Ok(_) => {
+                        self.worked = true;
+                        continue;
+                    }
                     Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                     Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
                     Err(error) => {

@@ -153,10 +153,13 @@ impl fmt::Debug for Command {
 
 /// Operation counts of one I/O thread since it started
 /// ([`ShuffleEnvironment::driver_stats`](crate::ShuffleEnvironment::driver_stats)). The epoll
-/// driver counts nothing: all zero.
+/// driver counts only `sleeps`; its other counts are zero.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DriverStats {
+    /// Waits that could sleep: the thread ran out of work (and out of its busy-poll window)
+    /// and parked until woken or its next deadline.
+    pub sleeps: u64,
     /// `io_uring_enter` calls.
     pub enters: u64,
     /// Reads submitted.

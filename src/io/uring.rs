@@ -632,42 +632,42 @@ impl Loop {
     fn run(&mut self) {
         let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
-            if !self.commands.is_empty() {
-                busy_poll.worked(Instant::now());
-            }
+            let commands = self.commands.len();
             if !self.drain_commands() {
                 break;
             }
             let now = Instant::now();
+            if commands > 0 {
+                busy_poll.worked(now);
+            }
             self.retry_refused(now);
             for slot in 0..self.conns.len() {
                 self.pump(slot, now);
             }
             self.arm_listener_and_wake(now);
-            // Busy-polling: look again without sleeping and without announcing a park, so
-            // wakers make no syscall; this turn's drain and pumps saw their work.
-            let polling = busy_poll.look_again(now);
-            // Park: announce it, then look once more for work that raced the announcement.
-            let busy = polling
-                || self.waker.prepare_park(|| {
-                    let mut busy = !self.commands.is_empty();
-                    for conn in self.conns.iter().flatten() {
-                        if conn.closing.is_none() {
-                            busy |= conn.connection.set_waker(&self.std_waker)
-                                || conn.connection.has_pending();
-                        }
+            // Busy-polling (this turn's drain and pumps saw the work a parked thread would be
+            // woken for), or park: announce it, then look once more for work that raced the
+            // announcement.
+            let wait = self.waker.prepare_wait(&mut busy_poll, now, || {
+                let mut busy = !self.commands.is_empty();
+                for conn in self.conns.iter().flatten() {
+                    if conn.closing.is_none() {
+                        busy |= conn.connection.set_waker(&self.std_waker)
+                            || conn.connection.has_pending();
                     }
-                    busy
-                });
-            let timeout = if busy {
+                }
+                busy
+            });
+            let timeout = if wait.at_once() {
                 Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
-            let entered = self.enter(timeout);
-            if !polling {
-                self.waker.unpark();
+            if !timeout.is_zero() {
+                self.stats.sleeps += 1;
             }
+            let entered = self.enter(timeout);
+            self.waker.end_wait(wait);
             if let Err(error) = entered {
                 tracing::error!(%error, "io_uring_enter failed; the I/O thread stops");
                 break;
@@ -712,7 +712,8 @@ impl Loop {
         self.full_reads.clear();
     }
 
-    /// Submits everything queued and waits up to `timeout` for a completion.
+    /// Submits everything queued and waits up to `timeout` for a completion; a zero `timeout`
+    /// does not wait at all ([`Loop::enter_without_waiting`]).
     fn enter(&mut self, timeout: Duration) -> io::Result<()> {
         self.stats.enters += 1;
         if timeout.is_zero() {
@@ -734,7 +735,6 @@ impl Loop {
         }
     }
 
-    /// Handles every completion the ring holds; returns how many there were.
     /// Submits everything queued and runs the ring's deferred work (completing what is ready),
     /// without waiting. A wait for one completion with a zero timeout is not the same: when
     /// nothing is ready the kernel arms a timer and sleeps until it fires, a context switch
@@ -746,7 +746,10 @@ impl Loop {
         // that carries it, and the kernel returns as soon as that work is done.
         let flags = io_uring::EnterFlags::GETEVENTS.bits();
         // SAFETY: every queued entry was pushed through `push`, whose contract keeps the
-        // memory it points to valid until its completion is reaped; no signal mask is passed.
+        // memory it points to valid until its completion is reaped. The arguments are what
+        // `Submitter::submit_and_wait` passes: `queued` is exactly the submission queue's
+        // length, and without EXT_ARG the `None` argument is a null signal mask the kernel
+        // ignores. The ring has no SQPOLL thread, so no SQ_WAKEUP flag is needed.
         match unsafe {
             self.ring
                 .submitter()
@@ -765,6 +768,7 @@ impl Loop {
         }
     }
 
+    /// Handles every completion the ring holds; returns how many there were.
     fn reap(&mut self, now: Instant) -> usize {
         let mut cqes = std::mem::take(&mut self.cqe_scratch);
         cqes.extend(

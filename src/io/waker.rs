@@ -58,6 +58,31 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
         self.parked.store(false, Ordering::SeqCst);
     }
 
+    /// The end of an I/O thread's turn: it keeps polling while `busy_poll` says so, else it
+    /// parks through [`IoWaker::prepare_park`] with `recheck`. [`IoWaker::end_wait`] follows
+    /// the wait (a zero-timeout look unless [`Wait::Sleep`]).
+    pub(crate) fn prepare_wait(
+        &self,
+        busy_poll: &mut BusyPoll,
+        now: Instant,
+        recheck: impl FnOnce() -> bool,
+    ) -> Wait {
+        if busy_poll.look_again(now) {
+            Wait::Poll
+        } else if self.prepare_park(recheck) {
+            Wait::Raced
+        } else {
+            Wait::Sleep
+        }
+    }
+
+    /// The I/O thread is back from `wait`: unparks it if it had parked.
+    pub(crate) fn end_wait(&self, wait: Wait) {
+        if wait != Wait::Poll {
+            self.unpark();
+        }
+    }
+
     /// Signals the I/O thread if it is parked. Call it after publishing the work. Only the
     /// first waker of a parked thread makes the syscall: its compare-exchange clears the flag.
     pub fn wake_if_parked(&self) {
@@ -119,12 +144,16 @@ impl<W: Fn() + Send + Sync> Wake for IoWaker<W> {
 /// a syscall by the waker and, on a virtual machine whose idle vCPU halted, tens of
 /// microseconds before the thread runs. With a window it keeps looking (a zero-timeout poll
 /// each turn, without announcing itself parked, so wakers make no syscall) until the window
-/// has passed since its last work. It yields its CPU before each look: a task thread that
-/// shares the CPU still runs at once, and the CPU never halts.
+/// has passed since its last work. After a turn that found nothing it yields its CPU before
+/// looking again, so the CPU never halts and a thread sharing it gets turns; but a yielding
+/// thread still takes its fair share of a CPU that another thread keeps busy, which is the
+/// cost of the option.
 #[derive(Debug)]
 pub(crate) struct BusyPoll {
     window: Duration,
     last_work: Instant,
+    /// Work since the last look: look again without yielding.
+    worked_since_look: bool,
 }
 
 impl BusyPoll {
@@ -133,6 +162,7 @@ impl BusyPoll {
         Self {
             window,
             last_work: Instant::now(),
+            worked_since_look: false,
         }
     }
 
@@ -140,17 +170,39 @@ impl BusyPoll {
     pub(crate) fn worked(&mut self, now: Instant) {
         if !self.window.is_zero() {
             self.last_work = now;
+            self.worked_since_look = true;
         }
     }
 
-    /// Whether the thread should look for work again instead of parking. When it should, the
-    /// thread has first yielded its CPU.
-    pub(crate) fn look_again(&self, now: Instant) -> bool {
+    /// Whether the thread should look for work again instead of parking. When it should and
+    /// its last turn found nothing, it has first yielded its CPU (a busy turn looks again at
+    /// once: a `sched_yield` per turn of a busy thread would only cost a syscall).
+    pub(crate) fn look_again(&mut self, now: Instant) -> bool {
         if self.window.is_zero() || now.saturating_duration_since(self.last_work) >= self.window {
             return false;
         }
-        thread::yield_now();
+        if !std::mem::take(&mut self.worked_since_look) {
+            thread::yield_now();
+        }
         true
+    }
+}
+
+/// How an I/O thread waits at the end of a turn ([`IoWaker::prepare_wait`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Busy-polling: it looks again at once, not announced as parked.
+    Poll,
+    /// Announced as parked, but work raced the announcement: it looks again at once.
+    Raced,
+    /// Parked with nothing to do: it sleeps until woken or its next deadline.
+    Sleep,
+}
+
+impl Wait {
+    /// Whether the thread must look again without sleeping (a zero timeout).
+    pub(crate) fn at_once(self) -> bool {
+        self != Wait::Sleep
     }
 }
 
