@@ -247,6 +247,26 @@ fn four_to_four_over_tls() {
 }
 
 #[test]
+fn four_to_four_over_tls_with_busy_polling_io_threads() {
+    let certs = Certs::new("busy");
+    let busy_poll = (
+        "fluxgate.network.io-thread.busy-poll-us".to_string(),
+        "200".to_string(),
+    );
+    let mut producer_options = certs.options("producer", "ca");
+    producer_options.push(busy_poll.clone());
+    let mut consumer_options = certs.options("consumer", "ca");
+    consumer_options.push(busy_poll);
+    let producer = env(1, &producer_options);
+    let consumer = env(2, &consumer_options);
+    exchange(&producer, &consumer, 4, 4, 5_000);
+    assert!(
+        common::pools_full(&[&producer, &consumer]),
+        "segments leaked"
+    );
+}
+
+#[test]
 fn tls_runs_on_epoll_auto_picks_it_and_uring_is_refused() {
     let certs = Certs::new("transport");
     let options = certs.options("producer", "ca");
