@@ -390,7 +390,9 @@ impl NetworkConfig {
             "fluxgate.network.io-thread.busy-poll-us" => {
                 let micros = count()?;
                 if micros > MAX_BUSY_POLL_US {
-                    return Err(invalid(&format!("must be at most {MAX_BUSY_POLL_US}")));
+                    return Err(invalid(&format!(
+                        "must be at most {MAX_BUSY_POLL_US} (1 s)"
+                    )));
                 }
                 next.io_thread_busy_poll = Duration::from_micros(micros as u64)
             }

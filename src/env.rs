@@ -369,8 +369,8 @@ impl ShuffleEnvironment {
             .unwrap_or_else(|_| "the I/O thread did not answer".into())
     }
 
-    /// The I/O thread's operation counts (diagnostics and tests: zero-copy sends, registered
-    /// files); `None` when the I/O thread did not answer within a second.
+    /// The I/O thread's operation counts (diagnostics and tests: sleeps, zero-copy sends,
+    /// registered files); `None` when the I/O thread did not answer within a second.
     pub fn driver_stats(&self) -> Option<crate::io::DriverStats> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.driver.submit(Command::Stats(tx));

@@ -160,8 +160,10 @@ struct Loop {
     std_waker: Waker,
     config: DriverConfig,
     manager: Arc<PartitionManager>,
-    /// Set when a turn handled a command or wrote frames: work for [`BusyPoll`], besides the
-    /// readiness events.
+    /// Set when a turn connected a channel or wrote bytes: work for [`BusyPoll`], besides the
+    /// sockets' readiness events. Diagnostics (`Stats`, `Dump`) and bare wake-ups are not
+    /// work: a flusher that finds nothing to flush wakes a parked thread every buffer
+    /// timeout, and counting that would keep a long window open on an idle pipeline.
     worked: bool,
     /// Waits that could sleep (`DriverStats::sleeps`).
     sleeps: u64,
@@ -216,7 +218,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
-            if !events.is_empty() {
+            if events.iter().any(|event| event.token() != WAKER) {
                 busy_poll.worked(now);
             }
             for event in events.iter() {
@@ -270,7 +272,6 @@ impl Loop {
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
         while let Some(command) = self.commands.pop() {
-            self.worked = true;
             match command {
                 Command::Shutdown => return false,
                 Command::Stats(reply) => {
@@ -291,6 +292,7 @@ impl Loop {
                     connection_index,
                     channel,
                 } => {
+                    self.worked = true;
                     let backoff = self.config.request_backoff;
                     self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
                 }

@@ -448,6 +448,9 @@ struct Loop {
     shutting_down: bool,
     /// Operation counts, logged at shutdown (debug) and reported by `Command::Stats`.
     stats: DriverStats,
+    /// Set when a turn connected a channel: work for [`BusyPoll`], besides the completions
+    /// [`Loop::reap`] counts.
+    worked: bool,
 }
 
 impl Drop for Loop {
@@ -528,6 +531,7 @@ impl Loop {
             read_round: Vec::with_capacity(16),
             shutting_down: false,
             stats: DriverStats::default(),
+            worked: false,
         }
     }
 
@@ -632,12 +636,11 @@ impl Loop {
     fn run(&mut self) {
         let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
-            let commands = self.commands.len();
             if !self.drain_commands() {
                 break;
             }
             let now = Instant::now();
-            if commands > 0 {
+            if std::mem::take(&mut self.worked) {
                 busy_poll.worked(now);
             }
             self.retry_refused(now);
@@ -768,7 +771,9 @@ impl Loop {
         }
     }
 
-    /// Handles every completion the ring holds; returns how many there were.
+    /// Handles every completion the ring holds; returns how many of them were work for
+    /// [`BusyPoll`]: not the wake eventfd's read (a bare wake-up, e.g. a flusher that found
+    /// nothing to flush) nor a cancellation.
     fn reap(&mut self, now: Instant) -> usize {
         let mut cqes = std::mem::take(&mut self.cqe_scratch);
         cqes.extend(
@@ -779,10 +784,13 @@ impl Loop {
         for &(data, result, flags) in &cqes {
             self.complete(data, result, flags, now);
         }
-        let reaped = cqes.len();
+        let work = cqes
+            .iter()
+            .filter(|&&(data, _, _)| !matches!(split_user_data(data).0, WAKE | CANCEL))
+            .count();
         cqes.clear();
         self.cqe_scratch = cqes;
-        reaped
+        work
     }
 
     fn next_timeout(&self, now: Instant) -> Duration {
@@ -897,6 +905,7 @@ impl Loop {
                     connection_index,
                     channel,
                 } => {
+                    self.worked = true;
                     let backoff = self.config.request_backoff;
                     self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
                 }

@@ -60,25 +60,25 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
 
     /// The end of an I/O thread's turn: it keeps polling while `busy_poll` says so, else it
     /// parks through [`IoWaker::prepare_park`] with `recheck`. [`IoWaker::end_wait`] follows
-    /// the wait (a zero-timeout look unless [`Wait::Sleep`]).
+    /// the wait (a zero-timeout look unless [`IdleWait::Sleep`]).
     pub(crate) fn prepare_wait(
         &self,
         busy_poll: &mut BusyPoll,
         now: Instant,
         recheck: impl FnOnce() -> bool,
-    ) -> Wait {
+    ) -> IdleWait {
         if busy_poll.look_again(now) {
-            Wait::Poll
+            IdleWait::Poll
         } else if self.prepare_park(recheck) {
-            Wait::Raced
+            IdleWait::Raced
         } else {
-            Wait::Sleep
+            IdleWait::Sleep
         }
     }
 
     /// The I/O thread is back from `wait`: unparks it if it had parked.
-    pub(crate) fn end_wait(&self, wait: Wait) {
-        if wait != Wait::Poll {
+    pub(crate) fn end_wait(&self, wait: IdleWait) {
+        if wait != IdleWait::Poll {
             self.unpark();
         }
     }
@@ -190,7 +190,7 @@ impl BusyPoll {
 
 /// How an I/O thread waits at the end of a turn ([`IoWaker::prepare_wait`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Wait {
+pub(crate) enum IdleWait {
     /// Busy-polling: it looks again at once, not announced as parked.
     Poll,
     /// Announced as parked, but work raced the announcement: it looks again at once.
@@ -199,10 +199,10 @@ pub(crate) enum Wait {
     Sleep,
 }
 
-impl Wait {
+impl IdleWait {
     /// Whether the thread must look again without sleeping (a zero timeout).
     pub(crate) fn at_once(self) -> bool {
-        self != Wait::Sleep
+        self != IdleWait::Sleep
     }
 }
 
