@@ -744,30 +744,22 @@ mod tests {
 
     #[test]
     fn io_thread_busy_poll_is_off_by_default_and_bounded() {
+        const KEY: &str = "fluxgate.network.io-thread.busy-poll-us";
         let mut config = NetworkConfig::default();
         assert_eq!(config.io_thread_busy_poll, Duration::ZERO);
-        config
-            .set("fluxgate.network.io-thread.busy-poll-us", "250")
-            .unwrap();
+        config.set(KEY, "250").unwrap();
         assert_eq!(config.io_thread_busy_poll, Duration::from_micros(250));
-        config
-            .set("fluxgate.network.io-thread.busy-poll-us", "1000000")
-            .unwrap();
+        config.set(KEY, "1000000").unwrap();
         assert_eq!(config.io_thread_busy_poll, Duration::from_secs(1));
         for refused in ["1000001", "-1", "1ms"] {
-            assert!(
-                config
-                    .set("fluxgate.network.io-thread.busy-poll-us", refused)
-                    .is_err(),
-                "{refused} refused"
-            );
+            assert!(config.set(KEY, refused).is_err(), "{refused} refused");
         }
         assert_eq!(
             config.io_thread_busy_poll,
             Duration::from_secs(1),
             "unchanged"
         );
-        assert!(NetworkConfig::OPTIONS.contains(&"fluxgate.network.io-thread.busy-poll-us"));
+        assert!(NetworkConfig::OPTIONS.contains(&KEY));
     }
 
     #[test]

@@ -186,15 +186,7 @@ fn sleeps_in_a_ping_pong(transport: Transport, options: &[(&str, &str)], records
     let producer_env = env_with(1, transport, options);
     let consumer_env = env_with(2, transport, options);
     let partition = producer_env.create_partition(pid(0), 1).unwrap();
-    let gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Remote(producer_env.local_addr()),
-        }])
-        .unwrap();
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
     let sleeps = || {
         [&producer_env, &consumer_env]
             .iter()
@@ -319,15 +311,7 @@ fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
     let consumer_env = env(2, transport);
     let partition = producer_env.create_partition(pid(0), 1).unwrap();
     let max = partition.pool().spec().max_segments;
-    let gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Remote(producer_env.local_addr()),
-        }])
-        .unwrap();
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
     let records = 3_000u64;
     thread::scope(|s| {
         let producer = s.spawn(move || {
@@ -382,15 +366,7 @@ fn barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking(transport: 
         &[("taskmanager.network.memory.floating-buffers-per-gate", "0")],
     );
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
-    let mut gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Remote(producer_env.local_addr()),
-        }])
-        .unwrap();
+    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
     let barrier = |id, alignment| {
         Event::CheckpointBarrier(CheckpointBarrier {
             id,
@@ -464,15 +440,7 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: T
     let producer_env = env(1, transport);
     let consumer_env = env(2, transport);
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
-    let gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Remote(producer_env.local_addr()),
-        }])
-        .unwrap();
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
     partition.emit_record(&b"last words"[..], 0).unwrap();
     partition.flush(0);
     let mut reader = RecordReader::new(gate, 1 << 20);
@@ -590,15 +558,7 @@ fn a_peer_speaking_garbage_gets_an_error_response_and_is_disconnected(transport:
     // The server is still serving: a well-behaved consumer gets its data.
     let consumer_env = env(2, transport);
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
-    let gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Remote(producer_env.local_addr()),
-        }])
-        .unwrap();
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
     partition.emit_record(&b"still here"[..], 0).unwrap();
     partition.finish().unwrap();
     let mut reader = RecordReader::new(gate, 1 << 20);

@@ -222,47 +222,48 @@ fn exchange(
     });
 }
 
-#[test]
-fn one_to_one_over_tls() {
-    let certs = Certs::new("one");
-    let producer = env(1, &certs.options("producer", "ca"));
-    let consumer = env(2, &certs.options("consumer", "ca"));
-    exchange(&producer, &consumer, 1, 1, 20_000);
+/// [`exchange`] between two TLS nodes of one CA, each with the TLS options plus `extra`;
+/// both pools full at the end.
+fn exchange_over_tls(
+    name: &str,
+    producers: usize,
+    consumers: usize,
+    records: u64,
+    extra: &[(&str, &str)],
+) {
+    let certs = Certs::new(name);
+    let options = |node: &str| {
+        let mut options = certs.options(node, "ca");
+        options.extend(extra.iter().map(|&(k, v)| (k.to_string(), v.to_string())));
+        options
+    };
+    let producer = env(1, &options("producer"));
+    let consumer = env(2, &options("consumer"));
+    exchange(&producer, &consumer, producers, consumers, records);
     assert!(
         common::pools_full(&[&producer, &consumer]),
         "segments leaked"
     );
+}
+
+#[test]
+fn one_to_one_over_tls() {
+    exchange_over_tls("one", 1, 1, 20_000, &[]);
 }
 
 #[test]
 fn four_to_four_over_tls() {
-    let certs = Certs::new("four");
-    let producer = env(1, &certs.options("producer", "ca"));
-    let consumer = env(2, &certs.options("consumer", "ca"));
-    exchange(&producer, &consumer, 4, 4, 5_000);
-    assert!(
-        common::pools_full(&[&producer, &consumer]),
-        "segments leaked"
-    );
+    exchange_over_tls("four", 4, 4, 5_000, &[]);
 }
 
 #[test]
 fn four_to_four_over_tls_with_busy_polling_io_threads() {
-    let certs = Certs::new("busy");
-    let busy_poll = (
-        "fluxgate.network.io-thread.busy-poll-us".to_string(),
-        "200".to_string(),
-    );
-    let mut producer_options = certs.options("producer", "ca");
-    producer_options.push(busy_poll.clone());
-    let mut consumer_options = certs.options("consumer", "ca");
-    consumer_options.push(busy_poll);
-    let producer = env(1, &producer_options);
-    let consumer = env(2, &consumer_options);
-    exchange(&producer, &consumer, 4, 4, 5_000);
-    assert!(
-        common::pools_full(&[&producer, &consumer]),
-        "segments leaked"
+    exchange_over_tls(
+        "busy",
+        4,
+        4,
+        5_000,
+        &[("fluxgate.network.io-thread.busy-poll-us", "200")],
     );
 }
 
