@@ -132,6 +132,24 @@ macro_rules! on_socket {
     };
 }
 
+/// What an `io_uring_enter` returned, with the outcomes that only mean "nothing more this
+/// time" taken as success: the wait timed out (ETIME), a signal interrupted it (EINTR), or the
+/// completion queue is full or the kernel is short of memory for now (EBUSY, EAGAIN; the next
+/// reap makes room and the unsubmitted entries stay queued).
+fn entered(result: io::Result<usize>) -> io::Result<()> {
+    match result {
+        Err(error)
+            if !matches!(
+                error.raw_os_error(),
+                Some(libc::ETIME | libc::EINTR | libc::EBUSY | libc::EAGAIN)
+            ) =>
+        {
+            Err(error)
+        }
+        _ => Ok(()),
+    }
+}
+
 fn user_data(kind: u64, slot: usize, generation: u32) -> u64 {
     debug_assert!(slot <= NO_SLOT);
     kind | (((slot as u64) << KIND_BITS) & 0xFFFF_FFFF) | (u64::from(generation) << 32)
@@ -724,18 +742,7 @@ impl Loop {
         }
         let timespec = types::Timespec::from(timeout);
         let args = types::SubmitArgs::new().timespec(&timespec);
-        match self.ring.submitter().submit_with_args(1, &args) {
-            Ok(_) => Ok(()),
-            Err(error)
-                if matches!(
-                    error.raw_os_error(),
-                    Some(libc::ETIME | libc::EINTR | libc::EBUSY | libc::EAGAIN)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(error) => Err(error),
-        }
+        entered(self.ring.submitter().submit_with_args(1, &args))
     }
 
     /// Submits everything queued and runs the ring's deferred work (completing what is ready),
@@ -753,22 +760,11 @@ impl Loop {
         // `Submitter::submit_and_wait` passes: `queued` is exactly the submission queue's
         // length, and without EXT_ARG the `None` argument is a null signal mask the kernel
         // ignores. The ring has no SQPOLL thread, so no SQ_WAKEUP flag is needed.
-        match unsafe {
+        entered(unsafe {
             self.ring
                 .submitter()
                 .enter::<libc::sigset_t>(queued, 0, flags, None)
-        } {
-            Ok(_) => Ok(()),
-            Err(error)
-                if matches!(
-                    error.raw_os_error(),
-                    Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(error) => Err(error),
-        }
+        })
     }
 
     /// Handles every completion the ring holds; returns how many of them were work for
@@ -781,13 +777,11 @@ impl Loop {
                 .completion()
                 .map(|cqe| (cqe.user_data(), cqe.result(), cqe.flags())),
         );
+        let mut work = 0;
         for &(data, result, flags) in &cqes {
+            work += usize::from(!matches!(split_user_data(data).0, WAKE | CANCEL));
             self.complete(data, result, flags, now);
         }
-        let work = cqes
-            .iter()
-            .filter(|&&(data, _, _)| !matches!(split_user_data(data).0, WAKE | CANCEL))
-            .count();
         cqes.clear();
         self.cqe_scratch = cqes;
         work
@@ -1545,10 +1539,7 @@ impl Loop {
             n if n > 0 => {
                 let destination_len = conn.read_destination_len;
                 let offered: usize = conn.read_iov.iter().map(|iov| iov.iov_len).sum();
-                if n as usize == offered {
-                    self.full_reads.push(slot);
-                }
-                let conn = self.conns[slot].as_deref_mut().expect("checked");
+                let full = n as usize == offered;
                 if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
                     tracing::warn!(
                         %error,
@@ -1558,6 +1549,10 @@ impl Loop {
                     // Send the queued ErrorResponse if the socket takes it, then close.
                     conn.stop_reading = true;
                     conn.close_after_write = true;
+                }
+                if full {
+                    // `read_on` reads it again this turn (unless it stopped reading above).
+                    self.full_reads.push(slot);
                 }
             }
             _ => match -result {
