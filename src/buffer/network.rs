@@ -135,6 +135,20 @@ impl NetworkInner {
         self.free.pop()
     }
 
+    /// Swaps `segment` for the one that has been free longest (the global list is FIFO), so a
+    /// pool at its minimum does not write its few segments over and over while another core
+    /// still caches them. Takes before it gives back: a starved pool woken by the give-back
+    /// cannot leave this one short. Keeps `segment` when the global list is empty.
+    pub(crate) fn exchange(&self, segment: Segment) -> Segment {
+        match self.free.pop() {
+            Some(longest_free) => {
+                self.give_back(segment);
+                longest_free
+            }
+            None => segment,
+        }
+    }
+
     /// Returns a segment and wakes the local pools that were waiting for one.
     pub(crate) fn give_back(&self, segment: Segment) {
         if self.free.push(segment).is_err() {
