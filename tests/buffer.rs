@@ -269,7 +269,10 @@ fn a_pool_at_its_minimum_rewrites_the_segment_free_longest_not_the_one_just_read
 fn a_pool_holding_every_segment_keeps_the_one_it_gets_back() {
     let (network, _) = network(2);
     let pool = network.create_local_pool(spec(2, 2)).unwrap();
-    let (a, b) = (pool.request_segment().unwrap(), pool.request_segment().unwrap());
+    let (a, b) = (
+        pool.request_segment().unwrap(),
+        pool.request_segment().unwrap(),
+    );
     let index = a.index();
     drop(a);
     assert_eq!(pool.available_segments(), 1);
