@@ -476,8 +476,8 @@ impl LocalPoolShared {
             // Kept: under the minimum, so it stays this pool's, but not this segment. It was
             // just read on another core (the consumer, or the kernel's send copy), so its cache
             // lines sit in that core's cache; the next writer here would pay a cross-core
-            // invalidation per line, which made a local 1→1 exchange three times slower than
-            // one writing into segments that have been free longest.
+            // invalidation per line, which made a local 1→1 exchange up to three times slower
+            // than one writing into segments that have been free longest.
             let free = self.network.exchange(free);
             if let Err(free) = self.available.push(free) {
                 self.give_back(free);

@@ -347,10 +347,9 @@ impl ClientConnection {
         if self.closed || self.is_established() {
             return;
         }
-        let received = self.handshake_received;
-        if let Some(error) = self
-            .handshake_deadline
-            .expired(now, received, "the producer")
+        if let Some(error) =
+            self.handshake_deadline
+                .expired(now, self.handshake_received, "the producer")
         {
             self.fail_all(&error);
         }

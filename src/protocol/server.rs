@@ -319,10 +319,9 @@ impl ServerConnection {
         if self.closing || self.is_established() {
             return;
         }
-        let received = self.handshake_received;
-        if let Some(error) = self
-            .handshake_deadline
-            .expired(now, received, "the consumer")
+        if let Some(error) =
+            self.handshake_deadline
+                .expired(now, self.handshake_received, "the consumer")
         {
             // `fail` logs it.
             self.fail(&error);
