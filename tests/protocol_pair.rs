@@ -979,3 +979,99 @@ fn a_producer_that_stays_silent_fails_the_channels_at_the_handshake_deadline() {
     }
     all_back(s);
 }
+
+/// A partition request for partition 0, subpartition 0 bringing `credit` (the consumer's
+/// exclusive buffers).
+fn request_with_credit(receiver: u128, credit: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    Message::PartitionRequest {
+        partition: ResultPartitionId {
+            partition: 0,
+            producer: 1,
+        },
+        subpartition: 0,
+        receiver: ReceiverId(receiver),
+        credit,
+    }
+    .encode(&mut out);
+    out
+}
+
+/// Lets `server` move what it can into its outbound queue, then decodes what it wrote.
+fn transmit_and_collect(server: &mut ServerConnection, now: Instant) -> Vec<Message> {
+    server.poll_transmit(now);
+    feed_server(server, &[], now).1
+}
+
+/// Flink's `needAnnounceBacklog`: a sender stopped at zero credit announces its backlog only
+/// to a consumer without exclusive buffers (initial credit 0), which has no other way to learn
+/// that it must find floating buffers. A consumer with exclusive buffers learns the backlog
+/// from every BufferResponse and gets its credit back as it reads.
+#[test]
+fn a_sender_out_of_credit_announces_its_backlog_only_to_a_consumer_without_exclusive_buffers() {
+    let responses = |messages: &[Message]| {
+        messages
+            .iter()
+            .filter(|m| matches!(m, Message::BufferResponse(_)))
+            .count()
+    };
+    let announced = |messages: &[Message]| -> Vec<u32> {
+        messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::BacklogAnnouncement { receiver, backlog } => {
+                    assert_eq!(*receiver, ReceiverId(7));
+                    Some(*backlog)
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    for initial_credit in [0u32, 2] {
+        let mut s = setup_with(1, 1, 64, None, None);
+        // Four 1000-byte records fill a 4 KiB segment; the ninth finishes the second buffer.
+        let mut emitted = 0;
+        let mut emit = |s: &mut Setup, n: u64| {
+            for _ in 0..n {
+                s.producers[0]
+                    .emit_record(&record(emitted, 1000)[..], 0)
+                    .unwrap();
+                emitted += 1;
+            }
+        };
+        emit(&mut s, 9);
+        let now = Instant::now();
+        let bytes = [
+            handshake(false, [3; 32]),
+            request_with_credit(7, initial_credit),
+        ]
+        .concat();
+        let (result, _) = feed_server(&mut s.pair.server, &bytes, now);
+        assert_eq!(result, Ok(()));
+        let written = transmit_and_collect(&mut s.pair.server, now);
+        assert_eq!(responses(&written), initial_credit as usize, "{written:?}");
+        if initial_credit == 0 {
+            assert_eq!(announced(&written), [2], "{written:?}");
+        } else {
+            assert_eq!(announced(&written), [], "{written:?}");
+        }
+        // The credit ran out with the queue drained (credit 2) or untouched (credit 0); two
+        // more finished buffers now wake the reader, which still has no credit.
+        emit(&mut s, 8);
+        let written = transmit_and_collect(&mut s.pair.server, now);
+        assert_eq!(responses(&written), 0, "{written:?}");
+        assert_eq!(announced(&written), [], "{written:?}");
+        // Credit moves the stalled sender on in both cases.
+        let mut add = Vec::new();
+        Message::AddCredit {
+            receiver: ReceiverId(7),
+            credit: 2,
+        }
+        .encode(&mut add);
+        let (result, _) = feed_server(&mut s.pair.server, &add, now);
+        assert_eq!(result, Ok(()));
+        let written = transmit_and_collect(&mut s.pair.server, now);
+        assert_eq!(responses(&written), 2, "{written:?}");
+        all_back(s);
+    }
+}

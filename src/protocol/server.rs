@@ -145,6 +145,8 @@ struct Reader {
     view: SubpartitionView,
     /// Data buffers the consumer can take now.
     credit: u32,
+    /// The credit the partition request brought: the consumer's exclusive buffers.
+    initial_credit: u32,
     /// A backlog announcement was sent and no credit arrived since.
     backlog_announced: bool,
 }
@@ -647,6 +649,7 @@ impl ServerConnection {
                     receiver: request.receiver,
                     view,
                     credit: request.credit,
+                    initial_credit: request.credit,
                     backlog_announced: false,
                 });
                 self.by_receiver.insert(request.receiver, slot);
@@ -701,7 +704,11 @@ impl ServerConnection {
                 );
                 self.remove_reader(receiver);
             } else if reader.credit == 0 {
-                if backlog > 0 && !reader.backlog_announced {
+                // Flink's `needAnnounceBacklog`: only a consumer without exclusive buffers
+                // (initial credit 0) is told. One with exclusive buffers learns the backlog
+                // from every BufferResponse and gets its exclusive credit back as it reads, so
+                // an announcement would only cost it a packet and a wake-up per credit stall.
+                if reader.initial_credit == 0 && backlog > 0 && !reader.backlog_announced {
                     // No credit to send with: tell the consumer so it can find floating
                     // buffers. AddCredit requeues the reader.
                     reader.backlog_announced = true;
