@@ -306,6 +306,23 @@ on_both_drivers!(
     sixteen_to_sixteen_multiplexed_uring
 );
 
+/// Channels without exclusive buffers (`buffers-per-channel` 0, as Flink allows): every
+/// segment a consumer receives into is floating, asked for only when the sender reports a
+/// backlog. Two ways a sender could be left with data and no credit, waiting forever for
+/// credit the consumer never asks for, are covered: a buffer the flush timeout made readable
+/// before it filled must count in the backlog, and a sender at zero credit that was woken for
+/// nothing must still hear of the next buffer to announce it.
+fn channels_without_exclusive_buffers_live_on_floating_ones(transport: Transport) {
+    let options = [("taskmanager.network.memory.buffers-per-channel", "0")];
+    exchange_with(1, 1, 5_000, transport, &options);
+    exchange_with(4, 4, 50_000, transport, &options);
+}
+on_both_drivers!(
+    channels_without_exclusive_buffers_live_on_floating_ones,
+    channels_without_exclusive_buffers_live_on_floating_ones_epoll,
+    channels_without_exclusive_buffers_live_on_floating_ones_uring
+);
+
 fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
     let producer_env = env(1, transport);
     let consumer_env = env(2, transport);

@@ -290,12 +290,29 @@ impl SubpartitionView {
         self.peek_type() != DataType::None
     }
 
-    /// Finished data buffers not yet taken (what a sender announces as backlog).
+    /// Data buffers readable but not yet taken (what a sender announces as backlog): the
+    /// finished ones, plus the unfinished tail once a flush made it readable.
+    ///
+    /// The tail counts as Flink's `getBuffersInBacklogUnsafe` counts it while a flush is
+    /// requested. A consumer without exclusive buffers asks for floating ones only for the
+    /// backlog it hears of, so a sender left holding a flushed tail and no credit would
+    /// otherwise wait for credit that never comes.
     pub fn backlog(&self) -> usize {
         if self.blocked {
             return 0;
         }
-        self.subpartition.backlog.load(Ordering::Acquire)
+        let sub = &self.subpartition;
+        let finished = sub.backlog.load(Ordering::Acquire);
+        let flushed_tail = sub.flush_requested.load(Ordering::Acquire)
+            && match &self.head {
+                // The head is the tail: it counts if the flush left bytes to read in it.
+                Some(head) if !head.is_finished() => head.is_data_available(),
+                // The tail is further back in the lane (Flink counts it then as well).
+                Some(_) => true,
+                // An empty lane has no tail.
+                None => false,
+            };
+        finished + usize::from(flushed_tail)
     }
 
     /// True after an aligned barrier was taken and before `resume_consumption`.

@@ -708,15 +708,24 @@ impl ServerConnection {
                 // (initial credit 0) is told. One with exclusive buffers learns the backlog
                 // from every BufferResponse and gets its exclusive credit back as it reads, so
                 // an announcement would only cost it a packet and a wake-up per credit stall.
-                if reader.initial_credit == 0 && backlog > 0 && !reader.backlog_announced {
-                    // No credit to send with: tell the consumer so it can find floating
-                    // buffers. AddCredit requeues the reader.
-                    reader.backlog_announced = true;
-                    let message = Message::BacklogAnnouncement {
-                        receiver: reader.receiver,
-                        backlog: backlog as u32,
-                    };
-                    encode(&mut self.outbound, &message);
+                // An announced backlog is answered by AddCredit, which requeues the reader.
+                if reader.initial_credit == 0 && !reader.backlog_announced {
+                    if backlog > 0 {
+                        // No credit to send with: tell the consumer so it can find floating
+                        // buffers.
+                        reader.backlog_announced = true;
+                        let message = Message::BacklogAnnouncement {
+                            receiver: reader.receiver,
+                            backlog: backlog as u32,
+                        };
+                        encode(&mut self.outbound, &message);
+                    } else if reader.view.wait_for_data() {
+                        // Nothing to announce yet, and no credit will come for it: the next
+                        // readable buffer must wake this reader to announce it (Flink's
+                        // subpartition notifies on every first buffer; ours only a reader
+                        // that waits). Data came in between: look again.
+                        self.ready.enqueue(slot);
+                    }
                 }
             } else if reader.view.wait_for_data() {
                 // Woken for nothing new (a flush of nothing): wait again, unless data came
