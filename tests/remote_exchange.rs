@@ -6,11 +6,12 @@
 mod common;
 
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
-    ConsumedSubpartition, GateError, GateItem, InputGate, ReaderError, ReaderItem, RecordReader,
+    AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate,
+    ReaderError, ReaderItem, RecordReader,
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
@@ -321,6 +322,99 @@ on_both_drivers!(
     channels_without_exclusive_buffers_live_on_floating_ones,
     channels_without_exclusive_buffers_live_on_floating_ones_epoll,
     channels_without_exclusive_buffers_live_on_floating_ones_uring
+);
+
+/// Flink's `onBlockingUpstream`: a channel without exclusive buffers gives its floating ones
+/// back when an aligned barrier blocks it, and both sides drop the credit they stood for when
+/// consumption resumes. With one floating buffer for four such channels, a blocked channel
+/// keeping it would stop the others from bringing their barriers: alignment would never end.
+fn aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones(transport: Transport) {
+    const CHANNELS: usize = 4;
+    const RECORDS: u64 = 3_000;
+    const CHECKPOINTS: u64 = 10;
+    let producer_env = env(1, transport);
+    let consumer_env = env_with(
+        2,
+        transport,
+        &[
+            ("taskmanager.network.memory.buffers-per-channel", "0"),
+            ("taskmanager.network.memory.floating-buffers-per-gate", "1"),
+        ],
+    );
+    let peer = producer_env.local_addr();
+    let partitions: Vec<_> = (0..CHANNELS)
+        .map(|p| producer_env.create_partition(pid(p), 1).unwrap())
+        .collect();
+    let channels: Vec<_> = (0..CHANNELS)
+        .map(|p| ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(p),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(peer),
+        })
+        .collect();
+    let gate = consumer_env.create_gate(&channels).unwrap();
+    // Every producer sends records of the same sizes.
+    let expected_bytes: u64 = (0..RECORDS)
+        .map(|seq| fluxgate::record::framed_len(record(0, seq).len()) as u64)
+        .sum();
+    let every = RECORDS / CHECKPOINTS;
+    thread::scope(|s| {
+        for (p, partition) in partitions.into_iter().enumerate() {
+            s.spawn(move || {
+                let mut writer = RecordWriter::new(
+                    partition,
+                    RoundRobinSelector::default(),
+                    BufferTimeout::from_millis(1),
+                );
+                for seq in 0..RECORDS {
+                    writer.emit(&record(p, seq)[..]).unwrap();
+                    if (seq + 1) % every == 0 {
+                        let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+                            id: (seq + 1) / every,
+                            timestamp: 0,
+                            kind: CheckpointKind::Checkpoint,
+                            alignment: Alignment::Aligned,
+                        });
+                        writer.broadcast_event(&barrier, false).unwrap();
+                    }
+                }
+                writer.finish().unwrap();
+            });
+        }
+        let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+        let mut bytes = [0u64; CHANNELS];
+        let mut checkpoints = Vec::new();
+        // Bounded: the producers send finitely many buffers and events, then the end.
+        loop {
+            match checkpointed.next_until(Some(Instant::now() + LONG)) {
+                Ok(Some(item)) => match item.item {
+                    GateItem::Buffer(buffer) => bytes[item.channel] += buffer.len() as u64,
+                    GateItem::Event {
+                        event: Event::CheckpointBarrier(barrier),
+                        ..
+                    } => checkpoints.push(barrier.id),
+                    GateItem::Event { event, .. } => assert_eq!(event, Event::EndOfPartition),
+                },
+                Ok(None) => break,
+                Err(error) => panic!(
+                    "stalled with {bytes:?} bytes read and checkpoints {checkpoints:?}: {error}"
+                ),
+            }
+        }
+        assert_eq!(bytes, [expected_bytes; CHANNELS]);
+        assert_eq!(checkpoints, (1..=CHECKPOINTS).collect::<Vec<_>>());
+    });
+    assert!(
+        common::pools_full(&[&producer_env, &consumer_env]),
+        "segments leaked"
+    );
+}
+on_both_drivers!(
+    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones,
+    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones_epoll,
+    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones_uring
 );
 
 fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {

@@ -50,6 +50,10 @@ pub struct BufferManager {
     /// Registered at the gate's pool as a listener for a floating segment.
     waiting_for_floating: AtomicBool,
     unannounced_credit: AtomicU32,
+    /// Held (only by a channel without exclusive segments) while floating segments become
+    /// credit and while [`release_floating`](Self::release_floating) stops that, so no
+    /// segment slips in as credit after the release.
+    floating_credit: Mutex<()>,
     released: AtomicBool,
     listener: ArcSwapOption<ListenerSlot>,
 }
@@ -109,6 +113,7 @@ impl BufferManager {
                 required: AtomicUsize::new(exclusive),
                 waiting_for_floating: AtomicBool::new(false),
                 unannounced_credit: AtomicU32::new(0),
+                floating_credit: Mutex::new(()),
                 released: AtomicBool::new(false),
                 listener: ArcSwapOption::empty(),
             }
@@ -163,6 +168,39 @@ impl BufferManager {
         self.request_floating();
     }
 
+    /// The sender blocked after an aligned barrier. A channel without exclusive segments gives
+    /// its floating ones back to the gate's pool, as Flink's `onBlockingUpstream` does: the
+    /// blocked sender cannot use the credit they stand for, and the other channels may need
+    /// them to bring their own barriers (with one floating segment and no exclusive ones, at
+    /// once). The credit is taken back when consumption resumes: see
+    /// [`forget_unannounced_credit`](Self::forget_unannounced_credit) and the sender's reset.
+    pub fn release_floating(&self) {
+        if self.exclusive_total > 0 {
+            return;
+        }
+        {
+            let _guard = self.floating_credit.lock().expect("not poisoned");
+            // From here no segment becomes credit: `keep_floating` finds enough.
+            self.required.store(0, Ordering::Release);
+        }
+        // Dropped outside the lock: a recycle may offer a segment to this channel again.
+        while let Some(segment) = self.floating.pop() {
+            drop(segment);
+        }
+    }
+
+    /// Consumption resumes after an aligned barrier: credit counted before the floating
+    /// segments were released and not announced yet stands for segments no longer held, so a
+    /// channel without exclusive segments drops it (the sender resets its credit to 0 on
+    /// ResumeConsumption). Flink's `RemoteInputChannel::resumeConsumption`.
+    pub fn forget_unannounced_credit(&self) {
+        if self.exclusive_total > 0 {
+            return;
+        }
+        let _guard = self.floating_credit.lock().expect("not poisoned");
+        self.unannounced_credit.store(0, Ordering::Release);
+    }
+
     /// Returns every segment; later recycles go straight back to the gate's pool.
     pub fn release(&self) {
         self.released.store(true, Ordering::SeqCst);
@@ -177,7 +215,7 @@ impl BufferManager {
     }
 
     fn request_floating(&self) {
-        let mut obtained = 0;
+        let mut announce = false;
         while !self.released.load(Ordering::SeqCst)
             && self.available() < self.required.load(Ordering::Acquire)
             && !self.waiting_for_floating.load(Ordering::Acquire)
@@ -193,10 +231,13 @@ impl BufferManager {
             match pool.request_segment_or_listen(&me) {
                 Ok(Some(segment)) => {
                     self.waiting_for_floating.store(false, Ordering::Release);
-                    if self.floating.push(segment).is_err() {
-                        break;
+                    match self.keep_floating(segment) {
+                        Ok(first) => announce |= first,
+                        Err(segment) => {
+                            drop(segment);
+                            break;
+                        }
                     }
-                    obtained += 1;
                 }
                 // Registered: the pool calls `on_segment_available` later.
                 Ok(None) => break,
@@ -206,14 +247,38 @@ impl BufferManager {
                 }
             }
         }
-        self.add_credit(obtained);
+        if announce {
+            self.notify_credit();
+        }
+    }
+
+    /// Keeps `segment` as one more floating segment and counts it as credit, unless the
+    /// channel wants no more (released, enough held, or its floating segments were released
+    /// for a blocked sender). Returns whether the unannounced credit went from 0 to positive.
+    /// The segment comes back unkept, so it is dropped outside the lock.
+    fn keep_floating(&self, segment: PooledSegment) -> Result<bool, PooledSegment> {
+        // Only a channel without exclusive segments releases floating ones while it lives.
+        let _guard =
+            (self.exclusive_total == 0).then(|| self.floating_credit.lock().expect("not poisoned"));
+        if self.released.load(Ordering::SeqCst)
+            || self.available() >= self.required.load(Ordering::Acquire)
+        {
+            return Err(segment);
+        }
+        self.floating.push(segment)?;
+        Ok(self.unannounced_credit.fetch_add(1, Ordering::AcqRel) == 0)
     }
 
     fn add_credit(&self, credit: u32) {
         if credit > 0 && self.unannounced_credit.fetch_add(credit, Ordering::AcqRel) == 0 {
-            if let Some(slot) = self.listener.load().as_ref() {
-                slot.0.on_channel_ready(self.channel);
-            }
+            self.notify_credit();
+        }
+    }
+
+    /// Unannounced credit went from 0 to positive: the transport sends it.
+    fn notify_credit(&self) {
+        if let Some(slot) = self.listener.load().as_ref() {
+            slot.0.on_channel_ready(self.channel);
         }
     }
 }
@@ -254,13 +319,9 @@ impl Recycler for BufferManager {
 impl BufferListener for BufferManager {
     fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment> {
         self.waiting_for_floating.store(false, Ordering::Release);
-        if self.released.load(Ordering::SeqCst)
-            || self.available() >= self.required.load(Ordering::Acquire)
-        {
-            return Err(segment);
+        if self.keep_floating(segment)? {
+            self.notify_credit();
         }
-        self.floating.push(segment)?;
-        self.add_credit(1);
         // Still short: ask again (or register again).
         self.request_floating();
         Ok(())
@@ -364,6 +425,7 @@ impl RemoteChannelShared {
         self.expected_sequence
             .store(expected + 1, Ordering::Release);
         let priority = buffer.data_type().has_priority();
+        let is_blocking = buffer.data_type().is_blocking_upstream();
         let lane = if priority {
             &self.received_priority
         } else {
@@ -374,7 +436,10 @@ impl RemoteChannelShared {
             self.fail(error.clone());
             return Err(error);
         }
-        if backlog > 0 {
+        if is_blocking {
+            // The sender stopped behind an aligned barrier until ResumeConsumption.
+            self.buffers.release_floating();
+        } else if backlog > 0 {
             self.buffers.on_sender_backlog(backlog);
         }
         self.queue.enqueue(self.channel as u32, priority);
@@ -512,6 +577,7 @@ impl RemoteInputChannel {
     }
 
     pub(crate) fn resume_consumption(&mut self) {
+        self.shared.buffers.forget_unannounced_credit();
         self.shared.resume_requested.store(true, Ordering::Release);
         if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
             slot.0.on_channel_ready(self.shared.channel);

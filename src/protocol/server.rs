@@ -501,6 +501,13 @@ impl ServerConnection {
             Message::ResumeConsumption { receiver } => {
                 if let Some(&slot) = self.by_receiver.get(&receiver) {
                     let reader = self.readers[slot as usize].as_mut().expect("mapped");
+                    if reader.initial_credit == 0 {
+                        // A consumer without exclusive buffers gave its floating ones back
+                        // when this reader blocked: the credit they stood for is gone
+                        // (Flink's `CreditBasedSequenceNumberingViewReader::resumeConsumption`).
+                        reader.credit = 0;
+                        reader.backlog_announced = false;
+                    }
                     reader.view.resume_consumption();
                     self.ready.enqueue(slot);
                 }
