@@ -623,3 +623,50 @@ fn an_async_unicast_record_after_a_broadcast_one_stays_between_the_broadcasts() 
     drop((view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+/// The backlog a sender reports (Flink's `getBuffersInBacklogUnsafe`): finished buffers, plus
+/// the unfinished tail when it is next in line and a flush made bytes in it readable. A
+/// consumer without exclusive buffers asks for floating ones only for this count, so it must
+/// neither miss a flushed tail (the sender would wait for credit forever) nor count one that
+/// has nothing to read (the consumer would lend a floating buffer no data comes for).
+#[test]
+fn the_backlog_counts_a_flushed_tail_only_when_it_is_next_and_holds_bytes() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&b"first"[..], 0).unwrap();
+    assert_eq!(
+        view.availability_and_backlog(true),
+        (false, 0),
+        "not flushed"
+    );
+    partition.flush(0);
+    assert_eq!(view.availability_and_backlog(true), (true, 1), "flushed");
+    let first = view.poll_next().unwrap();
+    assert_eq!(records_of(&first), vec![b"first".to_vec()]);
+    assert_eq!(first.backlog, 0, "the tail was read to its end");
+    partition.flush(0);
+    assert_eq!(
+        view.availability_and_backlog(true),
+        (false, 0),
+        "a flush with nothing new to read"
+    );
+    // Five 1000-byte records fill the rest of the 4 KiB segment after "first" (records span
+    // segments) and 920 bytes of the next one, which a flush makes readable behind the full
+    // buffer.
+    for _ in 0..5 {
+        partition.emit_record(&[7u8; 1000][..], 0).unwrap();
+    }
+    partition.flush(0);
+    assert_eq!(
+        view.availability_and_backlog(true),
+        (true, 1),
+        "the flushed tail behind a finished buffer is not counted yet"
+    );
+    let full = view.poll_next().unwrap();
+    assert_eq!(full.buffer.len(), 4096 - b"\x05first".len());
+    assert_eq!(full.backlog, 1, "now the flushed tail is next: counted");
+    let tail = view.poll_next().unwrap();
+    assert_eq!(tail.buffer.len(), 6 + 5 * 1002 - 4096);
+    assert_eq!(tail.backlog, 0);
+}

@@ -552,6 +552,41 @@ fn floating_segments_are_used_first_and_surplus_ones_go_back_to_the_pool() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// Every response's backlog sets what the channel wants, a backlog of 0 too (Flink's
+/// `onBuffer`): once the sender reports nothing queued, floating segments freed in the
+/// channel go back to the gate's pool instead of staying as credit nothing will use, which
+/// channels whose senders do have buffers may need.
+#[test]
+fn a_backlog_of_zero_lets_surplus_floating_segments_go_back() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let mut sender = Sender::new(&shared);
+    // An exclusive segment for "a"; a backlog of 3 wants 5 free segments: 4 floating.
+    sender.send(b"a", DataType::DataBuffer, 3).unwrap();
+    assert_eq!(sender.announce(), 4);
+    assert_eq!(buffers.available(), 5);
+    // "b" (into a floating segment) says the sender has nothing more queued.
+    sender.send(b"b", DataType::DataBuffer, 0).unwrap();
+    assert_eq!(buffers.available(), 4);
+    let a = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    assert_eq!(a.as_slice(), b"a");
+    let leased = f.leased();
+    // The exclusive segment comes back while the channel holds 4 free and wants 2: a floating
+    // one leaves instead, and no credit is added.
+    drop(a);
+    assert_eq!(buffers.available(), 4);
+    assert_eq!(buffers.unannounced_credit(), 0);
+    assert_eq!(f.leased(), leased - 1, "a floating segment went back");
+    sender.assert_balanced();
+    let b = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    drop(b);
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 #[test]
 fn a_sequence_gap_fails_the_channel_and_recycles_the_buffer() {
     let f = fixture();

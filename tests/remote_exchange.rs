@@ -317,6 +317,14 @@ fn channels_without_exclusive_buffers_live_on_floating_ones(transport: Transport
     let options = [("taskmanager.network.memory.buffers-per-channel", "0")];
     exchange_with(1, 1, 5_000, transport, &options);
     exchange_with(4, 4, 50_000, transport, &options);
+    // One floating buffer for four channels, the extreme Flink allows: lent only to a channel
+    // whose sender has a buffer for it, or a producer blocked on its other subpartitions
+    // never fills the one that holds it.
+    let one_floating = [
+        ("taskmanager.network.memory.buffers-per-channel", "0"),
+        ("taskmanager.network.memory.floating-buffers-per-gate", "1"),
+    ];
+    exchange_with(4, 4, 20_000, transport, &one_floating);
 }
 on_both_drivers!(
     channels_without_exclusive_buffers_live_on_floating_ones,

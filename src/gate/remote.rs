@@ -161,11 +161,15 @@ impl BufferManager {
     }
 
     /// The sender has `backlog` buffers queued: ask the gate's pool for floating segments up to
-    /// backlog + exclusive, registering as a listener when it has none.
+    /// backlog + exclusive, registering as a listener when it has none. A backlog of 0 only
+    /// lowers what the channel wants (surplus floating segments go back as they come free);
+    /// its exclusive segments are the credit for whatever the sender queues next.
     pub fn on_sender_backlog(&self, backlog: usize) {
         self.required
             .store(backlog + self.exclusive_total, Ordering::Release);
-        self.request_floating();
+        if backlog > 0 {
+            self.request_floating();
+        }
     }
 
     /// The sender blocked after an aligned barrier. A channel without exclusive segments gives
@@ -439,7 +443,9 @@ impl RemoteChannelShared {
         if is_blocking {
             // The sender stopped behind an aligned barrier until ResumeConsumption.
             self.buffers.release_floating();
-        } else if backlog > 0 {
+        } else {
+            // Every response, a backlog of 0 too, as Flink's `onBuffer`: a channel keeps
+            // wanting floating segments only while its sender has buffers for them.
             self.buffers.on_sender_backlog(backlog);
         }
         self.queue.enqueue(self.channel as u32, priority);

@@ -291,27 +291,27 @@ impl SubpartitionView {
     }
 
     /// Data buffers readable but not yet taken (what a sender announces as backlog): the
-    /// finished ones, plus the unfinished tail once a flush made it readable.
+    /// finished ones, plus the unfinished tail when it is next in line and a flush made bytes
+    /// in it readable.
     ///
-    /// The tail counts as Flink's `getBuffersInBacklogUnsafe` counts it while a flush is
-    /// requested. A consumer without exclusive buffers asks for floating ones only for the
-    /// backlog it hears of, so a sender left holding a flushed tail and no credit would
-    /// otherwise wait for credit that never comes.
+    /// Flink's `getBuffersInBacklogUnsafe` counts the tail while a flush is requested. A
+    /// consumer without exclusive buffers asks for floating ones only for the backlog it hears
+    /// of, so a sender left holding a flushed tail and no credit would otherwise wait for
+    /// credit that never comes. A tail behind finished buffers is not counted: the backlog
+    /// reported with the last of them counts it, and an overstated backlog would have the
+    /// consumer lend a floating buffer that no data comes for, which other channels may need.
     pub fn backlog(&self) -> usize {
         if self.blocked {
             return 0;
         }
         let sub = &self.subpartition;
         let finished = sub.backlog.load(Ordering::Acquire);
-        let flushed_tail = sub.flush_requested.load(Ordering::Acquire)
-            && match &self.head {
-                // The head is the tail: it counts if the flush left bytes to read in it.
-                Some(head) if !head.is_finished() => head.is_data_available(),
-                // The tail is further back in the lane (Flink counts it then as well).
-                Some(_) => true,
-                // An empty lane has no tail.
-                None => false,
-            };
+        let flushed_tail = match &self.head {
+            Some(head) if !head.is_finished() => {
+                sub.flush_requested.load(Ordering::Acquire) && head.is_data_available()
+            }
+            _ => false,
+        };
         finished + usize::from(flushed_tail)
     }
 
