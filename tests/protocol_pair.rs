@@ -1075,3 +1075,123 @@ fn a_sender_out_of_credit_announces_its_backlog_only_to_a_consumer_without_exclu
         all_back(s);
     }
 }
+
+fn encoded_message(message: &Message) -> Vec<u8> {
+    let mut out = Vec::new();
+    message.encode(&mut out);
+    out
+}
+
+/// Flink's reader `resumeConsumption`: a consumer without exclusive buffers gave its floating
+/// ones back when the reader blocked on an aligned barrier, so ResumeConsumption takes back
+/// the credit the sender still had and the sender announces its backlog instead of sending.
+/// A resume of a reader that never blocked leaves its credit alone.
+#[test]
+fn a_resume_after_an_aligned_barrier_takes_back_the_credit_of_a_consumer_without_exclusive_ones() {
+    let announced = |messages: &[Message]| -> Vec<u32> {
+        messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::BacklogAnnouncement { backlog, .. } => Some(*backlog),
+                _ => None,
+            })
+            .collect()
+    };
+    let responses = |messages: &[Message]| -> Vec<DataType> {
+        messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::BufferResponse(header) => Some(header.data_type),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut s = setup_with(1, 1, 64, None, None);
+    let now = Instant::now();
+    let receiver = ReceiverId(7);
+    // One flushed record, the barrier, then nine 1000-byte records: two full buffers and a
+    // tail behind the barrier.
+    s.producers[0].emit_record(&record(0, 10)[..], 0).unwrap();
+    s.producers[0].flush(0);
+    let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+        id: 1,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Aligned,
+    });
+    s.producers[0].broadcast_event(&barrier, false).unwrap();
+    for i in 0..9 {
+        s.producers[0].emit_record(&record(i, 1000)[..], 0).unwrap();
+    }
+    let server = &mut s.pair.server;
+    let bytes = [handshake(false, [3; 32]), request_with_credit(7, 0)].concat();
+    assert_eq!(feed_server(server, &bytes, now).0, Ok(()));
+    assert_eq!(announced(&transmit_and_collect(server, now)), [3]);
+    // Three credits: the record's buffer goes, then the barrier (no credit), and the reader
+    // blocks holding two.
+    let add = encoded_message(&Message::AddCredit {
+        receiver,
+        credit: 3,
+    });
+    assert_eq!(feed_server(server, &add, now).0, Ok(()));
+    let written = transmit_and_collect(server, now);
+    assert_eq!(
+        responses(&written),
+        [DataType::DataBuffer, DataType::AlignedCheckpointBarrier]
+    );
+    assert_eq!(server.credit_of(receiver), Some(2));
+    // The resume takes the two back: the backlog is announced, nothing is sent.
+    let resume = encoded_message(&Message::ResumeConsumption { receiver });
+    assert_eq!(feed_server(server, &resume, now).0, Ok(()));
+    let written = transmit_and_collect(server, now);
+    assert_eq!(server.credit_of(receiver), Some(0));
+    assert_eq!(responses(&written), []);
+    assert_eq!(announced(&written), [2]);
+    // Four credits send the two full buffers and the tail (flushed before the barrier) and
+    // keep one; a resume without a barrier before it leaves that one.
+    let add = encoded_message(&Message::AddCredit {
+        receiver,
+        credit: 4,
+    });
+    assert_eq!(feed_server(server, &add, now).0, Ok(()));
+    assert_eq!(
+        responses(&transmit_and_collect(server, now)),
+        [DataType::DataBuffer; 3]
+    );
+    assert_eq!(server.credit_of(receiver), Some(1));
+    assert_eq!(feed_server(server, &resume, now).0, Ok(()));
+    assert_eq!(transmit_and_collect(server, now), []);
+    assert_eq!(server.credit_of(receiver), Some(1));
+    all_back(s);
+}
+
+/// A sender at zero credit for a consumer without exclusive buffers, woken when nothing was
+/// readable (a flush of nothing), must still hear of the next finished buffer: the consumer
+/// asks for floating buffers only for a backlog it is told of.
+#[test]
+fn a_reader_woken_for_nothing_at_zero_credit_still_announces_the_next_buffer() {
+    let mut s = setup_with(1, 1, 64, None, None);
+    let now = Instant::now();
+    let bytes = [handshake(false, [3; 32]), request_with_credit(7, 0)].concat();
+    assert_eq!(feed_server(&mut s.pair.server, &bytes, now).0, Ok(()));
+    assert_eq!(transmit_and_collect(&mut s.pair.server, now), []);
+    // A flush with nothing written wakes the reader for nothing.
+    s.producers[0].flush(0);
+    assert_eq!(transmit_and_collect(&mut s.pair.server, now), []);
+    // Five 1000-byte records finish a buffer.
+    for i in 0..5 {
+        s.producers[0].emit_record(&record(i, 1000)[..], 0).unwrap();
+    }
+    let written = transmit_and_collect(&mut s.pair.server, now);
+    assert!(
+        matches!(
+            written[..],
+            [Message::BacklogAnnouncement {
+                receiver: ReceiverId(7),
+                backlog: 1
+            }]
+        ),
+        "{written:?}"
+    );
+    all_back(s);
+}

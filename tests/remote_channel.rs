@@ -587,6 +587,83 @@ fn a_backlog_of_zero_lets_surplus_floating_segments_go_back() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// A channel without exclusive segments gives its floating ones back when an aligned barrier
+/// blocks its sender (Flink's `onBlockingUpstream`), takes no new ones while blocked, and on
+/// resume drops the credit it had not announced for them; a resume that no barrier blocked
+/// before keeps its credit.
+#[test]
+fn a_blocked_channel_without_exclusive_segments_gives_its_floating_ones_back() {
+    let mut config = fixture().config;
+    config
+        .set("taskmanager.network.memory.buffers-per-channel", "0")
+        .unwrap();
+    let f = Fixture {
+        network: NetworkBufferPool::new(&config).unwrap(),
+        config,
+        manager: Arc::new(PartitionManager::new()),
+    };
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    assert_eq!(buffers.initial_credit(), 0);
+    let mut sender = Sender::new(&shared);
+    // A backlog of 3 brings three floating segments; two are announced, one more follows
+    // unannounced.
+    buffers.on_sender_backlog(2);
+    assert_eq!(sender.announce(), 2);
+    buffers.on_sender_backlog(3);
+    assert_eq!(buffers.unannounced_credit(), 1);
+    sender.send(b"data", DataType::DataBuffer, 2).unwrap();
+    assert_eq!(buffers.available(), 2);
+    let before = f.leased();
+    // The aligned barrier: the two free floating segments go back to the gate's pool, and
+    // they leave the gate (it is above its minimum of one).
+    let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+        id: 1,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Aligned,
+    });
+    let segment = buffers.event_segment().unwrap();
+    let sequence = sender.sequence;
+    sender
+        .deliver(
+            segment,
+            &encoded(&barrier),
+            DataType::AlignedCheckpointBarrier,
+            sequence,
+            0,
+            0,
+        )
+        .unwrap();
+    assert_eq!(buffers.available(), 0);
+    assert_eq!(
+        f.leased(),
+        before - 2 + 1,
+        "two floating segments out, the barrier in"
+    );
+    // While blocked nothing is taken as credit: a segment coming free is not kept.
+    let data = gate.next_timeout(LONG).unwrap().unwrap();
+    drop(data);
+    assert_eq!(buffers.available(), 0);
+    let item = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(item.item, GateItem::Event { .. }));
+    drop(item);
+    // The resume drops the credit counted for segments the channel no longer holds.
+    assert_eq!(buffers.unannounced_credit(), 1);
+    gate.resume_consumption(0).unwrap();
+    assert_eq!(buffers.unannounced_credit(), 0);
+    // A later resume with no barrier before it keeps what the channel holds and counted.
+    buffers.on_sender_backlog(1);
+    assert_eq!(buffers.available(), 1);
+    assert_eq!(buffers.unannounced_credit(), 1);
+    gate.resume_consumption(0).unwrap();
+    assert_eq!(buffers.unannounced_credit(), 1);
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 #[test]
 fn a_sequence_gap_fails_the_channel_and_recycles_the_buffer() {
     let f = fixture();

@@ -54,6 +54,9 @@ pub struct BufferManager {
     /// credit and while [`release_floating`](Self::release_floating) stops that, so no
     /// segment slips in as credit after the release.
     floating_credit: Mutex<()>,
+    /// The floating segments were given back for a blocked sender and consumption has not
+    /// resumed since (changed under `floating_credit`).
+    floating_released: AtomicBool,
     released: AtomicBool,
     listener: ArcSwapOption<ListenerSlot>,
 }
@@ -114,6 +117,7 @@ impl BufferManager {
                 waiting_for_floating: AtomicBool::new(false),
                 unannounced_credit: AtomicU32::new(0),
                 floating_credit: Mutex::new(()),
+                floating_released: AtomicBool::new(false),
                 released: AtomicBool::new(false),
                 listener: ArcSwapOption::empty(),
             }
@@ -186,6 +190,7 @@ impl BufferManager {
             let _guard = self.floating_credit.lock().expect("not poisoned");
             // From here no segment becomes credit: `keep_floating` finds enough.
             self.required.store(0, Ordering::Release);
+            self.floating_released.store(true, Ordering::Release);
         }
         // Dropped outside the lock: a recycle may offer a segment to this channel again.
         while let Some(segment) = self.floating.pop() {
@@ -196,13 +201,16 @@ impl BufferManager {
     /// Consumption resumes after an aligned barrier: credit counted before the floating
     /// segments were released and not announced yet stands for segments no longer held, so a
     /// channel without exclusive segments drops it (the sender resets its credit to 0 on
-    /// ResumeConsumption). Flink's `RemoteInputChannel::resumeConsumption`.
+    /// ResumeConsumption). Flink's `RemoteInputChannel::resumeConsumption`. A resume with no
+    /// release before it (the sender never blocked) keeps the credit: the segments are held.
     pub fn forget_unannounced_credit(&self) {
         if self.exclusive_total > 0 {
             return;
         }
         let _guard = self.floating_credit.lock().expect("not poisoned");
-        self.unannounced_credit.store(0, Ordering::Release);
+        if self.floating_released.swap(false, Ordering::AcqRel) {
+            self.unannounced_credit.store(0, Ordering::Release);
+        }
     }
 
     /// Returns every segment; later recycles go straight back to the gate's pool.

@@ -306,13 +306,17 @@ impl SubpartitionView {
         }
         let sub = &self.subpartition;
         let finished = sub.backlog.load(Ordering::Acquire);
-        let flushed_tail = match &self.head {
+        match &self.head {
+            // Only the last item may be unfinished, so nothing finished waits behind this
+            // head; `finished` can only be the count taken just before this very head
+            // finishes. Either way the head is at most one buffer.
             Some(head) if !head.is_finished() => {
-                sub.flush_requested.load(Ordering::Acquire) && head.is_data_available()
+                let flushed_tail =
+                    sub.flush_requested.load(Ordering::Acquire) && head.is_data_available();
+                finished.max(usize::from(flushed_tail))
             }
-            _ => false,
-        };
-        finished + usize::from(flushed_tail)
+            _ => finished,
+        }
     }
 
     /// True after an aligned barrier was taken and before `resume_consumption`.

@@ -501,10 +501,12 @@ impl ServerConnection {
             Message::ResumeConsumption { receiver } => {
                 if let Some(&slot) = self.by_receiver.get(&receiver) {
                     let reader = self.readers[slot as usize].as_mut().expect("mapped");
-                    if reader.initial_credit == 0 {
+                    if reader.initial_credit == 0 && reader.view.is_blocked() {
                         // A consumer without exclusive buffers gave its floating ones back
                         // when this reader blocked: the credit they stood for is gone
                         // (Flink's `CreditBasedSequenceNumberingViewReader::resumeConsumption`).
+                        // A resume of a reader that never blocked changes nothing: that
+                        // consumer still holds its segments.
                         reader.credit = 0;
                         reader.backlog_announced = false;
                     }
@@ -726,11 +728,12 @@ impl ServerConnection {
                             backlog: backlog as u32,
                         };
                         encode(&mut self.outbound, &message);
-                    } else if reader.view.wait_for_data() {
+                    } else if !reader.view.is_blocked() && reader.view.wait_for_data() {
                         // Nothing to announce yet, and no credit will come for it: the next
                         // readable buffer must wake this reader to announce it (Flink's
                         // subpartition notifies on every first buffer; ours only a reader
-                        // that waits). Data came in between: look again.
+                        // that waits). Data came in between: look again. (A blocked reader
+                        // waits for ResumeConsumption, which requeues it.)
                         self.ready.enqueue(slot);
                     }
                 }
