@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate,
-    ReaderError, ReaderItem, RecordReader,
+    ReaderError, ReaderItem, RecordReader, UnionInputGate,
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
@@ -337,6 +337,53 @@ on_both_drivers!(
 /// consumption resumes. With one floating buffer for four such channels, a blocked channel
 /// keeping it would stop the others from bringing their barriers: alignment would never end.
 fn aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones(transport: Transport) {
+    aligned_exchange_without_exclusive_buffers(transport, false);
+}
+on_both_drivers!(
+    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones,
+    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones_epoll,
+    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones_uring
+);
+
+/// The same through a union of two remote gates (two channels each, one floating buffer
+/// each): the union hands its barriers to the aligner and its resumes to the member gates.
+fn aligned_barriers_through_a_union_of_remote_gates(transport: Transport) {
+    aligned_exchange_without_exclusive_buffers(transport, true);
+}
+on_both_drivers!(
+    aligned_barriers_through_a_union_of_remote_gates,
+    aligned_barriers_through_a_union_of_remote_gates_epoll,
+    aligned_barriers_through_a_union_of_remote_gates_uring
+);
+
+/// Reads `gate` through an aligning [`CheckpointedInputGate`] to its end: the payload bytes
+/// per channel and the checkpoints handed over, in order.
+fn read_aligned<const CHANNELS: usize, G: InputGate>(gate: G) -> ([u64; CHANNELS], Vec<u64>) {
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    let mut bytes = [0u64; CHANNELS];
+    let mut checkpoints = Vec::new();
+    // Bounded: the producers send finitely many buffers and events, then the end.
+    loop {
+        match checkpointed.next_until(Some(Instant::now() + LONG)) {
+            Ok(Some(item)) => match item.item {
+                GateItem::Buffer(buffer) => bytes[item.channel] += buffer.len() as u64,
+                GateItem::Event {
+                    event: Event::CheckpointBarrier(barrier),
+                    ..
+                } => checkpoints.push(barrier.id),
+                GateItem::Event { event, .. } => assert_eq!(event, Event::EndOfPartition),
+            },
+            Ok(None) => return (bytes, checkpoints),
+            Err(error) => {
+                panic!("stalled with {bytes:?} bytes read and checkpoints {checkpoints:?}: {error}")
+            }
+        }
+    }
+}
+
+/// Four producers, aligned barriers every 300 records, consumed through one gate of four
+/// channels or (`union`) a union of two gates of two; every byte and checkpoint checked.
+fn aligned_exchange_without_exclusive_buffers(transport: Transport, union: bool) {
     const CHANNELS: usize = 4;
     const RECORDS: u64 = 3_000;
     const CHECKPOINTS: u64 = 10;
@@ -362,7 +409,6 @@ fn aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones(transport: Tr
             location: ProducerLocation::Remote(peer),
         })
         .collect();
-    let gate = consumer_env.create_gate(&channels).unwrap();
     // Every producer sends records of the same sizes.
     let expected_bytes: u64 = (0..RECORDS)
         .map(|seq| fluxgate::record::framed_len(record(0, seq).len()) as u64)
@@ -391,26 +437,13 @@ fn aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones(transport: Tr
                 writer.finish().unwrap();
             });
         }
-        let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
-        let mut bytes = [0u64; CHANNELS];
-        let mut checkpoints = Vec::new();
-        // Bounded: the producers send finitely many buffers and events, then the end.
-        loop {
-            match checkpointed.next_until(Some(Instant::now() + LONG)) {
-                Ok(Some(item)) => match item.item {
-                    GateItem::Buffer(buffer) => bytes[item.channel] += buffer.len() as u64,
-                    GateItem::Event {
-                        event: Event::CheckpointBarrier(barrier),
-                        ..
-                    } => checkpoints.push(barrier.id),
-                    GateItem::Event { event, .. } => assert_eq!(event, Event::EndOfPartition),
-                },
-                Ok(None) => break,
-                Err(error) => panic!(
-                    "stalled with {bytes:?} bytes read and checkpoints {checkpoints:?}: {error}"
-                ),
-            }
-        }
+        let gate = |channels| consumer_env.create_gate(channels).unwrap();
+        let (bytes, checkpoints) = if union {
+            let members = vec![gate(&channels[..2]), gate(&channels[2..])];
+            read_aligned::<CHANNELS, _>(UnionInputGate::new(members))
+        } else {
+            read_aligned::<CHANNELS, _>(gate(&channels))
+        };
         assert_eq!(bytes, [expected_bytes; CHANNELS]);
         assert_eq!(checkpoints, (1..=CHECKPOINTS).collect::<Vec<_>>());
     });
@@ -419,11 +452,6 @@ fn aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones(transport: Tr
         "segments leaked"
     );
 }
-on_both_drivers!(
-    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones,
-    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones_epoll,
-    aligned_barriers_with_one_floating_buffer_and_no_exclusive_ones_uring
-);
 
 fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
     let producer_env = env(1, transport);
