@@ -269,7 +269,8 @@ impl BufferManager {
     /// for a blocked sender). Returns whether the unannounced credit went from 0 to positive.
     /// The segment comes back unkept, so it is dropped outside the lock.
     fn keep_floating(&self, segment: PooledSegment) -> Result<bool, PooledSegment> {
-        // Only a channel without exclusive segments releases floating ones while it lives.
+        // Only a channel without exclusive segments can meet `release_floating` here: the
+        // others take no lock.
         let _guard =
             (self.exclusive_total == 0).then(|| self.floating_credit.lock().expect("not poisoned"));
         if self.released.load(Ordering::SeqCst)
