@@ -161,6 +161,28 @@ fn cluster_runs_the_three_node_example() {
     );
 }
 
+/// The leanest credit Flink allows (no exclusive buffers, one floating buffer per gate) with
+/// spanning records and both kinds of checkpoint: every record arrives, no channel stalls.
+#[test]
+fn cluster_runs_the_floating_only_example() {
+    let run = fluxgate(
+        &[
+            "cluster",
+            "examples/topologies/floating-only.toml",
+            "--timeout",
+            "90",
+        ],
+        LIMIT,
+    );
+    assert!(run.status.success(), "{}", run.all());
+    assert!(
+        run.stdout
+            .contains("`sink` received 60000 records, 60000 expected from `source`: exact"),
+        "{}",
+        run.all()
+    );
+}
+
 #[test]
 fn cluster_on_a_missing_file_fails_clearly() {
     let run = fluxgate(&["cluster", "no/such/topology.toml"], LIMIT);
