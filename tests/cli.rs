@@ -392,6 +392,45 @@ fn stress_with_a_kill_still_catches_corrupt_records() {
     assert!(!run.all().contains("panicked"), "{}", run.all());
 }
 
+/// `--vary-credit` draws the credit options the config file leaves unset from the seed and
+/// prints them; the file's stay. Seed 11 draws no exclusive buffers and one floating buffer
+/// per gate, the leanest credit Flink allows, which the soak must still get through exactly.
+#[test]
+fn stress_with_vary_credit_draws_unset_credit_options_from_the_seed() {
+    let config = temp_file(
+        "credit.toml",
+        "\"taskmanager.network.memory.max-buffers-per-channel\" = 10\n",
+    );
+    let run = fluxgate(
+        &[
+            "stress",
+            "--nodes",
+            "3",
+            "--channels",
+            "6",
+            "--duration",
+            "2",
+            "--seed",
+            "11",
+            "--vary-credit",
+            "--config",
+            config.to_str().unwrap(),
+            "--timeout",
+            "60",
+        ],
+        LIMIT,
+    );
+    let _ = std::fs::remove_file(&config);
+    assert!(run.status.success(), "{}", run.all());
+    for expected in [
+        "credit drawn from the seed: buffers-per-channel 0, floating-buffers-per-gate 1\n",
+        "exact, checksums match",
+        "result: OK",
+    ] {
+        assert!(run.stdout.contains(expected), "`{expected}`\n{}", run.all());
+    }
+}
+
 #[test]
 fn stress_refuses_bad_kill_values() {
     for (kills, expected) in [

@@ -79,6 +79,12 @@ pub struct StressArgs {
     /// the flags (flags win).
     #[arg(long, value_name = "FILE.toml")]
     pub config: Option<std::path::PathBuf>,
+    /// Draw the credit settings the config file leaves unset from the seed (printed):
+    /// `buffers-per-channel` 0, 1, 2 or 4, `floating-buffers-per-gate` 0, 1, 2 or 8,
+    /// `max-buffers-per-channel` 1, 2 or 10. Soaks over seeds then cover the lean settings
+    /// Flink allows, where lending floating buffers must be exact.
+    #[arg(long)]
+    pub vary_credit: bool,
     /// Keep the rendezvous directory (topology, node logs and reports) and print where it is.
     #[arg(long)]
     pub keep: bool,
@@ -131,6 +137,22 @@ pub enum Barriers {
 /// Buffer timeouts a producer may draw (ms; -1 only full buffers, 0 every record).
 const TIMEOUTS: [i64; 7] = [-1, 0, 1, 2, 5, 20, 100];
 
+/// The credit settings `--vary-credit` draws from, and their choices.
+const CREDIT_CHOICES: [(&str, &[&str]); 3] = [
+    (
+        "taskmanager.network.memory.buffers-per-channel",
+        &["0", "1", "2", "4"],
+    ),
+    (
+        "taskmanager.network.memory.floating-buffers-per-gate",
+        &["0", "1", "2", "8"],
+    ),
+    (
+        "taskmanager.network.memory.max-buffers-per-channel",
+        &["1", "2", "10"],
+    ),
+];
+
 /// Runs `fluxgate stress`.
 pub fn run(args: &StressArgs) -> Result<(), String> {
     if args.nodes == 0 || args.channels == 0 {
@@ -172,6 +194,24 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         "taskmanager.memory.segment-size".into(),
         segment_size.clone(),
     );
+    let seed = args.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    let mut credit_drawn = Vec::new();
+    if args.vary_credit {
+        for (i, (key, choices)) in CREDIT_CHOICES.iter().enumerate() {
+            if options.contains_key(*key) {
+                continue;
+            }
+            let pick = mix64(seed ^ mix64(u64::MAX - i as u64)) % choices.len() as u64;
+            let value = choices[pick as usize];
+            options.insert((*key).to_string(), value.to_string());
+            let short = key.rsplit('.').next().unwrap_or(key);
+            credit_drawn.push(format!("{short} {value}"));
+        }
+    }
     let mut network = NetworkConfig::default();
     for (key, value) in &options {
         network.set(key, value).map_err(|e| match key.as_str() {
@@ -180,11 +220,6 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         })?;
     }
     let max_size = (network.segment_size * args.max_record_segments).max(HEADER);
-    let seed = args.seed.unwrap_or_else(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64)
-    });
     let timeouts: Vec<i64> = (0..args.channels as u64)
         .map(|i| TIMEOUTS[(mix64(seed ^ mix64(i)) % TIMEOUTS.len() as u64) as usize])
         .collect();
@@ -299,6 +334,12 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
             "none".into()
         },
     );
+    if !credit_drawn.is_empty() {
+        println!(
+            "        credit drawn from the seed: {}",
+            credit_drawn.join(", ")
+        );
+    }
     let lab = match netns {
         Some(plan) => Some(plan.build(args.nodes, secret.as_ref())?),
         None => None,
