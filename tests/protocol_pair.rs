@@ -769,18 +769,7 @@ fn handshake(authenticate: bool, nonce: Nonce) -> Vec<u8> {
 }
 
 fn request(receiver: u128) -> Vec<u8> {
-    let mut out = Vec::new();
-    Message::PartitionRequest {
-        partition: ResultPartitionId {
-            partition: 0,
-            producer: 1,
-        },
-        subpartition: 0,
-        receiver: ReceiverId(receiver),
-        credit: 2,
-    }
-    .encode(&mut out);
-    out
+    request_with_credit(receiver, 2)
 }
 
 fn refused_with(messages: &[Message], expected: ErrorKind) -> bool {
@@ -983,8 +972,7 @@ fn a_producer_that_stays_silent_fails_the_channels_at_the_handshake_deadline() {
 /// A partition request for partition 0, subpartition 0 bringing `credit` (the consumer's
 /// exclusive buffers).
 fn request_with_credit(receiver: u128, credit: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    Message::PartitionRequest {
+    encoded_message(&Message::PartitionRequest {
         partition: ResultPartitionId {
             partition: 0,
             producer: 1,
@@ -992,9 +980,7 @@ fn request_with_credit(receiver: u128, credit: u32) -> Vec<u8> {
         subpartition: 0,
         receiver: ReceiverId(receiver),
         credit,
-    }
-    .encode(&mut out);
-    out
+    })
 }
 
 /// Lets `server` move what it can into its outbound queue, then decodes what it wrote.
@@ -1062,12 +1048,10 @@ fn a_sender_out_of_credit_announces_its_backlog_only_to_a_consumer_without_exclu
         assert_eq!(responses(&written), 0, "{written:?}");
         assert_eq!(announced(&written), [], "{written:?}");
         // Credit moves the stalled sender on in both cases.
-        let mut add = Vec::new();
-        Message::AddCredit {
+        let add = encoded_message(&Message::AddCredit {
             receiver: ReceiverId(7),
             credit: 2,
-        }
-        .encode(&mut add);
+        });
         let (result, _) = feed_server(&mut s.pair.server, &add, now);
         assert_eq!(result, Ok(()));
         let written = transmit_and_collect(&mut s.pair.server, now);

@@ -33,6 +33,11 @@ struct Fixture {
 }
 
 fn fixture() -> Fixture {
+    fixture_with_exclusive(EXCLUSIVE)
+}
+
+/// [`fixture`] with `exclusive` buffers per channel.
+fn fixture_with_exclusive(exclusive: usize) -> Fixture {
     let mut config = NetworkConfig::default();
     config
         .set("taskmanager.memory.segment-size", "4kb")
@@ -42,7 +47,7 @@ fn fixture() -> Fixture {
     config
         .set(
             "taskmanager.network.memory.buffers-per-channel",
-            &EXCLUSIVE.to_string(),
+            &exclusive.to_string(),
         )
         .unwrap();
     config
@@ -593,15 +598,7 @@ fn a_backlog_of_zero_lets_surplus_floating_segments_go_back() {
 /// before keeps its credit.
 #[test]
 fn a_blocked_channel_without_exclusive_segments_gives_its_floating_ones_back() {
-    let mut config = fixture().config;
-    config
-        .set("taskmanager.network.memory.buffers-per-channel", "0")
-        .unwrap();
-    let f = Fixture {
-        network: NetworkBufferPool::new(&config).unwrap(),
-        config,
-        manager: Arc::new(PartitionManager::new()),
-    };
+    let f = fixture_with_exclusive(0);
     let mut gate = f.remote_gate(1);
     let (shared, _announcements) = attach(&gate, 0);
     let buffers = shared.buffers().clone();

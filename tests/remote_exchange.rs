@@ -37,16 +37,6 @@ fn pid(producer: usize) -> ResultPartitionId {
     }
 }
 
-fn record(producer: usize, seq: u64) -> Vec<u8> {
-    let len =
-        (seq.wrapping_mul(2654435761) % 600) as usize + if seq % 97 == 0 { 20_000 } else { 0 };
-    let mut bytes = Vec::with_capacity(16 + len);
-    bytes.extend_from_slice(&(producer as u64).to_be_bytes());
-    bytes.extend_from_slice(&seq.to_be_bytes());
-    bytes.resize(16 + len, (seq % 251) as u8);
-    bytes
-}
-
 /// P producers on one environment, C consumers on another; every record checked.
 fn exchange(producers: usize, consumers: usize, records: u64, transport: Transport) {
     exchange_with(producers, consumers, records, transport, &[]);
@@ -82,17 +72,7 @@ fn exchange_with(
         .collect();
     thread::scope(|s| {
         for (p, partition) in partitions.into_iter().enumerate() {
-            s.spawn(move || {
-                let mut writer = RecordWriter::new(
-                    partition,
-                    RoundRobinSelector::default(),
-                    BufferTimeout::from_millis(5),
-                );
-                for seq in 0..records {
-                    writer.emit(&record(p, seq)[..]).unwrap();
-                }
-                writer.finish().unwrap();
-            });
+            s.spawn(move || common::write_records(partition, p, records, 5, None));
         }
         let readers: Vec<_> = gates
             .into_iter()
@@ -119,7 +99,7 @@ fn exchange_with(
                                     u64::from_be_bytes(bytes[..8].try_into().unwrap()) as usize;
                                 let seq = u64::from_be_bytes(bytes[8..16].try_into().unwrap());
                                 assert_eq!(producer, channel);
-                                assert_eq!(bytes, &record(producer, seq)[..], "payload intact");
+                                assert_eq!(bytes, &common::record(producer, seq)[..], "payload intact");
                                 // Round robin from 0: producer p's record s goes to s % C.
                                 assert_eq!(seq as usize % consumers, c);
                                 if let Some(previous) = next[producer] {
@@ -206,7 +186,7 @@ fn sleeps_in_a_ping_pong(transport: Transport, options: &[(&str, &str)], records
                 BufferTimeout::Always,
             );
             for seq in 0..records {
-                writer.emit(&record(0, seq)[..]).unwrap();
+                writer.emit(&common::record(0, seq)[..]).unwrap();
                 wait_read.recv_timeout(LONG).expect("the consumer read it");
             }
             writer.finish().unwrap();
@@ -215,7 +195,9 @@ fn sleeps_in_a_ping_pong(transport: Transport, options: &[(&str, &str)], records
         let mut before = 0;
         for seq in 0..records {
             match reader.next_timeout(LONG).unwrap() {
-                Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, &record(0, seq)[..]),
+                Some(ReaderItem::Record { bytes, .. }) => {
+                    assert_eq!(bytes, &common::record(0, seq)[..])
+                }
                 other => panic!("record {seq} expected, got {other:?}"),
             }
             if seq == 0 {
@@ -411,31 +393,12 @@ fn aligned_exchange_without_exclusive_buffers(transport: Transport, union: bool)
         .collect();
     // Every producer sends records of the same sizes.
     let expected_bytes: u64 = (0..RECORDS)
-        .map(|seq| fluxgate::record::framed_len(record(0, seq).len()) as u64)
+        .map(|seq| fluxgate::record::framed_len(common::record(0, seq).len()) as u64)
         .sum();
     let every = RECORDS / CHECKPOINTS;
     thread::scope(|s| {
         for (p, partition) in partitions.into_iter().enumerate() {
-            s.spawn(move || {
-                let mut writer = RecordWriter::new(
-                    partition,
-                    RoundRobinSelector::default(),
-                    BufferTimeout::from_millis(1),
-                );
-                for seq in 0..RECORDS {
-                    writer.emit(&record(p, seq)[..]).unwrap();
-                    if (seq + 1) % every == 0 {
-                        let barrier = Event::CheckpointBarrier(CheckpointBarrier {
-                            id: (seq + 1) / every,
-                            timestamp: 0,
-                            kind: CheckpointKind::Checkpoint,
-                            alignment: Alignment::Aligned,
-                        });
-                        writer.broadcast_event(&barrier, false).unwrap();
-                    }
-                }
-                writer.finish().unwrap();
-            });
+            s.spawn(move || common::write_records(partition, p, RECORDS, 1, Some(every)));
         }
         let gate = |channels| consumer_env.create_gate(channels).unwrap();
         let (bytes, checkpoints) = if union {

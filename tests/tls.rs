@@ -121,18 +121,6 @@ fn pid(producer: usize) -> ResultPartitionId {
     }
 }
 
-/// Producer `producer`'s record `seq`: its identity, then filler of a length that varies
-/// from a few bytes to past a TLS record (16 KiB) and a segment (8 KiB).
-fn record(producer: usize, seq: u64) -> Vec<u8> {
-    let len =
-        (seq.wrapping_mul(2654435761) % 600) as usize + if seq % 97 == 0 { 20_000 } else { 0 };
-    let mut bytes = Vec::with_capacity(16 + len);
-    bytes.extend_from_slice(&(producer as u64).to_be_bytes());
-    bytes.extend_from_slice(&seq.to_be_bytes());
-    bytes.resize(16 + len, (seq % 251) as u8);
-    bytes
-}
-
 fn channel(
     partition: ResultPartitionId,
     subpartition: usize,
@@ -169,17 +157,7 @@ fn exchange(
         .collect();
     thread::scope(|s| {
         for (p, partition) in partitions.into_iter().enumerate() {
-            s.spawn(move || {
-                let mut writer = RecordWriter::new(
-                    partition,
-                    RoundRobinSelector::default(),
-                    BufferTimeout::from_millis(5),
-                );
-                for seq in 0..records {
-                    writer.emit(&record(p, seq)[..]).unwrap();
-                }
-                writer.finish().unwrap();
-            });
+            s.spawn(move || common::write_records(partition, p, records, 5, None));
         }
         let readers: Vec<_> = gates
             .into_iter()
@@ -201,7 +179,11 @@ fn exchange(
                                     u64::from_be_bytes(bytes[..8].try_into().unwrap()) as usize;
                                 let seq = u64::from_be_bytes(bytes[8..16].try_into().unwrap());
                                 assert_eq!(producer, channel);
-                                assert_eq!(bytes, &record(producer, seq)[..], "payload intact");
+                                assert_eq!(
+                                    bytes,
+                                    &common::record(producer, seq)[..],
+                                    "payload intact"
+                                );
                                 assert_eq!(seq as usize % consumers, c, "round robin");
                                 let expected =
                                     next[producer].map_or(c as u64, |s| s + consumers as u64);
@@ -333,7 +315,7 @@ fn holding_one_record(
     id: ResultPartitionId,
 ) -> fluxgate::partition::ResultPartition {
     let mut partition = env.create_partition(id, 1).unwrap();
-    partition.emit_record(&record(0, 0)[..], 0).unwrap();
+    partition.emit_record(&common::record(0, 0)[..], 0).unwrap();
     partition.flush_all();
     partition
 }
@@ -380,7 +362,11 @@ fn certificates_from_another_ca_are_refused_and_the_server_serves_others() {
     // The producer still serves the cluster: the record it holds, then a full exchange.
     let consumer = env(2, &certs.options("consumer", "ca"));
     let (first, _) = first_record(&producer, &consumer, pid(0));
-    assert_eq!(first, Ok(Some(record(0, 0))), "the cluster's consumer");
+    assert_eq!(
+        first,
+        Ok(Some(common::record(0, 0))),
+        "the cluster's consumer"
+    );
     release(&producer, partition, pid(0));
     exchange(&producer, &consumer, 1, 1, 2_000);
     assert!(
@@ -431,7 +417,11 @@ fn plain_tcp_peers_and_tls_nodes_do_not_mix() {
     release(&plain_producer, plain_partition, pid(1));
     // The TLS producer still serves its cluster.
     let (first, _) = first_record(&producer, &consumer, pid(0));
-    assert_eq!(first, Ok(Some(record(0, 0))), "the cluster's consumer");
+    assert_eq!(
+        first,
+        Ok(Some(common::record(0, 0))),
+        "the cluster's consumer"
+    );
     release(&producer, partition, pid(0));
     assert!(common::pools_full(&[
         &producer,
@@ -464,7 +454,7 @@ fn a_slow_tls_consumer_keeps_the_producer_within_its_pool() {
                 BufferTimeout::Never,
             );
             for seq in 0..records {
-                writer.emit(&record(0, seq)[..]).unwrap();
+                writer.emit(&common::record(0, seq)[..]).unwrap();
                 let in_use = writer.partition().pool().in_use_segments();
                 peak.fetch_max(in_use, std::sync::atomic::Ordering::Relaxed);
             }
@@ -483,7 +473,7 @@ fn a_slow_tls_consumer_keeps_the_producer_within_its_pool() {
         loop {
             match reader.next_timeout(LONG).unwrap() {
                 Some(ReaderItem::Record { bytes, .. }) => {
-                    assert_eq!(bytes, &record(0, count)[..]);
+                    assert_eq!(bytes, &common::record(0, count)[..]);
                     count += 1;
                 }
                 Some(ReaderItem::Event { .. }) => {}

@@ -196,3 +196,50 @@ pub fn pools_full(envs: &[&fluxgate::ShuffleEnvironment]) -> bool {
 pub fn pool_full(env: &fluxgate::ShuffleEnvironment) -> bool {
     pools_full(&[env])
 }
+
+#[allow(dead_code)]
+/// Producer `producer`'s record `seq`: its identity (producer and sequence number,
+/// big-endian), then filler of a length that varies from a few bytes to past a TLS record
+/// (16 KiB) and a segment (8 KiB): every 97th record is 20 000 bytes longer.
+pub fn record(producer: usize, seq: u64) -> Vec<u8> {
+    let len =
+        (seq.wrapping_mul(2654435761) % 600) as usize + if seq % 97 == 0 { 20_000 } else { 0 };
+    let mut bytes = Vec::with_capacity(16 + len);
+    bytes.extend_from_slice(&(producer as u64).to_be_bytes());
+    bytes.extend_from_slice(&seq.to_be_bytes());
+    bytes.resize(16 + len, (seq % 251) as u8);
+    bytes
+}
+
+#[allow(dead_code)]
+/// Emits producer `producer`'s records `0..records` ([`record`]) round robin with a buffer
+/// timeout of `timeout_ms`, an aligned checkpoint barrier after every `barrier_every` records
+/// (ids from 1) when given, then finishes the partition.
+pub fn write_records(
+    partition: fluxgate::partition::ResultPartition,
+    producer: usize,
+    records: u64,
+    timeout_ms: i64,
+    barrier_every: Option<u64>,
+) {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+    use fluxgate::partition::{BufferTimeout, RecordWriter, RoundRobinSelector};
+    let mut writer = RecordWriter::new(
+        partition,
+        RoundRobinSelector::default(),
+        BufferTimeout::from_millis(timeout_ms),
+    );
+    for seq in 0..records {
+        writer.emit(&record(producer, seq)[..]).unwrap();
+        if let Some(every) = barrier_every.filter(|every| (seq + 1) % every == 0) {
+            let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+                id: (seq + 1) / every,
+                timestamp: 0,
+                kind: CheckpointKind::Checkpoint,
+                alignment: Alignment::Aligned,
+            });
+            writer.broadcast_event(&barrier, false).unwrap();
+        }
+    }
+    writer.finish().unwrap();
+}
