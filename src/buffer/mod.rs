@@ -13,6 +13,7 @@ mod network;
 mod segment;
 
 pub use local::{BufferListener, LocalBufferPool, LocalPoolSpec, RequestBuilder};
+pub(crate) use network::mark_io_thread;
 pub use network::NetworkBufferPool;
 pub use segment::{
     ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, Segment,

@@ -90,7 +90,10 @@ impl EpollDriver {
         };
         let thread = thread::Builder::new()
             .name("fluxgate-io-epoll".into())
-            .spawn(move || io_loop.run())?;
+            .spawn(move || {
+                crate::buffer::mark_io_thread();
+                io_loop.run()
+            })?;
         Ok(Self {
             handle: DriverHandle {
                 commands,

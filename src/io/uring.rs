@@ -289,6 +289,7 @@ impl UringDriver {
             thread::Builder::new()
                 .name("fluxgate-io-uring".into())
                 .spawn(move || {
+                    crate::buffer::mark_io_thread();
                     let ring = match build_ring() {
                         Ok(ring) => ring,
                         Err(error) => {
