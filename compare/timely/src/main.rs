@@ -1,0 +1,396 @@
+//! The record stream of `fluxgate bench`'s throughput run, moved between two processes by
+//! timely-dataflow's communication layer (`timely_communication`, the TCP allocator that
+//! timely and Materialize use), so that the engine's CPU per record can be put beside a
+//! production Rust peer's on the same machine.
+//!
+//! What each side does, kept as close to `fluxgate bench` as timely allows:
+//! - Process 0's worker packs records (`[LEB128 length | bytes]`, the engine's record framing)
+//!   back to back into a batch of at most `--batch-bytes` (32 KiB, the engine's segment) and
+//!   pushes the batch to process 1's worker. Timely serializes it into its send slab and its
+//!   send thread writes it to the one TCP connection between the processes.
+//! - Process 1's receive thread reads the connection into its slab; the worker pulls each
+//!   batch as a zero-copy slice of that slab and walks its records, counting them.
+//! - Timely has no flow control, so the comparison adds the engine's: the receiver returns
+//!   one credit per batch it has read (sent together at the end of each of its passes, as the
+//!   engine's consumer announces credit) and the sender keeps at most `--window` batches
+//!   unacknowledged (10, the engine's default credit: 2 exclusive + 8 floating buffers).
+//!   Without it the sender's queue grows without bound and allocation dominates.
+//! - Waiting is timely's own: a worker with nothing to do parks in `await_events` until a
+//!   communication thread unparks it.
+//!
+//! CPU is user + system time of both processes (all their threads) over the records received:
+//! the figure `fluxgate bench` prints as `cpu_ns_per_record`.
+//!
+//! Run: `cargo run --release -- --record-size 8` (or 1024); `--help` for the options.
+
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use timely_bytes::arc::Bytes;
+use timely_communication::{Allocator, Bytesable, Config, Pull, Push};
+
+/// Channel 0 carries batches of records from worker 0 to worker 1.
+const DATA: usize = 0;
+/// Channel 1 carries credit (batches read) from worker 1 back to worker 0.
+const CREDIT: usize = 1;
+/// Channel 2 carries the sender's total, once, after its last batch.
+const END: usize = 2;
+
+#[derive(Clone, Debug)]
+struct Options {
+    record_size: usize,
+    duration: Duration,
+    window: u64,
+    batch_bytes: usize,
+    port: u16,
+    process: Option<usize>,
+}
+
+impl Options {
+    fn parse() -> Result<Self, String> {
+        let mut options = Options {
+            record_size: 8,
+            duration: Duration::from_secs(3),
+            window: 10,
+            batch_bytes: 32 * 1024 - 64,
+            port: 0,
+            process: None,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(USAGE.to_string());
+            }
+            let value = args
+                .next()
+                .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+            let number = |what: &str| -> Result<u64, String> {
+                value
+                    .parse::<u64>()
+                    .map_err(|e| format!("{what} {value}: {e}"))
+            };
+            match flag.as_str() {
+                "--record-size" => options.record_size = number("--record-size")? as usize,
+                "--duration" => {
+                    options.duration = Duration::try_from_secs_f64(
+                        value
+                            .parse::<f64>()
+                            .map_err(|e| format!("--duration: {e}"))?,
+                    )
+                    .map_err(|e| format!("--duration: {e}"))?
+                }
+                "--window" => options.window = number("--window")?.max(1),
+                "--batch-bytes" => options.batch_bytes = number("--batch-bytes")? as usize,
+                "--port" => options.port = number("--port")? as u16,
+                "--process" => options.process = Some(number("--process")? as usize),
+                _ => return Err(format!("unknown option {flag}\n{USAGE}")),
+            }
+        }
+        if options.record_size == 0 || options.record_size > u32::MAX as usize {
+            return Err("--record-size must be 1 ..= 4 GiB".into());
+        }
+        Ok(options)
+    }
+
+    fn addresses(&self) -> Vec<String> {
+        vec![
+            format!("127.0.0.1:{}", self.port),
+            format!("127.0.0.1:{}", self.port + 1),
+        ]
+    }
+}
+
+const USAGE: &str = "usage: timely-exchange [--record-size BYTES (8)] [--duration SECONDS (3)] \
+[--window BATCHES (10)] [--batch-bytes BYTES (32704)] [--port FIRST_OF_TWO (a free pair)]";
+
+/// A batch of framed records: owned on the sending side (its buffer reused batch after
+/// batch), a slice of timely's receive slab on the receiving side.
+enum Batch {
+    Owned(Vec<u8>),
+    Received(Bytes),
+}
+
+impl Batch {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Batch::Owned(bytes) => bytes,
+            Batch::Received(bytes) => bytes,
+        }
+    }
+}
+
+impl Bytesable for Batch {
+    fn from_bytes(bytes: Bytes) -> Self {
+        Batch::Received(bytes)
+    }
+
+    fn length_in_bytes(&self) -> usize {
+        self.bytes().len()
+    }
+
+    fn into_bytes<W: std::io::Write>(&self, writer: &mut W) {
+        writer
+            .write_all(self.bytes())
+            .expect("timely reserved room for the whole batch");
+    }
+}
+
+fn put_length(out: &mut Vec<u8>, mut len: usize) {
+    while len >= 0x80 {
+        out.push((len as u8) | 0x80);
+        len >>= 7;
+    }
+    out.push(len as u8);
+}
+
+/// Counts the records of one batch and the payload bytes they hold; `None` when the batch
+/// does not end on a record boundary (the sender never splits a record).
+fn count_records(mut bytes: &[u8]) -> Option<(u64, u64)> {
+    let (mut records, mut payload) = (0u64, 0u64);
+    while !bytes.is_empty() {
+        let mut len = 0usize;
+        let mut shift = 0;
+        loop {
+            let (&byte, rest) = bytes.split_first()?;
+            bytes = rest;
+            len |= usize::from(byte & 0x7F) << shift;
+            if byte < 0x80 {
+                break;
+            }
+            shift += 7;
+            if shift > 28 {
+                return None;
+            }
+        }
+        let (record, rest) = bytes.split_at_checked(len)?;
+        std::hint::black_box(record.first());
+        bytes = rest;
+        records += 1;
+        payload += len as u64;
+    }
+    Some((records, payload))
+}
+
+fn u64_batch(value: u64) -> Batch {
+    Batch::Owned(value.to_le_bytes().to_vec())
+}
+
+fn u64_of(batch: &Batch) -> Result<u64, String> {
+    let bytes: [u8; 8] = batch
+        .bytes()
+        .try_into()
+        .map_err(|_| format!("an {} B control message", batch.bytes().len()))?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+/// Surfaces received messages and drains the channel events, as timely's worker does each
+/// step: `await_events` parks only while that queue is empty.
+fn receive_events(allocator: &mut Allocator) {
+    allocator.receive();
+    allocator.events().borrow_mut().clear();
+}
+
+/// Worker 0: batches of records for `duration`, at most `window` unacknowledged.
+fn send(mut allocator: Allocator, options: &Options) -> Result<String, String> {
+    let (mut data, _) = allocator.allocate::<Batch>(DATA);
+    let (_, mut credit) = allocator.allocate::<Batch>(CREDIT);
+    let (mut end, _) = allocator.allocate::<Batch>(END);
+    let record = vec![0xA5u8; options.record_size];
+    let mut framed = Vec::with_capacity(options.record_size + 5);
+    put_length(&mut framed, options.record_size);
+    framed.extend_from_slice(&record);
+    let mut buffer = Vec::with_capacity(options.batch_bytes.max(framed.len()));
+    let (mut records, mut unacknowledged) = (0u64, 0u64);
+    let started = Instant::now();
+    while started.elapsed() < options.duration {
+        receive_events(&mut allocator);
+        while let Some(batch) = credit.recv() {
+            unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
+        }
+        if unacknowledged >= options.window {
+            allocator.await_events(Some(Duration::from_millis(10)));
+            continue;
+        }
+        // At least one record per batch, so records larger than a batch are sent too.
+        buffer.clear();
+        loop {
+            buffer.extend_from_slice(&framed);
+            records += 1;
+            if buffer.len() + framed.len() > options.batch_bytes {
+                break;
+            }
+        }
+        let mut slot = Some(Batch::Owned(buffer));
+        data[1].push(&mut slot);
+        buffer = match slot {
+            Some(Batch::Owned(buffer)) => buffer,
+            _ => Vec::with_capacity(options.batch_bytes),
+        };
+        unacknowledged += 1;
+        allocator.release();
+    }
+    end[1].send(u64_batch(records));
+    end[1].done();
+    data[1].done();
+    allocator.release();
+    Ok(format!("sent {records}"))
+}
+
+/// Worker 1: reads batches until it has the sender's total, returning credit as it goes.
+fn receive(mut allocator: Allocator, _options: &Options) -> Result<String, String> {
+    let (_, mut data) = allocator.allocate::<Batch>(DATA);
+    let (mut credit, _) = allocator.allocate::<Batch>(CREDIT);
+    let (_, mut end) = allocator.allocate::<Batch>(END);
+    let (mut records, mut payload) = (0u64, 0u64);
+    let mut expected = None;
+    let mut first: Option<Instant> = None;
+    let mut last = Instant::now();
+    // Bounded: the sender's run is bounded, and a silent peer ends the wait below.
+    let mut idle_since = Instant::now();
+    loop {
+        receive_events(&mut allocator);
+        let mut read = 0u64;
+        while let Some(batch) = data.recv() {
+            let (r, p) = count_records(batch.bytes()).ok_or("a batch split a record")?;
+            records += r;
+            payload += p;
+            read += 1;
+        }
+        if read > 0 {
+            last = Instant::now();
+            first.get_or_insert(last);
+            idle_since = last;
+            credit[0].send(u64_batch(read));
+        }
+        while let Some(batch) = end.recv() {
+            expected = Some(u64_of(&batch)?);
+        }
+        allocator.release();
+        if expected == Some(records) {
+            break;
+        }
+        if read == 0 {
+            if idle_since.elapsed() > Duration::from_secs(30) {
+                return Err(format!("no data for 30 s after {records} records"));
+            }
+            allocator.await_events(Some(Duration::from_millis(10)));
+        }
+    }
+    credit[0].done();
+    allocator.release();
+    let elapsed = last.duration_since(first.unwrap_or(last));
+    Ok(format!(
+        "received {records} {payload} {}",
+        elapsed.as_nanos()
+    ))
+}
+
+/// One process of the pair: builds timely's cluster allocator and runs its worker.
+fn run_process(options: Options, process: usize) -> Result<(), String> {
+    let config = Config::Cluster {
+        threads: 1,
+        process,
+        addresses: options.addresses(),
+        report: false,
+        zerocopy: false,
+    };
+    let guards = timely_communication::initialize(config, move |allocator| {
+        if allocator.index() == 0 {
+            send(allocator, &options)
+        } else {
+            receive(allocator, &options)
+        }
+    })?;
+    for result in guards.join() {
+        let line = result.map_err(|e| format!("worker: {e}"))??;
+        println!("{line}");
+    }
+    Ok(())
+}
+
+/// Two consecutive free ports (timely's processes listen on theirs).
+fn free_port_pair() -> Result<u16, String> {
+    for _ in 0..100 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        let port = first.local_addr().map_err(|e| e.to_string())?.port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err("no two consecutive free ports".into())
+}
+
+fn children_cpu() -> Duration {
+    // SAFETY: getrusage only writes the struct it is given.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_CHILDREN with a valid pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    time(usage.ru_utime) + time(usage.ru_stime)
+}
+
+/// Starts both processes, waits for them, prints the figures as `name value unit` lines.
+fn run_pair(mut options: Options) -> Result<(), String> {
+    if options.port == 0 {
+        options.port = free_port_pair()?;
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let spawn = |process: usize| {
+        Command::new(&exe)
+            .args(["--record-size", &options.record_size.to_string()])
+            .args(["--duration", &options.duration.as_secs_f64().to_string()])
+            .args(["--window", &options.window.to_string()])
+            .args(["--batch-bytes", &options.batch_bytes.to_string()])
+            .args(["--port", &options.port.to_string()])
+            .args(["--process", &process.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting process {process}: {e}"))
+    };
+    let receiver = spawn(1)?;
+    let sender = spawn(0)?;
+    let sent = sender.wait_with_output().map_err(|e| e.to_string())?;
+    let received = receiver.wait_with_output().map_err(|e| e.to_string())?;
+    if !sent.status.success() || !received.status.success() {
+        return Err(format!(
+            "a process failed: sender {}, receiver {}",
+            sent.status, received.status
+        ));
+    }
+    let cpu = children_cpu();
+    let line = String::from_utf8_lossy(&received.stdout);
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let [records, payload, nanos] = fields[..] else {
+        return Err(format!("unexpected receiver output: {line}"));
+    };
+    let seconds = nanos as f64 / 1e9;
+    println!("records {records} records");
+    println!("records_per_sec {:.0} records/s", records as f64 / seconds);
+    println!(
+        "payload_gb_per_sec {:.3} GB/s",
+        payload as f64 / seconds / 1e9
+    );
+    println!(
+        "cpu_ns_per_record {:.3} ns",
+        cpu.as_nanos() as f64 / records as f64
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let result = Options::parse().and_then(|options| match options.process {
+        Some(process) => run_process(options, process),
+        None => run_pair(options),
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("{error}");
+            ExitCode::FAILURE
+        }
+    }
+}
