@@ -18,8 +18,9 @@
 //! - Waiting is timely's own: a worker with nothing to do parks in `await_events` until a
 //!   communication thread unparks it.
 //!
-//! CPU is user + system time of both processes (all their threads) over the records received:
-//! the figure `fluxgate bench` prints as `cpu_ns_per_record`.
+//! CPU is user + system time of both processes (all their threads, read from `/proc/self/stat`
+//! by each at its end) over the records received: the figure `fluxgate bench` prints as
+//! `cpu_ns_per_record`.
 //!
 //! Run: `cargo run --release -- --record-size 8` (or 1024); `--help` for the options.
 
@@ -305,6 +306,8 @@ fn run_process(options: Options, process: usize) -> Result<(), String> {
         let line = result.map_err(|e| format!("worker: {e}"))??;
         println!("{line}");
     }
+    // After the join: the communication threads have finished their work.
+    println!("cpu_ns {}", own_cpu()?.as_nanos());
     Ok(())
 }
 
@@ -320,13 +323,20 @@ fn free_port_pair() -> Result<u16, String> {
     Err("no two consecutive free ports".into())
 }
 
-fn children_cpu() -> Duration {
-    // SAFETY: getrusage only writes the struct it is given.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: RUSAGE_CHILDREN with a valid pointer.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
-    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    time(usage.ru_utime) + time(usage.ru_stime)
+/// This process's user + system time, all threads, from `/proc/self/stat` (as `fluxgate
+/// bench` reads it: no `unsafe`). USER_HZ is 100 on every Linux target.
+fn own_cpu() -> Result<Duration, String> {
+    let stat = std::fs::read_to_string("/proc/self/stat").map_err(|e| e.to_string())?;
+    let (_, rest) = stat.rsplit_once(')').ok_or("unreadable /proc/self/stat")?;
+    let mut fields = rest.split_whitespace().skip(11);
+    let mut ticks = || -> Result<u64, String> {
+        fields
+            .next()
+            .and_then(|f| f.parse().ok())
+            .ok_or_else(|| "unreadable /proc/self/stat".to_string())
+    };
+    let (utime, stime) = (ticks()?, ticks()?);
+    Ok(Duration::from_millis((utime + stime) * 10))
 }
 
 /// Starts both processes, waits for them, prints the figures as `name value unit` lines.
@@ -357,15 +367,23 @@ fn run_pair(mut options: Options) -> Result<(), String> {
             sent.status, received.status
         ));
     }
-    let cpu = children_cpu();
-    let line = String::from_utf8_lossy(&received.stdout);
-    let fields: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|f| f.parse().ok())
-        .collect();
-    let [records, payload, nanos] = fields[..] else {
-        return Err(format!("unexpected receiver output: {line}"));
+    let sent = String::from_utf8_lossy(&sent.stdout).into_owned();
+    let received = String::from_utf8_lossy(&received.stdout).into_owned();
+    let field = |output: &str, name: &str| -> Result<Vec<u64>, String> {
+        let line = output
+            .lines()
+            .find(|line| line.starts_with(name))
+            .ok_or_else(|| format!("no `{name}` line in: {output}"))?;
+        Ok(line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect())
+    };
+    let cpu_nanos: u64 = field(&sent, "cpu_ns")?.iter().sum::<u64>()
+        + field(&received, "cpu_ns")?.iter().sum::<u64>();
+    let [records, payload, nanos] = field(&received, "received")?[..] else {
+        return Err(format!("unexpected receiver output: {received}"));
     };
     let seconds = nanos as f64 / 1e9;
     println!("records {records} records");
@@ -376,7 +394,7 @@ fn run_pair(mut options: Options) -> Result<(), String> {
     );
     println!(
         "cpu_ns_per_record {:.3} ns",
-        cpu.as_nanos() as f64 / records as f64
+        cpu_nanos as f64 / records as f64
     );
     Ok(())
 }
