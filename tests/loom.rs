@@ -656,6 +656,44 @@ fn local_pool_waiter_races_global_give_back() {
     });
 }
 
+/// (p2b) The same race when the segment comes back on an I/O thread, so it goes to the global
+/// pool's warm list rather than its main one: the starved waiter must still be woken and get
+/// it (its second look after registering takes from either list), and every segment is back
+/// at the end.
+#[test]
+fn local_pool_waiter_races_io_thread_give_back() {
+    bounded_model(|| {
+        let pool = network(2);
+        let local = pool
+            .create_local_pool(LocalPoolSpec {
+                min_segments: 1,
+                max_segments: 2,
+                subpartitions: 1,
+                max_segments_per_channel: 2,
+                max_listeners: 1,
+            })
+            .unwrap();
+        let held = local.request_buffer_builder(0).unwrap();
+        let elsewhere = pool.request_segment().unwrap();
+        assert_eq!(pool.available_segments(), 0);
+
+        let giver = loom::thread::spawn(move || {
+            fluxgate::buffer::mark_io_thread();
+            drop(elsewhere);
+        });
+        let second = local
+            .request_buffer_builder_blocking(0, FOREVER)
+            .expect("the segment given back");
+        giver.join().unwrap();
+
+        assert_ne!(second.segment_index(), held.segment_index());
+        assert_eq!(local.segments_of(0), 2);
+        drop((held, second));
+        drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
 /// A buffer listener (a remote channel waiting for a floating buffer) that keeps what it gets.
 #[derive(Default)]
 struct KeepingListener {

@@ -477,7 +477,8 @@ impl LocalPoolShared {
             // just read on another core (the consumer, or the kernel's send copy), so its cache
             // lines sit in that core's cache; the next writer here would pay a cross-core
             // invalidation per line, which made a local 1→1 exchange up to three times slower
-            // than one writing into segments that have been free longest.
+            // than one writing into segments that have been free longest. The global pool
+            // hands out instead one that waited behind others (its `give_back` says how long).
             let free = self.network.exchange(free);
             if let Err(free) = self.available.push(free) {
                 self.give_back(free);

@@ -13,7 +13,10 @@ mod network;
 mod segment;
 
 pub use local::{BufferListener, LocalBufferPool, LocalPoolSpec, RequestBuilder};
+#[cfg(not(loom))]
 pub(crate) use network::mark_io_thread;
+#[cfg(loom)]
+pub use network::mark_io_thread;
 pub use network::NetworkBufferPool;
 pub use segment::{
     ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, Segment,

@@ -19,19 +19,28 @@ const STARVED_POOLS_MAX: usize = 4096;
 /// on the machines we measure on), well under a shared L3 (32 MiB).
 const WARM_REUSE_BYTES: usize = 4 << 20;
 
-thread_local! {
-    /// Set on the I/O threads: the segments they recycle were last read by the kernel's send
-    /// copy, not by a consumer task.
-    static RECYCLES_SENT_SEGMENTS: Cell<bool> = const { Cell::new(false) };
+#[cfg(not(loom))]
+std::thread_local! {
+    /// Set on the I/O threads: what they give back they mostly sent (the kernel's send copy
+    /// read it last) or received (the kernel's receive copy wrote it), not what a consumer
+    /// task read on another core.
+    static GIVES_BACK_ON_IO_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+// Loom runs its model threads on one OS thread: a std thread-local would be shared by all of
+// them and outlive a model's run.
+#[cfg(loom)]
+loom::thread_local! {
+    static GIVES_BACK_ON_IO_THREAD: Cell<bool> = Cell::new(false);
 }
 
-/// Marks the calling thread as an I/O thread for the pool's reuse order.
-pub(crate) fn mark_io_thread() {
-    RECYCLES_SENT_SEGMENTS.with(|flag| flag.set(true));
+/// Marks the calling thread as an I/O thread for the pool's reuse order
+/// ([`NetworkInner::give_back`]). Public only for the loom models.
+pub fn mark_io_thread() {
+    GIVES_BACK_ON_IO_THREAD.with(|flag| flag.set(true));
 }
 
 fn on_io_thread() -> bool {
-    RECYCLES_SENT_SEGMENTS.with(Cell::get)
+    GIVES_BACK_ON_IO_THREAD.with(Cell::get)
 }
 
 /// The process's network memory (Flink's `NetworkBufferPool`): a few pre-faulted arenas cut
@@ -46,8 +55,9 @@ pub(crate) struct NetworkInner {
     /// Free segments in the order they came back (FIFO): what a take gets from here has been
     /// free longest, its cache lines long gone from every core.
     free: FreeList,
-    /// Free segments an I/O thread gave back after their send, reused after `warm_depth`
-    /// others (FIFO) rather than after the whole free list.
+    /// Free segments an I/O thread gave back, reused after about `warm_depth` others (FIFO)
+    /// rather than after the whole free list; it holds at most twice that, the rest spills
+    /// into `free`.
     warm: FreeList,
     warm_depth: usize,
     /// Sum of the guaranteed minimums of the live local pools (admission control only).
@@ -77,8 +87,8 @@ impl NetworkBufferPool {
             .map_err(|_| PoolError::Config("too many segments".into()))?;
         let (memory, free) =
             SegmentMemory::map(segments, config.segment_size as u32, config.arena_bytes)?;
-        // At most a quarter of the memory waits in the warm list, so that a small pool still
-        // circulates; at least one segment.
+        // The depth is at most a quarter of the segments (the list holds up to twice the
+        // depth), so that a small pool still circulates; at least one segment.
         let warm_depth = (WARM_REUSE_BYTES / config.segment_size.max(1))
             .min(segments as usize / 4)
             .max(1);
@@ -111,9 +121,23 @@ impl NetworkBufferPool {
         self.inner.memory.segment_count()
     }
 
-    /// Segments on the global free list now.
+    /// Free segments in the global pool now (both of its lists).
     pub fn available_segments(&self) -> usize {
-        self.inner.free.len() + self.inner.warm.len()
+        let inner = &self.inner;
+        // The two lengths are read one after the other: a segment moving from one list to
+        // the other in between would be counted twice or not at all. Read again until the
+        // warm list stood still across the read of the other (bounded: a busy pool gets the
+        // last, possibly inexact, reading, never more than every segment).
+        let mut count = 0;
+        for _ in 0..64 {
+            let warm = inner.warm.len();
+            let free = inner.free.len();
+            count = warm + free;
+            if inner.warm.len() == warm {
+                break;
+            }
+        }
+        count.min(self.total_segments())
     }
 
     /// The arenas, for registering them with io_uring.
@@ -164,8 +188,8 @@ impl NetworkInner {
         &self.memory
     }
 
-    /// Pops a free segment: one an I/O thread gave back `warm_depth` segments ago when the
-    /// warm list is that deep, else the one free longest.
+    /// Pops a free segment: the oldest an I/O thread gave back when the warm list is
+    /// `warm_depth` deep, else the one free longest, else any.
     pub(crate) fn take(&self) -> Option<Segment> {
         if self.warm.len() >= self.warm_depth {
             if let Some(segment) = self.warm.pop() {
@@ -195,10 +219,10 @@ impl NetworkInner {
     /// segment a consumer task read (a local exchange) is still in that core's cache:
     /// rewritten soon from another core, every cache line is a cross-core invalidation, which
     /// made a local 8-byte exchange 2.6 times slower. It goes to the back of the whole free
-    /// list, and comes out cold. A segment an I/O thread gives back was last read by the
-    /// kernel's send copy; waiting behind a few MiB of others (more than a core's L2 keeps)
-    /// it comes out of the shared L3 instead of memory, which is what a producer of 1 KiB
-    /// records spent most of its time on.
+    /// list, and comes out cold. What an I/O thread gives back is mostly what it sent (the
+    /// kernel's send copy read it last) or what a channel let go unused; waiting behind a few
+    /// MiB of others (more than a core's L2 keeps) it comes out of the shared L3 instead of
+    /// memory, which is what a producer of 1 KiB records spent most of its time on.
     pub(crate) fn give_back(&self, segment: Segment) {
         let segment = if on_io_thread() {
             self.warm.push(segment).err()

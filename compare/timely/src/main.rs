@@ -82,7 +82,13 @@ impl Options {
                 }
                 "--window" => options.window = number("--window")?.max(1),
                 "--batch-bytes" => options.batch_bytes = number("--batch-bytes")? as usize,
-                "--port" => options.port = number("--port")? as u16,
+                "--port" => {
+                    // The second process listens on the next port.
+                    options.port = u16::try_from(number("--port")?)
+                        .ok()
+                        .filter(|&port| port < u16::MAX)
+                        .ok_or("--port must be 1 ..= 65534")?
+                }
                 "--process" => options.process = Some(number("--process")? as usize),
                 _ => return Err(format!("unknown option {flag}\n{USAGE}")),
             }
@@ -249,6 +255,8 @@ fn receive(mut allocator: Allocator, _options: &Options) -> Result<String, Strin
     // Bounded: the sender's run is bounded, and a silent peer ends the wait below.
     let mut idle_since = Instant::now();
     loop {
+        // The window starts with the pass that reads the first batch, whose records count.
+        let pass_started = Instant::now();
         receive_events(&mut allocator);
         let mut read = 0u64;
         while let Some(batch) = data.recv() {
@@ -259,7 +267,7 @@ fn receive(mut allocator: Allocator, _options: &Options) -> Result<String, Strin
         }
         if read > 0 {
             last = Instant::now();
-            first.get_or_insert(last);
+            first.get_or_insert(pass_started);
             idle_since = last;
             credit[0].send(u64_batch(read));
         }
@@ -359,8 +367,24 @@ fn run_pair(mut options: Options) -> Result<(), String> {
     };
     let receiver = spawn(1)?;
     let sender = spawn(0)?;
-    let sent = sender.wait_with_output().map_err(|e| e.to_string())?;
-    let received = receiver.wait_with_output().map_err(|e| e.to_string())?;
+    // A peer that never connects (a port taken between the probe and timely's bind) would
+    // leave both waiting for ever: past the run and a minute of slack, both are killed.
+    let pids = [receiver.id(), sender.id()];
+    let deadline = options.duration + Duration::from_secs(60);
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if finished.recv_timeout(deadline).is_err() {
+            eprintln!("no result after {deadline:?}: killing both processes");
+            for pid in pids {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
+    });
+    let sent = sender.wait_with_output().map_err(|e| e.to_string());
+    let received = receiver.wait_with_output().map_err(|e| e.to_string());
+    let _ = done.send(());
+    let _ = watchdog.join();
+    let (sent, received) = (sent?, received?);
     if !sent.status.success() || !received.status.success() {
         return Err(format!(
             "a process failed: sender {}, receiver {}",
