@@ -22,7 +22,14 @@
 //! by each at its end) over the records received: the figure `fluxgate bench` prints as
 //! `cpu_ns_per_record`.
 //!
-//! Run: `cargo run --release -- --record-size 8` (or 1024); `--help` for the options.
+//! With `--rate R` it runs `fluxgate bench`'s latency run instead: a warm-up record answered
+//! before the clock starts, then one record every 1/R s, paced as the bench paces (sleep when
+//! far ahead, yield when close), each carrying its scheduled send time, each its own message
+//! published at once (the engine's flush after every record); the receiver records each
+//! record's one-way latency and prints p50, p99, p99.9 and max.
+//!
+//! Run: `cargo run --release -- --record-size 8` (or 1024), or `-- --rate 10000`; `--help`
+//! for the options.
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -45,6 +52,8 @@ struct Options {
     batch_bytes: usize,
     port: u16,
     process: Option<usize>,
+    /// Records per second of a latency run; 0 runs the throughput run.
+    rate: u64,
 }
 
 impl Options {
@@ -56,6 +65,7 @@ impl Options {
             batch_bytes: 32 * 1024 - 64,
             port: 0,
             process: None,
+            rate: 0,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -90,11 +100,15 @@ impl Options {
                         .ok_or("--port must be 1 ..= 65534")?
                 }
                 "--process" => options.process = Some(number("--process")? as usize),
+                "--rate" => options.rate = number("--rate")?,
                 _ => return Err(format!("unknown option {flag}\n{USAGE}")),
             }
         }
         if options.record_size == 0 || options.record_size > u32::MAX as usize {
             return Err("--record-size must be 1 ..= 4 GiB".into());
+        }
+        if options.rate > 0 && options.record_size < 8 {
+            return Err("a latency run (--rate) needs records of at least 8 bytes".into());
         }
         Ok(options)
     }
@@ -108,7 +122,8 @@ impl Options {
 }
 
 const USAGE: &str = "usage: timely-exchange [--record-size BYTES (8)] [--duration SECONDS (3)] \
-[--window BATCHES (10)] [--batch-bytes BYTES (32704)] [--port FIRST_OF_TWO (a free pair)]";
+[--window BATCHES (10)] [--batch-bytes BYTES (32704)] [--port FIRST_OF_TWO (a free pair)] \
+[--rate RECORDS_PER_SEC (0: the throughput run)]";
 
 /// A batch of framed records: owned on the sending side (its buffer reused batch after
 /// batch), a slice of timely's receive slab on the receiving side.
@@ -294,6 +309,181 @@ fn receive(mut allocator: Allocator, _options: &Options) -> Result<String, Strin
     ))
 }
 
+/// The send time a latency run's warm-up record carries: it is not measured.
+const WARM_UP: u64 = 0;
+
+fn wall_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Waits until `scheduled` after `epoch` as `fluxgate bench` does: sleeps while far ahead,
+/// yields when close.
+fn pace(epoch: Instant, scheduled: Duration) {
+    // Bounded by the schedule: each pass moves closer to it.
+    loop {
+        let now = epoch.elapsed();
+        if now >= scheduled {
+            return;
+        }
+        let ahead = scheduled - now;
+        if ahead > Duration::from_micros(200) {
+            std::thread::sleep(ahead - Duration::from_micros(100));
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Worker 0 of a latency run, as `fluxgate bench`'s: a warm-up record, answered before the
+/// clock starts (so connecting is not measured); then one record every 1/rate s carrying its
+/// *scheduled* send time, each its own message, published at once. The credit window of the
+/// throughput run applies.
+fn send_paced(mut allocator: Allocator, options: &Options) -> Result<String, String> {
+    let (mut data, _) = allocator.allocate::<Batch>(DATA);
+    let (_, mut credit) = allocator.allocate::<Batch>(CREDIT);
+    let (mut end, _) = allocator.allocate::<Batch>(END);
+    let mut record = vec![0xA5u8; options.record_size];
+    let mut buffer = Vec::with_capacity(options.record_size + 5);
+    let mut unacknowledged = 0u64;
+    let mut push = |data: &mut Vec<Box<dyn Push<Batch>>>, record: &[u8]| {
+        buffer.clear();
+        put_length(&mut buffer, record.len());
+        buffer.extend_from_slice(record);
+        let mut slot = Some(Batch::Owned(std::mem::take(&mut buffer)));
+        data[1].push(&mut slot);
+        if let Some(Batch::Owned(back)) = slot {
+            buffer = back;
+        }
+    };
+    record[..8].copy_from_slice(&WARM_UP.to_le_bytes());
+    push(&mut data, &record);
+    unacknowledged += 1;
+    allocator.release();
+    // Bounded: the receiver answers the warm-up at once, or the wait gives up.
+    let waited = Instant::now();
+    while unacknowledged > 0 {
+        receive_events(&mut allocator);
+        while let Some(batch) = credit.recv() {
+            unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
+        }
+        if waited.elapsed() > Duration::from_secs(30) {
+            return Err("the warm-up record was not answered in 30 s".into());
+        }
+        if unacknowledged > 0 {
+            allocator.await_events(Some(Duration::from_millis(10)));
+        }
+    }
+    let epoch = Instant::now();
+    let epoch_wall = wall_nanos();
+    let interval = Duration::from_secs_f64(1.0 / options.rate as f64);
+    let total = (options.rate as f64 * options.duration.as_secs_f64()) as u64;
+    for i in 0..total {
+        let scheduled = interval * i as u32;
+        pace(epoch, scheduled);
+        receive_events(&mut allocator);
+        while let Some(batch) = credit.recv() {
+            unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
+        }
+        // Bounded by the receiver's credit, which it returns as it reads.
+        while unacknowledged >= options.window {
+            allocator.await_events(Some(Duration::from_millis(10)));
+            receive_events(&mut allocator);
+            while let Some(batch) = credit.recv() {
+                unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
+            }
+        }
+        let sent = epoch_wall + scheduled.as_nanos() as u64;
+        record[..8].copy_from_slice(&sent.to_le_bytes());
+        push(&mut data, &record);
+        unacknowledged += 1;
+        allocator.release();
+    }
+    end[1].send(u64_batch(total + 1));
+    end[1].done();
+    data[1].done();
+    allocator.release();
+    Ok(format!("sent {}", total + 1))
+}
+
+/// Worker 1 of a latency run: the one-way latency of every record but the warm-up.
+fn receive_latency(mut allocator: Allocator, _options: &Options) -> Result<String, String> {
+    let (_, mut data) = allocator.allocate::<Batch>(DATA);
+    let (mut credit, _) = allocator.allocate::<Batch>(CREDIT);
+    let (_, mut end) = allocator.allocate::<Batch>(END);
+    let mut histogram = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
+        .map_err(|e| e.to_string())?;
+    let (mut records, mut expected) = (0u64, None);
+    let mut idle_since = Instant::now();
+    loop {
+        receive_events(&mut allocator);
+        let mut read = 0u64;
+        while let Some(batch) = data.recv() {
+            let now = wall_nanos();
+            let mut bytes = batch.bytes();
+            // Bounded by the batch: each pass takes one record.
+            while !bytes.is_empty() {
+                let (len, used) = length_of(bytes).ok_or("a malformed record")?;
+                let record = bytes
+                    .get(used..used + len)
+                    .ok_or("a batch split a record")?;
+                let sent: [u8; 8] = record
+                    .get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or("a record shorter than its timestamp")?;
+                let sent = u64::from_le_bytes(sent);
+                if sent != WARM_UP {
+                    histogram.saturating_record(now.saturating_sub(sent).max(1));
+                }
+                records += 1;
+                bytes = &bytes[used + len..];
+            }
+            read += 1;
+        }
+        if read > 0 {
+            idle_since = Instant::now();
+            credit[0].send(u64_batch(read));
+        }
+        while let Some(batch) = end.recv() {
+            expected = Some(u64_of(&batch)?);
+        }
+        allocator.release();
+        if expected == Some(records) {
+            break;
+        }
+        if read == 0 {
+            if idle_since.elapsed() > Duration::from_secs(30) {
+                return Err(format!("no data for 30 s after {records} records"));
+            }
+            allocator.await_events(Some(Duration::from_millis(10)));
+        }
+    }
+    credit[0].done();
+    allocator.release();
+    let us = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+    Ok(format!(
+        "latency {:.3} {:.3} {:.3} {:.3} {}",
+        us(0.5),
+        us(0.99),
+        us(0.999),
+        histogram.max() as f64 / 1000.0,
+        histogram.len()
+    ))
+}
+
+/// The LEB128 length at the start of `bytes` and how many bytes it took.
+fn length_of(bytes: &[u8]) -> Option<(usize, usize)> {
+    let mut len = 0usize;
+    for (i, &byte) in bytes.iter().enumerate().take(5) {
+        len |= usize::from(byte & 0x7F) << (7 * i);
+        if byte < 0x80 {
+            return Some((len, i + 1));
+        }
+    }
+    None
+}
+
 /// One process of the pair: builds timely's cluster allocator and runs its worker.
 fn run_process(options: Options, process: usize) -> Result<(), String> {
     let config = Config::Cluster {
@@ -304,10 +494,11 @@ fn run_process(options: Options, process: usize) -> Result<(), String> {
         zerocopy: false,
     };
     let guards = timely_communication::initialize(config, move |allocator| {
-        if allocator.index() == 0 {
-            send(allocator, &options)
-        } else {
-            receive(allocator, &options)
+        match (allocator.index(), options.rate) {
+            (0, 0) => send(allocator, &options),
+            (_, 0) => receive(allocator, &options),
+            (0, _) => send_paced(allocator, &options),
+            (_, _) => receive_latency(allocator, &options),
         }
     })?;
     for result in guards.join() {
@@ -360,6 +551,7 @@ fn run_pair(mut options: Options) -> Result<(), String> {
             .args(["--window", &options.window.to_string()])
             .args(["--batch-bytes", &options.batch_bytes.to_string()])
             .args(["--port", &options.port.to_string()])
+            .args(["--rate", &options.rate.to_string()])
             .args(["--process", &process.to_string()])
             .stdout(Stdio::piped())
             .spawn()
@@ -406,6 +598,22 @@ fn run_pair(mut options: Options) -> Result<(), String> {
     };
     let cpu_nanos: u64 = field(&sent, "cpu_ns")?.iter().sum::<u64>()
         + field(&received, "cpu_ns")?.iter().sum::<u64>();
+    if options.rate > 0 {
+        let line = received
+            .lines()
+            .find(|line| line.starts_with("latency"))
+            .ok_or_else(|| format!("no `latency` line in: {received}"))?;
+        let values: Vec<&str> = line.split_whitespace().skip(1).collect();
+        let [p50, p99, p999, max, samples] = values[..] else {
+            return Err(format!("unexpected receiver output: {received}"));
+        };
+        println!("latency_p50_us {p50} us");
+        println!("latency_p99_us {p99} us");
+        println!("latency_p999_us {p999} us");
+        println!("latency_max_us {max} us");
+        println!("latency_samples {samples} records");
+        return Ok(());
+    }
     let [records, payload, nanos] = field(&received, "received")?[..] else {
         return Err(format!("unexpected receiver output: {received}"));
     };
