@@ -165,32 +165,36 @@ fn put_length(out: &mut Vec<u8>, mut len: usize) {
     out.push(len as u8);
 }
 
-/// Counts the records of one batch and the payload bytes they hold; `None` when the batch
-/// does not end on a record boundary (the sender never splits a record).
-fn count_records(mut bytes: &[u8]) -> Option<(u64, u64)> {
-    let (mut records, mut payload) = (0u64, 0u64);
-    while !bytes.is_empty() {
-        let mut len = 0usize;
-        let mut shift = 0;
-        loop {
-            let (&byte, rest) = bytes.split_first()?;
-            bytes = rest;
-            len |= usize::from(byte & 0x7F) << shift;
-            if byte < 0x80 {
-                break;
-            }
-            shift += 7;
-            if shift > 28 {
-                return None;
-            }
+/// The LEB128 length at the start of `bytes` and how many bytes it took.
+fn length_of(bytes: &[u8]) -> Option<(usize, usize)> {
+    let mut len = 0usize;
+    for (i, &byte) in bytes.iter().enumerate().take(5) {
+        len |= usize::from(byte & 0x7F) << (7 * i);
+        if byte < 0x80 {
+            return Some((len, i + 1));
         }
-        let (record, rest) = bytes.split_at_checked(len)?;
-        std::hint::black_box(record.first());
-        bytes = rest;
-        records += 1;
-        payload += len as u64;
     }
-    Some((records, payload))
+    None
+}
+
+/// Calls `on_record` with each record of one batch; an error when the batch does not end on a
+/// record boundary (the sender never splits a record) or `on_record` fails.
+fn for_each_record(
+    mut bytes: &[u8],
+    on_record: &mut impl FnMut(&[u8]) -> Result<(), String>,
+) -> Result<u64, String> {
+    let mut records = 0;
+    // Bounded by the batch: each pass takes one record.
+    while !bytes.is_empty() {
+        let (len, used) = length_of(bytes).ok_or("a malformed record length")?;
+        let record = bytes
+            .get(used..used + len)
+            .ok_or("a batch split a record")?;
+        on_record(record)?;
+        records += 1;
+        bytes = &bytes[used + len..];
+    }
+    Ok(records)
 }
 
 fn u64_batch(value: u64) -> Batch {
@@ -212,99 +216,182 @@ fn receive_events(allocator: &mut Allocator) {
     allocator.events().borrow_mut().clear();
 }
 
+/// The sending worker's ends of the three channels and its count of batches the receiver
+/// has not yet acknowledged.
+struct Sender {
+    data: Vec<Box<dyn Push<Batch>>>,
+    credit: Box<dyn Pull<Batch>>,
+    end: Vec<Box<dyn Push<Batch>>>,
+    unacknowledged: u64,
+    /// The batch buffer, reused message after message.
+    buffer: Vec<u8>,
+}
+
+impl Sender {
+    fn new(allocator: &mut Allocator) -> Self {
+        let (data, _) = allocator.allocate::<Batch>(DATA);
+        let (_, credit) = allocator.allocate::<Batch>(CREDIT);
+        let (end, _) = allocator.allocate::<Batch>(END);
+        Self {
+            data,
+            credit,
+            end,
+            unacknowledged: 0,
+            buffer: Vec::new(),
+        }
+    }
+
+    /// Takes the credit that arrived.
+    fn take_credit(&mut self, allocator: &mut Allocator) -> Result<(), String> {
+        receive_events(allocator);
+        while let Some(batch) = self.credit.recv() {
+            self.unacknowledged = self.unacknowledged.saturating_sub(u64_of(&batch)?);
+        }
+        Ok(())
+    }
+
+    /// Waits until fewer than `limit` batches are unacknowledged; an error after `patience`.
+    fn wait_below(
+        &mut self,
+        allocator: &mut Allocator,
+        limit: u64,
+        patience: Duration,
+    ) -> Result<(), String> {
+        let started = Instant::now();
+        self.take_credit(allocator)?;
+        // Bounded by `patience`.
+        while self.unacknowledged >= limit {
+            if started.elapsed() > patience {
+                return Err(format!("no credit for {patience:?}"));
+            }
+            allocator.await_events(Some(Duration::from_millis(10)));
+            self.take_credit(allocator)?;
+        }
+        Ok(())
+    }
+
+    /// Pushes `buffer`'s bytes to the receiver as one batch and publishes it.
+    fn push_buffer(&mut self, allocator: &mut Allocator) {
+        let mut slot = Some(Batch::Owned(std::mem::take(&mut self.buffer)));
+        self.data[1].push(&mut slot);
+        if let Some(Batch::Owned(buffer)) = slot {
+            self.buffer = buffer;
+        }
+        self.unacknowledged += 1;
+        allocator.release();
+    }
+
+    /// Tells the receiver how many records to expect and closes the channels.
+    fn finish(mut self, allocator: &mut Allocator, records: u64) -> String {
+        self.end[1].send(u64_batch(records));
+        self.end[1].done();
+        self.data[1].done();
+        allocator.release();
+        format!("sent {records}")
+    }
+}
+
+/// A worker's patience with a silent peer.
+const PATIENCE: Duration = Duration::from_secs(30);
+
 /// Worker 0: batches of records for `duration`, at most `window` unacknowledged.
 fn send(mut allocator: Allocator, options: &Options) -> Result<String, String> {
-    let (mut data, _) = allocator.allocate::<Batch>(DATA);
-    let (_, mut credit) = allocator.allocate::<Batch>(CREDIT);
-    let (mut end, _) = allocator.allocate::<Batch>(END);
-    let record = vec![0xA5u8; options.record_size];
+    let mut sender = Sender::new(&mut allocator);
     let mut framed = Vec::with_capacity(options.record_size + 5);
     put_length(&mut framed, options.record_size);
-    framed.extend_from_slice(&record);
-    let mut buffer = Vec::with_capacity(options.batch_bytes.max(framed.len()));
-    let (mut records, mut unacknowledged) = (0u64, 0u64);
+    framed.resize(framed.len() + options.record_size, 0xA5);
+    sender.buffer.reserve(options.batch_bytes.max(framed.len()));
+    let mut records = 0u64;
     let started = Instant::now();
     while started.elapsed() < options.duration {
-        receive_events(&mut allocator);
-        while let Some(batch) = credit.recv() {
-            unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
-        }
-        if unacknowledged >= options.window {
-            allocator.await_events(Some(Duration::from_millis(10)));
-            continue;
-        }
+        sender.wait_below(&mut allocator, options.window, PATIENCE)?;
         // At least one record per batch, so records larger than a batch are sent too.
-        buffer.clear();
+        sender.buffer.clear();
         loop {
-            buffer.extend_from_slice(&framed);
+            sender.buffer.extend_from_slice(&framed);
             records += 1;
-            if buffer.len() + framed.len() > options.batch_bytes {
+            if sender.buffer.len() + framed.len() > options.batch_bytes {
                 break;
             }
         }
-        let mut slot = Some(Batch::Owned(buffer));
-        data[1].push(&mut slot);
-        buffer = match slot {
-            Some(Batch::Owned(buffer)) => buffer,
-            _ => Vec::with_capacity(options.batch_bytes),
-        };
-        unacknowledged += 1;
-        allocator.release();
+        sender.push_buffer(&mut allocator);
     }
-    end[1].send(u64_batch(records));
-    end[1].done();
-    data[1].done();
-    allocator.release();
-    Ok(format!("sent {records}"))
+    Ok(sender.finish(&mut allocator, records))
 }
 
-/// Worker 1: reads batches until it has the sender's total, returning credit as it goes.
-fn receive(mut allocator: Allocator, _options: &Options) -> Result<String, String> {
+/// What a receiving worker saw: the records, and when the first and last batch were read.
+struct Received {
+    records: u64,
+    /// The start of the pass that read the first batch (whose records count).
+    first: Option<Instant>,
+    last: Instant,
+}
+
+/// Worker 1's loop, both runs: reads batches until it has the sender's total, calling
+/// `on_record` for each record and returning one credit per batch read, sent once per pass.
+fn receive_all(
+    allocator: &mut Allocator,
+    mut on_record: impl FnMut(&[u8]) -> Result<(), String>,
+) -> Result<Received, String> {
     let (_, mut data) = allocator.allocate::<Batch>(DATA);
     let (mut credit, _) = allocator.allocate::<Batch>(CREDIT);
     let (_, mut end) = allocator.allocate::<Batch>(END);
-    let (mut records, mut payload) = (0u64, 0u64);
+    let mut received = Received {
+        records: 0,
+        first: None,
+        last: Instant::now(),
+    };
     let mut expected = None;
-    let mut first: Option<Instant> = None;
-    let mut last = Instant::now();
     // Bounded: the sender's run is bounded, and a silent peer ends the wait below.
     let mut idle_since = Instant::now();
     loop {
-        // The window starts with the pass that reads the first batch, whose records count.
         let pass_started = Instant::now();
-        receive_events(&mut allocator);
+        receive_events(allocator);
         let mut read = 0u64;
         while let Some(batch) = data.recv() {
-            let (r, p) = count_records(batch.bytes()).ok_or("a batch split a record")?;
-            records += r;
-            payload += p;
+            received.records += for_each_record(batch.bytes(), &mut on_record)?;
             read += 1;
         }
         if read > 0 {
-            last = Instant::now();
-            first.get_or_insert(pass_started);
-            idle_since = last;
+            received.last = Instant::now();
+            received.first.get_or_insert(pass_started);
+            idle_since = received.last;
             credit[0].send(u64_batch(read));
         }
         while let Some(batch) = end.recv() {
             expected = Some(u64_of(&batch)?);
         }
         allocator.release();
-        if expected == Some(records) {
+        if expected == Some(received.records) {
             break;
         }
         if read == 0 {
-            if idle_since.elapsed() > Duration::from_secs(30) {
-                return Err(format!("no data for 30 s after {records} records"));
+            if idle_since.elapsed() > PATIENCE {
+                let records = received.records;
+                return Err(format!("no data for {PATIENCE:?} after {records} records"));
             }
             allocator.await_events(Some(Duration::from_millis(10)));
         }
     }
     credit[0].done();
     allocator.release();
-    let elapsed = last.duration_since(first.unwrap_or(last));
+    Ok(received)
+}
+
+/// Worker 1 of the throughput run: counts records and payload bytes.
+fn receive(mut allocator: Allocator, _options: &Options) -> Result<String, String> {
+    let mut payload = 0u64;
+    let received = receive_all(&mut allocator, |record| {
+        std::hint::black_box(record.first());
+        payload += record.len() as u64;
+        Ok(())
+    })?;
+    let elapsed = received
+        .last
+        .duration_since(received.first.unwrap_or(received.last));
     Ok(format!(
-        "received {records} {payload} {}",
+        "received {} {payload} {}",
+        received.records,
         elapsed.as_nanos()
     ))
 }
@@ -319,7 +406,8 @@ fn wall_nanos() -> u64 {
 }
 
 /// Waits until `scheduled` after `epoch` as `fluxgate bench` does: sleeps while far ahead,
-/// yields when close.
+/// yields when close. (The bench's `pace`, repeated because this crate is built apart from
+/// the engine's: the same pacing is what makes the two latency runs comparable.)
 fn pace(epoch: Instant, scheduled: Duration) {
     // Bounded by the schedule: each pass moves closer to it.
     loop {
@@ -341,40 +429,20 @@ fn pace(epoch: Instant, scheduled: Duration) {
 /// *scheduled* send time, each its own message, published at once. The credit window of the
 /// throughput run applies.
 fn send_paced(mut allocator: Allocator, options: &Options) -> Result<String, String> {
-    let (mut data, _) = allocator.allocate::<Batch>(DATA);
-    let (_, mut credit) = allocator.allocate::<Batch>(CREDIT);
-    let (mut end, _) = allocator.allocate::<Batch>(END);
+    let mut sender = Sender::new(&mut allocator);
     let mut record = vec![0xA5u8; options.record_size];
-    let mut buffer = Vec::with_capacity(options.record_size + 5);
-    let mut unacknowledged = 0u64;
-    let mut push = |data: &mut Vec<Box<dyn Push<Batch>>>, record: &[u8]| {
-        buffer.clear();
-        put_length(&mut buffer, record.len());
-        buffer.extend_from_slice(record);
-        let mut slot = Some(Batch::Owned(std::mem::take(&mut buffer)));
-        data[1].push(&mut slot);
-        if let Some(Batch::Owned(back)) = slot {
-            buffer = back;
-        }
+    let send_record = |sender: &mut Sender, allocator: &mut Allocator, record: &[u8]| {
+        sender.buffer.clear();
+        put_length(&mut sender.buffer, record.len());
+        sender.buffer.extend_from_slice(record);
+        sender.push_buffer(allocator);
     };
     record[..8].copy_from_slice(&WARM_UP.to_le_bytes());
-    push(&mut data, &record);
-    unacknowledged += 1;
-    allocator.release();
-    // Bounded: the receiver answers the warm-up at once, or the wait gives up.
-    let waited = Instant::now();
-    while unacknowledged > 0 {
-        receive_events(&mut allocator);
-        while let Some(batch) = credit.recv() {
-            unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
-        }
-        if waited.elapsed() > Duration::from_secs(30) {
-            return Err("the warm-up record was not answered in 30 s".into());
-        }
-        if unacknowledged > 0 {
-            allocator.await_events(Some(Duration::from_millis(10)));
-        }
-    }
+    send_record(&mut sender, &mut allocator, &record);
+    // The receiver answers the warm-up at once.
+    sender
+        .wait_below(&mut allocator, 1, PATIENCE)
+        .map_err(|e| format!("the warm-up record was not answered: {e}"))?;
     let epoch = Instant::now();
     let epoch_wall = wall_nanos();
     let interval = Duration::from_secs_f64(1.0 / options.rate as f64);
@@ -382,85 +450,30 @@ fn send_paced(mut allocator: Allocator, options: &Options) -> Result<String, Str
     for i in 0..total {
         let scheduled = interval * i as u32;
         pace(epoch, scheduled);
-        receive_events(&mut allocator);
-        while let Some(batch) = credit.recv() {
-            unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
-        }
-        // Bounded by the receiver's credit, which it returns as it reads.
-        while unacknowledged >= options.window {
-            allocator.await_events(Some(Duration::from_millis(10)));
-            receive_events(&mut allocator);
-            while let Some(batch) = credit.recv() {
-                unacknowledged = unacknowledged.saturating_sub(u64_of(&batch)?);
-            }
-        }
+        sender.wait_below(&mut allocator, options.window, PATIENCE)?;
         let sent = epoch_wall + scheduled.as_nanos() as u64;
         record[..8].copy_from_slice(&sent.to_le_bytes());
-        push(&mut data, &record);
-        unacknowledged += 1;
-        allocator.release();
+        send_record(&mut sender, &mut allocator, &record);
     }
-    end[1].send(u64_batch(total + 1));
-    end[1].done();
-    data[1].done();
-    allocator.release();
-    Ok(format!("sent {}", total + 1))
+    Ok(sender.finish(&mut allocator, total + 1))
 }
 
 /// Worker 1 of a latency run: the one-way latency of every record but the warm-up.
 fn receive_latency(mut allocator: Allocator, _options: &Options) -> Result<String, String> {
-    let (_, mut data) = allocator.allocate::<Batch>(DATA);
-    let (mut credit, _) = allocator.allocate::<Batch>(CREDIT);
-    let (_, mut end) = allocator.allocate::<Batch>(END);
     let mut histogram = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
         .map_err(|e| e.to_string())?;
-    let (mut records, mut expected) = (0u64, None);
-    let mut idle_since = Instant::now();
-    loop {
-        receive_events(&mut allocator);
-        let mut read = 0u64;
-        while let Some(batch) = data.recv() {
-            let now = wall_nanos();
-            let mut bytes = batch.bytes();
-            // Bounded by the batch: each pass takes one record.
-            while !bytes.is_empty() {
-                let (len, used) = length_of(bytes).ok_or("a malformed record")?;
-                let record = bytes
-                    .get(used..used + len)
-                    .ok_or("a batch split a record")?;
-                let sent: [u8; 8] = record
-                    .get(..8)
-                    .and_then(|b| b.try_into().ok())
-                    .ok_or("a record shorter than its timestamp")?;
-                let sent = u64::from_le_bytes(sent);
-                if sent != WARM_UP {
-                    histogram.saturating_record(now.saturating_sub(sent).max(1));
-                }
-                records += 1;
-                bytes = &bytes[used + len..];
-            }
-            read += 1;
+    receive_all(&mut allocator, |record| {
+        let now = wall_nanos();
+        let sent: [u8; 8] = record
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .ok_or("a record shorter than its timestamp")?;
+        let sent = u64::from_le_bytes(sent);
+        if sent != WARM_UP {
+            histogram.saturating_record(now.saturating_sub(sent).max(1));
         }
-        if read > 0 {
-            idle_since = Instant::now();
-            credit[0].send(u64_batch(read));
-        }
-        while let Some(batch) = end.recv() {
-            expected = Some(u64_of(&batch)?);
-        }
-        allocator.release();
-        if expected == Some(records) {
-            break;
-        }
-        if read == 0 {
-            if idle_since.elapsed() > Duration::from_secs(30) {
-                return Err(format!("no data for 30 s after {records} records"));
-            }
-            allocator.await_events(Some(Duration::from_millis(10)));
-        }
-    }
-    credit[0].done();
-    allocator.release();
+        Ok(())
+    })?;
     let us = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
     Ok(format!(
         "latency {:.3} {:.3} {:.3} {:.3} {}",
@@ -470,18 +483,6 @@ fn receive_latency(mut allocator: Allocator, _options: &Options) -> Result<Strin
         histogram.max() as f64 / 1000.0,
         histogram.len()
     ))
-}
-
-/// The LEB128 length at the start of `bytes` and how many bytes it took.
-fn length_of(bytes: &[u8]) -> Option<(usize, usize)> {
-    let mut len = 0usize;
-    for (i, &byte) in bytes.iter().enumerate().take(5) {
-        len |= usize::from(byte & 0x7F) << (7 * i);
-        if byte < 0x80 {
-            return Some((len, i + 1));
-        }
-    }
-    None
 }
 
 /// One process of the pair: builds timely's cluster allocator and runs its worker.
