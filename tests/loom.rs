@@ -627,33 +627,7 @@ fn global_pool_request_and_recycle_on_three_threads() {
 /// deadlock under loom), and every segment is back in the global pool at the end.
 #[test]
 fn local_pool_waiter_races_global_give_back() {
-    bounded_model(|| {
-        let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 1,
-                max_segments: 2,
-                subpartitions: 1,
-                max_segments_per_channel: 2,
-                max_listeners: 1,
-            })
-            .unwrap();
-        let held = local.request_buffer_builder(0).unwrap();
-        let elsewhere = pool.request_segment().unwrap();
-        assert_eq!(pool.available_segments(), 0);
-
-        let giver = loom::thread::spawn(move || drop(elsewhere));
-        let second = local
-            .request_buffer_builder_blocking(0, FOREVER)
-            .expect("the segment given back");
-        giver.join().unwrap();
-
-        assert_ne!(second.segment_index(), held.segment_index());
-        assert_eq!(local.segments_of(0), 2);
-        drop((held, second));
-        drop(local);
-        assert_eq!(pool.available_segments(), pool.total_segments());
-    });
+    waiter_races_give_back(false);
 }
 
 /// (p2b) The same race when the segment comes back on an I/O thread, so it goes to the global
@@ -662,7 +636,12 @@ fn local_pool_waiter_races_global_give_back() {
 /// at the end.
 #[test]
 fn local_pool_waiter_races_io_thread_give_back() {
-    bounded_model(|| {
+    waiter_races_give_back(true);
+}
+
+/// The race of (p2) and (p2b); `on_io_thread`: the giving thread is marked as an I/O thread.
+fn waiter_races_give_back(on_io_thread: bool) {
+    bounded_model(move || {
         let pool = network(2);
         let local = pool
             .create_local_pool(LocalPoolSpec {
@@ -678,7 +657,9 @@ fn local_pool_waiter_races_io_thread_give_back() {
         assert_eq!(pool.available_segments(), 0);
 
         let giver = loom::thread::spawn(move || {
-            fluxgate::buffer::mark_io_thread();
+            if on_io_thread {
+                fluxgate::buffer::mark_io_thread();
+            }
             drop(elsewhere);
         });
         let second = local
