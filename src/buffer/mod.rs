@@ -17,6 +17,8 @@ pub use local::{BufferListener, LocalBufferPool, LocalPoolSpec, RequestBuilder};
 pub(crate) use network::mark_io_thread;
 #[cfg(loom)]
 pub use network::mark_io_thread;
+#[cfg(test)]
+pub(crate) use network::pool_of_4k_segments;
 pub use network::NetworkBufferPool;
 pub use segment::{
     ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, Segment,

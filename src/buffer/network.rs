@@ -280,28 +280,30 @@ impl Recycler for NetworkInner {
     }
 }
 
+/// A pool of `segments` 4 KiB segments in 64 KiB arenas, for the crate's unit tests.
+#[cfg(test)]
+pub(crate) fn pool_of_4k_segments(segments: usize) -> NetworkBufferPool {
+    let mut config = NetworkConfig::default();
+    config
+        .set("taskmanager.memory.segment-size", "4kb")
+        .unwrap();
+    config
+        .set(
+            "taskmanager.memory.network.max",
+            &(segments * 4096).to_string(),
+        )
+        .unwrap();
+    config.set("fluxgate.memory.arena-size", "64kb").unwrap();
+    NetworkBufferPool::new(&config).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn pool(segments: usize) -> NetworkBufferPool {
-        let mut config = NetworkConfig::default();
-        config
-            .set("taskmanager.memory.segment-size", "4kb")
-            .unwrap();
-        config
-            .set(
-                "taskmanager.memory.network.max",
-                &(segments * 4096).to_string(),
-            )
-            .unwrap();
-        config.set("fluxgate.memory.arena-size", "64kb").unwrap();
-        NetworkBufferPool::new(&config).unwrap()
-    }
-
     #[test]
     fn a_segment_an_io_thread_gives_back_comes_out_after_the_warm_depth_others_after_all() {
-        let pool = pool(64);
+        let pool = pool_of_4k_segments(64);
         let inner = pool.inner.clone();
         assert_eq!(inner.warm_depth, 16, "a quarter of 64 segments");
         let taken: Vec<Segment> = std::iter::from_fn(|| inner.take()).collect();

@@ -294,18 +294,10 @@ fn push_from<'a>(out: &mut Vec<IoSlice<'a>>, bytes: &'a [u8], skip: &mut usize) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buffer::{DataType, NetworkBufferPool};
-    use crate::config::NetworkConfig;
+    use crate::buffer::{pool_of_4k_segments, DataType, NetworkBufferPool};
 
     fn pool() -> NetworkBufferPool {
-        let mut config = NetworkConfig::default();
-        config
-            .set("taskmanager.memory.segment-size", "4kb")
-            .unwrap();
-        config
-            .set("taskmanager.memory.network.max", "64kb")
-            .unwrap();
-        NetworkBufferPool::new(&config).unwrap()
+        pool_of_4k_segments(16)
     }
 
     fn queue_buffer(outbound: &mut Outbound, pool: &NetworkBufferPool, bytes: &[u8]) {
