@@ -1,7 +1,8 @@
 //! loom model checks of the lock-free protocols (run with `RUSTFLAGS="--cfg loom"`, as
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
-//! wake-ups, the channels-with-data / ready-reader queue with its enqueued flags, the I/O
-//! thread's parked flag, and a subpartition's backlog count.
+//! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
+//! ready-reader queue with its enqueued flags, the I/O thread's parked flag, and a
+//! subpartition's backlog count.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -249,6 +250,7 @@ use std::time::Duration;
 
 use fluxgate::buffer::{BufferListener, PooledSegment};
 use fluxgate::gate::queue::{ChannelQueue, ChannelQueueHandle};
+use fluxgate::gate::BufferManager;
 use fluxgate::io::waker::IoWaker;
 use fluxgate::sync::ArrayQueue;
 use loom::sync::atomic::{AtomicUsize, Ordering};
@@ -737,6 +739,144 @@ fn local_pool_listener_races_recycle() {
         assert_eq!(local.available_segments(), 0);
         drop((now, told, second));
         drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p3b) The same race when the recycled segment leaves the pool: above its minimum, a pool
+/// gives a recycled segment no listener wanted back to the global pool. A listener that
+/// registered meanwhile, its second look finding the pool at its maximum, must still get a
+/// segment (the pool grows again for it), or it waits with the pool below its maximum and a
+/// segment free in the global pool.
+#[test]
+fn local_pool_listener_races_recycle_above_the_minimum() {
+    bounded_model(|| {
+        let pool = network(2);
+        let local = pool
+            .create_local_pool(LocalPoolSpec {
+                min_segments: 1,
+                max_segments: 2,
+                subpartitions: 0,
+                max_segments_per_channel: usize::MAX,
+                max_listeners: 1,
+            })
+            .unwrap();
+        let first = local.request_segment().unwrap();
+        let second = local.request_segment().unwrap();
+
+        let recycler = loom::thread::spawn(move || drop(first));
+        let keeper = Arc::new(KeepingListener::default());
+        let listener: Arc<dyn BufferListener> = keeper.clone();
+        let now = local.request_segment_or_listen(&listener).unwrap();
+        recycler.join().unwrap();
+
+        let told: Vec<PooledSegment> = std::mem::take(&mut *keeper.segments.lock().unwrap());
+        assert_eq!(
+            usize::from(now.is_some()) + told.len(),
+            1,
+            "the listener waits while the pool holds {} of its 2 segments",
+            local.requested_segments()
+        );
+        drop((now, told, second));
+        drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p4) A remote channel without exclusive buffers asks its gate's pool for a floating
+/// segment from two threads at once: the transport on a sender's backlog, and a task whose
+/// recycled segment the channel was just told of (still short, it asks again). The channel is
+/// registered at the pool at most once, and exactly while it says it waits. Two registrations
+/// once filled the gate's listener slots (one per remote channel): another channel's request
+/// was then refused, that channel stopped asking, and the floating-only cluster stalled with a
+/// segment free in the pool and its sender waiting for credit.
+#[test]
+fn remote_channel_backlog_races_floating_handover() {
+    bounded_model(|| {
+        let pool = network(2);
+        let local = Arc::new(
+            pool.create_local_pool(LocalPoolSpec {
+                min_segments: 2,
+                max_segments: 2,
+                subpartitions: 0,
+                max_segments_per_channel: usize::MAX,
+                // As for a gate with a second remote channel: room for a duplicate.
+                max_listeners: 2,
+            })
+            .unwrap(),
+        );
+        let channel = BufferManager::new(0, local.clone(), 0, 2).unwrap();
+        // A backlog of 3: both segments of the pool, and a registration for a third.
+        channel.on_sender_backlog(3);
+        assert_eq!(channel.available(), 2);
+        assert_eq!(local.listener_count(), 1);
+        // A buffer arrived into one of them; the task reads it and recycles it, while the
+        // sender's next response repeats the backlog.
+        let received = channel.take_segment().unwrap();
+        let task = thread::spawn(move || drop(received));
+        channel.on_sender_backlog(3);
+        task.join().unwrap();
+
+        assert_eq!(
+            channel.available(),
+            2,
+            "the recycled segment is floating credit again"
+        );
+        assert!(
+            local.listener_count() <= 1,
+            "the channel is registered {} times",
+            local.listener_count()
+        );
+        assert_eq!(
+            local.listener_count(),
+            usize::from(channel.is_waiting_for_floating()),
+            "registered at the pool exactly while the channel says it waits"
+        );
+        // The pool's destruction drops the registration; the channel's release its segments.
+        drop(local);
+        channel.release();
+        drop(channel);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p5) A registered remote channel is released (its gate read its end) while another thread
+/// recycles the segment it waits for, which the pool hands to it: the segment never stays in
+/// the released channel, where nothing would take it out again before the gate closes.
+#[test]
+fn remote_channel_release_races_floating_handover() {
+    bounded_model(|| {
+        let pool = network(1);
+        let local = Arc::new(
+            pool.create_local_pool(LocalPoolSpec {
+                min_segments: 1,
+                max_segments: 1,
+                subpartitions: 0,
+                max_segments_per_channel: usize::MAX,
+                max_listeners: 1,
+            })
+            .unwrap(),
+        );
+        let held = local.request_segment().unwrap();
+        let channel = BufferManager::new(0, local.clone(), 0, 1).unwrap();
+        channel.on_sender_backlog(1);
+        assert_eq!(
+            local.listener_count(),
+            1,
+            "nothing free: the channel registered"
+        );
+
+        let recycler = thread::spawn(move || drop(held));
+        channel.release();
+        recycler.join().unwrap();
+
+        assert_eq!(
+            channel.available(),
+            0,
+            "a segment stayed in the released channel"
+        );
+        drop(local);
+        drop(channel);
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }

@@ -122,6 +122,9 @@ impl fmt::Debug for LocalBufferPool {
             .field("spec", &self.shared.spec)
             .field("requested", &self.requested_segments())
             .field("available", &self.available_segments())
+            .field("listeners", &self.listener_count())
+            .field("waiting", &self.shared.waiting.load(Ordering::Relaxed))
+            .field("starved", &self.shared.starved.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -265,6 +268,12 @@ impl LocalBufferPool {
     /// Segments held here and free.
     pub fn available_segments(&self) -> usize {
         self.shared.available.len()
+    }
+
+    /// Buffer listeners registered and not yet told of a segment (one per remote channel
+    /// waiting for a floating buffer at most).
+    pub fn listener_count(&self) -> usize {
+        self.shared.listeners.len()
     }
 
     /// Segments leased out now.
@@ -413,7 +422,9 @@ impl LocalPoolShared {
 
     /// Takes one more segment from the global pool if under the maximum.
     fn grow(&self) -> Option<Segment> {
-        let mut requested = self.requested.load(Ordering::Relaxed);
+        // SeqCst: a registering listener's second look must see a give-back's decrement, or
+        // that give-back see the listener (`place`).
+        let mut requested = self.requested.load(Ordering::SeqCst);
         loop {
             if requested >= self.spec.max_segments {
                 return None;
@@ -471,6 +482,18 @@ impl LocalPoolShared {
                 self.give_back(free);
                 // A waiter of this pool can now grow from the global pool again.
                 self.wake_waiters();
+                // So can a listener that registered after `offer_to_listeners` looked: its
+                // second look found the pool at its maximum, before `give_back` made room.
+                // The count's decrement (SeqCst) before this look, and the registration
+                // before that second look's read of the count (SeqCst, in `grow`), make one
+                // of the two see the other. Bounded: every listener offered a segment is
+                // unregistered by the offer.
+                if !self.destroyed.load(Ordering::SeqCst) && !self.listeners.is_empty() {
+                    if let Some(grown) = self.grow() {
+                        segment = grown;
+                        continue;
+                    }
+                }
                 return;
             }
             // Kept: under the minimum, so it stays this pool's, but not this segment. It was
@@ -521,7 +544,8 @@ impl LocalPoolShared {
     }
 
     fn give_back(&self, segment: Segment) {
-        self.requested.fetch_sub(1, Ordering::Relaxed);
+        // SeqCst: pairs with `grow`'s first read (see `place`).
+        self.requested.fetch_sub(1, Ordering::SeqCst);
         self.network.give_back(segment);
     }
 

@@ -8,17 +8,16 @@
 //! in an AddCredit message; exactly one announcement is due when it goes from 0 to positive.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 use arc_swap::ArcSwapOption;
-use crossbeam_queue::ArrayQueue;
 
 use super::channel::ChannelMetrics;
 use super::queue::ChannelQueue;
 use super::{ChannelRead, ConsumedSubpartition, GateError};
 use crate::buffer::segment_internals::{FreeList, SegmentMemory};
 use crate::buffer::{Buffer, BufferListener, LocalBufferPool, PooledSegment, Recycler, Segment};
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 /// Told when a channel has something for the transport to send: credit to announce, a
 /// resume-consumption request, or a release.
@@ -47,7 +46,10 @@ pub struct BufferManager {
     floating: ArrayQueue<PooledSegment>,
     /// Segments wanted: the sender's backlog plus the exclusive ones.
     required: AtomicUsize,
-    /// Registered at the gate's pool as a listener for a floating segment.
+    /// Registered at the gate's pool as a listener for a floating segment, or about to ask:
+    /// claimed by exchange, so the channel never has two registrations (the pool has one
+    /// listener slot per channel). Cleared only before `required` is read again: see
+    /// [`on_segment_available`](BufferListener::on_segment_available).
     waiting_for_floating: AtomicBool,
     unannounced_credit: AtomicU32,
     /// Held (only by a channel without exclusive segments) while floating segments become
@@ -68,6 +70,12 @@ impl fmt::Debug for BufferManager {
             .field("exclusive_free", &self.exclusive_free.len())
             .field("floating", &self.floating.len())
             .field("unannounced_credit", &self.unannounced_credit())
+            .field("required", &self.required.load(Ordering::Relaxed))
+            .field("waiting_for_floating", &self.is_waiting_for_floating())
+            .field(
+                "floating_released",
+                &self.floating_released.load(Ordering::Relaxed),
+            )
             .finish()
     }
 }
@@ -135,6 +143,12 @@ impl BufferManager {
         self.exclusive_free.len() + self.floating.len()
     }
 
+    /// True while the channel is registered at the gate's pool for a floating segment (or
+    /// asking for one right now).
+    pub fn is_waiting_for_floating(&self) -> bool {
+        self.waiting_for_floating.load(Ordering::SeqCst)
+    }
+
     /// Credit granted but not yet announced to the sender.
     pub fn unannounced_credit(&self) -> u32 {
         self.unannounced_credit.load(Ordering::Acquire)
@@ -169,8 +183,11 @@ impl BufferManager {
     /// lowers what the channel wants (surplus floating segments go back as they come free);
     /// its exclusive segments are the credit for whatever the sender queues next.
     pub fn on_sender_backlog(&self, backlog: usize) {
+        // SeqCst, with the flag's SeqCst load in `request_floating`: either this thread sees
+        // the flag cleared and asks itself, or the thread that cleared it reads this store
+        // (store then load on both sides, Dekker's pattern).
         self.required
-            .store(backlog + self.exclusive_total, Ordering::Release);
+            .store(backlog + self.exclusive_total, Ordering::SeqCst);
         if backlog > 0 {
             self.request_floating();
         }
@@ -189,7 +206,7 @@ impl BufferManager {
         {
             let _guard = self.floating_credit.lock().expect("not poisoned");
             // From here no segment becomes credit: `keep_floating` finds enough.
-            self.required.store(0, Ordering::Release);
+            self.required.store(0, Ordering::SeqCst);
             self.floating_released.store(true, Ordering::Release);
         }
         // Dropped outside the lock: a recycle may offer a segment to this channel again.
@@ -229,8 +246,7 @@ impl BufferManager {
     fn request_floating(&self) {
         let mut announce = false;
         while !self.released.load(Ordering::SeqCst)
-            && self.available() < self.required.load(Ordering::Acquire)
-            && !self.waiting_for_floating.load(Ordering::Acquire)
+            && self.available() < self.required.load(Ordering::SeqCst)
         {
             let me: Option<Arc<dyn BufferListener>> =
                 self.me.upgrade().map(|m| m as Arc<dyn BufferListener>);
@@ -239,10 +255,21 @@ impl BufferManager {
             let Some(pool) = self.pool.upgrade() else {
                 break;
             };
-            self.waiting_for_floating.store(true, Ordering::Release);
+            // Claimed, not just looked at: the transport (a backlog) and a recycling task (a
+            // listener told of a segment, still short) both get here, and two that both found
+            // the flag clear registered twice. The pool has one listener slot per channel,
+            // so a later registration found the slots taken and the channel stopped asking,
+            // with a segment free in the pool and its sender waiting for credit.
+            if self
+                .waiting_for_floating
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                break; // registered already, or another thread is asking right now
+            }
             match pool.request_segment_or_listen(&me) {
                 Ok(Some(segment)) => {
-                    self.waiting_for_floating.store(false, Ordering::Release);
+                    self.waiting_for_floating.store(false, Ordering::SeqCst);
                     match self.keep_floating(segment) {
                         Ok(first) => announce |= first,
                         Err(segment) => {
@@ -253,8 +280,15 @@ impl BufferManager {
                 }
                 // Registered: the pool calls `on_segment_available` later.
                 Ok(None) => break,
-                Err(_) => {
-                    self.waiting_for_floating.store(false, Ordering::Release);
+                Err(error) => {
+                    // Only a destroyed pool: with one registration per channel the listener
+                    // slots cannot run out.
+                    debug_assert!(
+                        matches!(error, crate::buffer::PoolError::Destroyed),
+                        "channel {}: {error}",
+                        self.channel
+                    );
+                    self.waiting_for_floating.store(false, Ordering::SeqCst);
                     break;
                 }
             }
@@ -274,11 +308,20 @@ impl BufferManager {
         let _guard =
             (self.exclusive_total == 0).then(|| self.floating_credit.lock().expect("not poisoned"));
         if self.released.load(Ordering::SeqCst)
-            || self.available() >= self.required.load(Ordering::Acquire)
+            || self.available() >= self.required.load(Ordering::SeqCst)
         {
             return Err(segment);
         }
         self.floating.push(segment)?;
+        // `release` may have emptied the queue between the check above and the push (it takes
+        // no lock): look again, after the push, as `release` pops after its store. What it
+        // missed is handed back here instead of staying in a released channel for good.
+        if self.released.load(Ordering::SeqCst) {
+            return match self.floating.pop() {
+                Some(segment) => Err(segment),
+                None => Ok(false),
+            };
+        }
         Ok(self.unannounced_credit.fetch_add(1, Ordering::AcqRel) == 0)
     }
 
@@ -331,7 +374,9 @@ impl Recycler for BufferManager {
 
 impl BufferListener for BufferManager {
     fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment> {
-        self.waiting_for_floating.store(false, Ordering::Release);
+        // Cleared before `required` is read (in `keep_floating`), both SeqCst: a backlog that
+        // arrived while the flag was still set, and so did not ask for itself, is seen here.
+        self.waiting_for_floating.store(false, Ordering::SeqCst);
         if self.keep_floating(segment)? {
             self.notify_credit();
         }
@@ -341,7 +386,7 @@ impl BufferListener for BufferManager {
     }
 
     fn on_pool_destroyed(&self) {
-        self.waiting_for_floating.store(false, Ordering::Release);
+        self.waiting_for_floating.store(false, Ordering::SeqCst);
     }
 }
 

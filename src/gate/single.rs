@@ -251,6 +251,9 @@ impl SingleInputGate {
             self.specs.len(),
             self.queue.debug_summary()
         );
+        if let Some(pool) = &self.pool {
+            out.push_str(&format!("; pool {pool:?}"));
+        }
         for (index, channel) in self.channels.iter().enumerate() {
             if let InputChannel::Local(local) = channel {
                 out.push_str(&format!(
@@ -262,11 +265,10 @@ impl SingleInputGate {
             if let InputChannel::Remote(remote) = channel {
                 let shared = remote.shared();
                 out.push_str(&format!(
-                    "; ch{index}: finished {} queued {} free {} unannounced {} next-seq {} retries {}",
+                    "; ch{index}: finished {} queued {} {:?} next-seq {} retries {}",
                     self.finished[index],
                     shared.queued(),
-                    shared.buffers().available(),
-                    shared.buffers().unannounced_credit(),
+                    shared.buffers(),
                     shared.expected_sequence(),
                     shared.request_retries()
                 ));
