@@ -147,7 +147,12 @@ struct Reader {
     credit: u32,
     /// The credit the partition request brought: the consumer's exclusive buffers.
     initial_credit: u32,
-    /// A backlog announcement was sent and no credit arrived since.
+    /// The last backlog the consumer heard of, in an announcement or in a response's header,
+    /// was above 0, and no credit arrived since. A consumer without exclusive buffers answers
+    /// that with credit, so a sender at zero credit need not announce again. Every response
+    /// sets it anew: the consumer takes each header's backlog as the truth (a priority event
+    /// sent without credit can report less than an announcement before it), and a sender
+    /// that went on trusting the older announcement waited for credit that never came.
     backlog_announced: bool,
 }
 
@@ -763,6 +768,7 @@ impl ServerConnection {
         let more = item.next_data_type.is_event()
             || (reader.credit > 0 && item.next_data_type != crate::buffer::DataType::None);
         let next_priority = item.next_data_type.has_priority();
+        reader.backlog_announced = item.backlog > 0;
         let mut buffer = item.buffer;
         match buffer.headroom_mut() {
             Some(room) => {
