@@ -930,3 +930,47 @@ fn subpartition_backlog_races_the_finish_of_a_buffer() {
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }
+
+/// (p6) The reader takes a finished buffer while the producer finishes the next one (a flush
+/// made its start readable): an item whose next is a data buffer never comes with a backlog
+/// of 0. The backlog once read the count before the next buffer's state, saw the finish but
+/// not the count taken just before it, and a sender announced nothing to a consumer without
+/// exclusive buffers that was then never asked for credit (the floating-only cluster stalled).
+#[test]
+fn a_next_data_buffer_is_always_in_the_backlog() {
+    bounded_model(|| {
+        let config = config(4);
+        let pool = NetworkBufferPool::new(&config).unwrap();
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 1,
+        };
+        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
+        let mut view = partition
+            .handle()
+            .create_view(0, Arc::new(Unheard))
+            .unwrap();
+        // The second record spans: it finishes the first buffer and starts a second, whose
+        // start the flush makes readable.
+        partition.emit_record(&[1u8; 3000][..], 0).unwrap();
+        partition.emit_record(&[2u8; 3000][..], 0).unwrap();
+        partition.flush(0);
+
+        let producer = thread::spawn(move || {
+            partition.finish().unwrap();
+            partition
+        });
+        let first = view.poll_next().expect("the finished first buffer");
+        let partition = producer.join().unwrap();
+        if first.next_data_type.is_buffer() {
+            assert!(
+                first.backlog >= 1,
+                "next is {:?} but the backlog is {}",
+                first.next_data_type,
+                first.backlog
+            );
+        }
+        drop((first, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}

@@ -305,17 +305,22 @@ impl SubpartitionView {
             return 0;
         }
         let sub = &self.subpartition;
-        let finished = sub.backlog.load(Ordering::Acquire);
+        // The count is read after the head's state, never before: the producer counts a
+        // buffer before it finishes it, so a count read after seeing the head finished
+        // includes it. Read before, it could predate the count while the finish was seen,
+        // and a sender told "next is data" reported a backlog of 0; a consumer without
+        // exclusive buffers then asked for nothing and the sender waited for credit.
         match &self.head {
             // Only the last item may be unfinished, so nothing finished waits behind this
-            // head; `finished` can only be the count taken just before this very head
+            // head; the count can only be the one taken just before this very head
             // finishes. Either way the head is at most one buffer.
             Some(head) if !head.is_finished() => {
+                let finished = sub.backlog.load(Ordering::Acquire);
                 let flushed_tail =
                     sub.flush_requested.load(Ordering::Acquire) && head.is_data_available();
                 finished.max(usize::from(flushed_tail))
             }
-            _ => finished,
+            _ => sub.backlog.load(Ordering::Acquire),
         }
     }
 
