@@ -811,7 +811,9 @@ fn remote_channel_backlog_races_floating_handover() {
         assert_eq!(channel.available(), 2);
         assert_eq!(local.listener_count(), 1);
         // A buffer arrived into one of them; the task reads it and recycles it, while the
-        // sender's next response repeats the backlog.
+        // sender's next response repeats the backlog. (The SeqCst pairing of a backlog that
+        // rises while another thread holds the flag is not modelled: loom treats SeqCst as
+        // AcqRel.)
         let received = channel.take_segment().unwrap();
         let task = thread::spawn(move || drop(received));
         channel.on_sender_backlog(3);

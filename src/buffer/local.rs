@@ -485,7 +485,8 @@ impl LocalPoolShared {
                 // So can a listener that registered after `offer_to_listeners` looked: its
                 // second look found the pool at its maximum, before `give_back` made room.
                 // The count's decrement (SeqCst) before this look, and the registration
-                // before that second look's read of the count (SeqCst, in `grow`), make one
+                // before that second look's read of the count (SeqCst, in `grow`; the
+                // listener queue's push and is_empty are SeqCst inside crossbeam), make one
                 // of the two see the other. Bounded: every listener offered a segment is
                 // unregistered by the offer.
                 if !self.destroyed.load(Ordering::SeqCst) && !self.listeners.is_empty() {

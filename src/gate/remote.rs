@@ -48,8 +48,9 @@ pub struct BufferManager {
     required: AtomicUsize,
     /// Registered at the gate's pool as a listener for a floating segment, or about to ask:
     /// claimed by exchange, so the channel never has two registrations (the pool has one
-    /// listener slot per channel). Cleared only before `required` is read again: see
-    /// [`on_segment_available`](BufferListener::on_segment_available).
+    /// listener slot per channel). Cleared only before `required` is read again (see
+    /// [`on_segment_available`](BufferListener::on_segment_available)), or once the pool is
+    /// gone.
     waiting_for_floating: AtomicBool,
     unannounced_credit: AtomicU32,
     /// Held (only by a channel without exclusive segments) while floating segments become
@@ -183,9 +184,9 @@ impl BufferManager {
     /// lowers what the channel wants (surplus floating segments go back as they come free);
     /// its exclusive segments are the credit for whatever the sender queues next.
     pub fn on_sender_backlog(&self, backlog: usize) {
-        // SeqCst, with the flag's SeqCst load in `request_floating`: either this thread sees
-        // the flag cleared and asks itself, or the thread that cleared it reads this store
-        // (store then load on both sides, Dekker's pattern).
+        // SeqCst, with the flag's SeqCst compare_exchange in `request_floating`: either this
+        // thread finds the flag cleared and asks itself, or the thread that cleared it reads
+        // this store (store then load on both sides, Dekker's pattern).
         self.required
             .store(backlog + self.exclusive_total, Ordering::SeqCst);
         if backlog > 0 {
@@ -257,9 +258,9 @@ impl BufferManager {
             };
             // Claimed, not just looked at: the transport (a backlog) and a recycling task (a
             // listener told of a segment, still short) both get here, and two that both found
-            // the flag clear registered twice. The pool has one listener slot per channel,
-            // so a later registration found the slots taken and the channel stopped asking,
-            // with a segment free in the pool and its sender waiting for credit.
+            // the flag clear registered twice. The pool has one listener slot per channel, so
+            // another channel's registration then found the slots taken and that channel
+            // stopped asking, with a segment free in the pool and its sender out of credit.
             if self
                 .waiting_for_floating
                 .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)

@@ -147,12 +147,11 @@ struct Reader {
     credit: u32,
     /// The credit the partition request brought: the consumer's exclusive buffers.
     initial_credit: u32,
-    /// The last backlog the consumer heard of, in an announcement or in a response's header,
-    /// was above 0, and no credit arrived since. A consumer without exclusive buffers answers
-    /// that with credit, so a sender at zero credit need not announce again. Every response
-    /// sets it anew: the consumer takes each header's backlog as the truth (a priority event
-    /// sent without credit can report less than an announcement before it), and a sender
-    /// that went on trusting the older announcement waited for credit that never came.
+    /// The last backlog the consumer heard of (announced, or in a response's header) was above
+    /// 0 and no credit or resume came since: a consumer without exclusive buffers answers it
+    /// with credit, so a sender at zero credit need not announce again. Set by every response,
+    /// as the consumer takes each header as the truth: a priority event can report less than
+    /// the announcement before it, and a sender trusting that announcement waited for ever.
     backlog_announced: bool,
 }
 
