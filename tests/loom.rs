@@ -248,7 +248,7 @@ use std::sync::Arc;
 use std::task::{Wake, Waker};
 use std::time::Duration;
 
-use fluxgate::buffer::{BufferListener, PooledSegment};
+use fluxgate::buffer::{BufferListener, LocalBufferPool, PooledSegment};
 use fluxgate::gate::queue::{ChannelQueue, ChannelQueueHandle};
 use fluxgate::gate::BufferManager;
 use fluxgate::io::waker::IoWaker;
@@ -692,6 +692,25 @@ impl BufferListener for KeepingListener {
     fn on_pool_destroyed(&self) {}
 }
 
+/// A gate's pool of `network`: `min` to `max` segments, no per-subpartition accounting, room
+/// for `listeners` buffer listeners.
+fn gate_pool(
+    network: &NetworkBufferPool,
+    min: usize,
+    max: usize,
+    listeners: usize,
+) -> LocalBufferPool {
+    network
+        .create_local_pool(LocalPoolSpec {
+            min_segments: min,
+            max_segments: max,
+            subpartitions: 0,
+            max_segments_per_channel: usize::MAX,
+            max_listeners: listeners,
+        })
+        .unwrap()
+}
+
 /// (p3) A gate pool's availability/listener path: with every segment of the pool leased, a
 /// channel asks for a segment or to be told (`request_segment_or_listen`) while another thread
 /// recycles a segment of the pool. The recycled segment reaches the channel, now or through its
@@ -699,48 +718,7 @@ impl BufferListener for KeepingListener {
 /// notification), and is never handed out twice.
 #[test]
 fn local_pool_listener_races_recycle() {
-    bounded_model(|| {
-        let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 2,
-                max_segments: 2,
-                subpartitions: 0,
-                max_segments_per_channel: usize::MAX,
-                max_listeners: 1,
-            })
-            .unwrap();
-        let first = local.request_segment().unwrap();
-        let second = local.request_segment().unwrap();
-        let first_index = first.index();
-
-        let recycler = loom::thread::spawn(move || drop(first));
-        let keeper = Arc::new(KeepingListener::default());
-        let listener: Arc<dyn BufferListener> = keeper.clone();
-        let now = local.request_segment_or_listen(&listener).unwrap();
-        recycler.join().unwrap();
-
-        let told: Vec<PooledSegment> = std::mem::take(&mut *keeper.segments.lock().unwrap());
-        match &now {
-            Some(segment) => {
-                assert_eq!(segment.index(), first_index);
-                assert!(told.is_empty(), "handed out twice");
-            }
-            None => {
-                assert_eq!(
-                    told.len(),
-                    1,
-                    "the listener waits while {} segment(s) sit free in the pool",
-                    local.available_segments()
-                );
-                assert_eq!(told[0].index(), first_index);
-            }
-        }
-        assert_eq!(local.available_segments(), 0);
-        drop((now, told, second));
-        drop(local);
-        assert_eq!(pool.available_segments(), pool.total_segments());
-    });
+    bounded_model(|| listener_races_recycle(2));
 }
 
 /// (p3b) The same race when the recycled segment leaves the pool: above its minimum, a pool
@@ -750,37 +728,44 @@ fn local_pool_listener_races_recycle() {
 /// segment free in the global pool.
 #[test]
 fn local_pool_listener_races_recycle_above_the_minimum() {
-    bounded_model(|| {
-        let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 1,
-                max_segments: 2,
-                subpartitions: 0,
-                max_segments_per_channel: usize::MAX,
-                max_listeners: 1,
-            })
-            .unwrap();
-        let first = local.request_segment().unwrap();
-        let second = local.request_segment().unwrap();
+    bounded_model(|| listener_races_recycle(1));
+}
 
-        let recycler = loom::thread::spawn(move || drop(first));
-        let keeper = Arc::new(KeepingListener::default());
-        let listener: Arc<dyn BufferListener> = keeper.clone();
-        let now = local.request_segment_or_listen(&listener).unwrap();
-        recycler.join().unwrap();
+/// The body of p3 and p3b: a pool of 2 segments at most, `min_segments` of them promised.
+fn listener_races_recycle(min_segments: usize) {
+    let pool = network(2);
+    let local = gate_pool(&pool, min_segments, 2, 1);
+    let first = local.request_segment().unwrap();
+    let second = local.request_segment().unwrap();
+    let first_index = first.index();
 
-        let told: Vec<PooledSegment> = std::mem::take(&mut *keeper.segments.lock().unwrap());
-        assert_eq!(
-            usize::from(now.is_some()) + told.len(),
-            1,
-            "the listener waits while the pool holds {} of its 2 segments",
-            local.requested_segments()
-        );
-        drop((now, told, second));
-        drop(local);
-        assert_eq!(pool.available_segments(), pool.total_segments());
-    });
+    let recycler = loom::thread::spawn(move || drop(first));
+    let keeper = Arc::new(KeepingListener::default());
+    let listener: Arc<dyn BufferListener> = keeper.clone();
+    let now = local.request_segment_or_listen(&listener).unwrap();
+    recycler.join().unwrap();
+
+    let told: Vec<PooledSegment> = std::mem::take(&mut *keeper.segments.lock().unwrap());
+    match &now {
+        Some(segment) => {
+            assert_eq!(segment.index(), first_index);
+            assert!(told.is_empty(), "handed out twice");
+        }
+        None => {
+            assert_eq!(
+                told.len(),
+                1,
+                "the listener waits while the pool holds {} of its 2 segments, {} free",
+                local.requested_segments(),
+                local.available_segments()
+            );
+            assert_eq!(told[0].index(), first_index);
+        }
+    }
+    assert_eq!(local.available_segments(), 0);
+    drop((now, told, second));
+    drop(local);
+    assert_eq!(pool.available_segments(), pool.total_segments());
 }
 
 /// (p4) A remote channel without exclusive buffers asks its gate's pool for a floating
@@ -794,17 +779,8 @@ fn local_pool_listener_races_recycle_above_the_minimum() {
 fn remote_channel_backlog_races_floating_handover() {
     bounded_model(|| {
         let pool = network(2);
-        let local = Arc::new(
-            pool.create_local_pool(LocalPoolSpec {
-                min_segments: 2,
-                max_segments: 2,
-                subpartitions: 0,
-                max_segments_per_channel: usize::MAX,
-                // As for a gate with a second remote channel: room for a duplicate.
-                max_listeners: 2,
-            })
-            .unwrap(),
-        );
+        // Two listener slots, as for a gate with a second remote channel: room for a duplicate.
+        let local = Arc::new(gate_pool(&pool, 2, 2, 2));
         let channel = BufferManager::new(0, local.clone(), 0, 2).unwrap();
         // A backlog of 3: both segments of the pool, and a registration for a third.
         channel.on_sender_backlog(3);
@@ -849,16 +825,7 @@ fn remote_channel_backlog_races_floating_handover() {
 fn remote_channel_release_races_floating_handover() {
     bounded_model(|| {
         let pool = network(1);
-        let local = Arc::new(
-            pool.create_local_pool(LocalPoolSpec {
-                min_segments: 1,
-                max_segments: 1,
-                subpartitions: 0,
-                max_segments_per_channel: usize::MAX,
-                max_listeners: 1,
-            })
-            .unwrap(),
-        );
+        let local = Arc::new(gate_pool(&pool, 1, 1, 1));
         let held = local.request_segment().unwrap();
         let channel = BufferManager::new(0, local.clone(), 0, 1).unwrap();
         channel.on_sender_backlog(1);
