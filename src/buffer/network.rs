@@ -283,18 +283,13 @@ impl Recycler for NetworkInner {
 /// A pool of `segments` 4 KiB segments in 64 KiB arenas, for the crate's unit tests.
 #[cfg(test)]
 pub(crate) fn pool_of_4k_segments(segments: usize) -> NetworkBufferPool {
-    let mut config = NetworkConfig::default();
-    config
-        .set("taskmanager.memory.segment-size", "4kb")
-        .unwrap();
-    config
-        .set(
-            "taskmanager.memory.network.max",
-            &(segments * 4096).to_string(),
-        )
-        .unwrap();
-    config.set("fluxgate.memory.arena-size", "64kb").unwrap();
-    NetworkBufferPool::new(&config).unwrap()
+    NetworkBufferPool::new(&NetworkConfig {
+        segment_size: 4096,
+        network_memory_bytes: segments * 4096,
+        arena_bytes: 64 * 1024,
+        ..NetworkConfig::default()
+    })
+    .unwrap()
 }
 
 #[cfg(test)]
