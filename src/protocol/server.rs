@@ -152,7 +152,7 @@ struct Reader {
     /// with credit, so a sender at zero credit need not announce again. Set by every response,
     /// as the consumer takes each header as the truth: a priority event can report less than
     /// the announcement before it, and a sender trusting that announcement waited for ever.
-    backlog_announced: bool,
+    consumer_heard_backlog: bool,
 }
 
 /// A partition request waiting for its partition to be registered.
@@ -404,10 +404,10 @@ impl ServerConnection {
         );
         for reader in self.readers.iter().flatten() {
             out.push_str(&format!(
-                "  receiver {:?} credit {} announced {} view [{}]\n",
+                "  receiver {:?} credit {} heard-backlog {} view [{}]\n",
                 reader.receiver,
                 reader.credit,
-                reader.backlog_announced,
+                reader.consumer_heard_backlog,
                 reader.view.debug_summary()
             ));
         }
@@ -498,7 +498,7 @@ impl ServerConnection {
                         .checked_add(credit)
                         .filter(|c| *c <= MAX_CREDIT)
                         .ok_or(ProtocolError::CreditOverflow(receiver))?;
-                    reader.backlog_announced = false;
+                    reader.consumer_heard_backlog = false;
                     self.ready.enqueue(slot);
                 }
             }
@@ -512,7 +512,7 @@ impl ServerConnection {
                         // A resume of a reader that never blocked changes nothing: that
                         // consumer still holds its segments.
                         reader.credit = 0;
-                        reader.backlog_announced = false;
+                        reader.consumer_heard_backlog = false;
                     }
                     reader.view.resume_consumption();
                     self.ready.enqueue(slot);
@@ -663,7 +663,7 @@ impl ServerConnection {
                     view,
                     credit: request.credit,
                     initial_credit: request.credit,
-                    backlog_announced: false,
+                    consumer_heard_backlog: false,
                 });
                 self.by_receiver.insert(request.receiver, slot);
                 // Data may already be queued.
@@ -722,11 +722,11 @@ impl ServerConnection {
                 // from every BufferResponse and gets its exclusive credit back as it reads, so
                 // an announcement would only cost it a packet and a wake-up per credit stall.
                 // An announced backlog is answered by AddCredit, which requeues the reader.
-                if reader.initial_credit == 0 && !reader.backlog_announced {
+                if reader.initial_credit == 0 && !reader.consumer_heard_backlog {
                     if backlog > 0 {
                         // No credit to send with: tell the consumer so it can find floating
                         // buffers.
-                        reader.backlog_announced = true;
+                        reader.consumer_heard_backlog = true;
                         let message = Message::BacklogAnnouncement {
                             receiver: reader.receiver,
                             backlog: backlog as u32,
@@ -767,7 +767,7 @@ impl ServerConnection {
         let more = item.next_data_type.is_event()
             || (reader.credit > 0 && item.next_data_type != crate::buffer::DataType::None);
         let next_priority = item.next_data_type.has_priority();
-        reader.backlog_announced = item.backlog > 0;
+        reader.consumer_heard_backlog = item.backlog > 0;
         let mut buffer = item.buffer;
         match buffer.headroom_mut() {
             Some(room) => {
