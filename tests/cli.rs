@@ -284,6 +284,91 @@ fn cluster_reports_a_port_in_use() {
     let _ = std::fs::remove_file(path);
 }
 
+/// A stall names both ends of its connections: the stalled consumer's node dumps its side,
+/// and the node its producer runs on dumps the readers that feed it. The relay (node 1) stops
+/// reading at its 100th record (`--inject hold`), so the sink (node 0) starves.
+#[test]
+fn a_stall_is_reported_by_every_node_of_the_cluster() {
+    let topology = temp_file(
+        "stall.toml",
+        r#"
+[cluster]
+nodes = 2
+
+[[stage]]
+name = "source"
+kind = "generator"
+parallelism = 1
+records = 20000
+record_size = 64
+
+[[stage]]
+name = "relay"
+kind = "pass-through"
+parallelism = 1
+
+[[stage]]
+name = "sink"
+kind = "sink"
+parallelism = 1
+
+[[edge]]
+from = "source"
+to = "relay"
+partitioner = "forward"
+buffer_timeout_ms = 0
+
+[[edge]]
+from = "relay"
+to = "sink"
+partitioner = "forward"
+buffer_timeout_ms = 0
+"#,
+    );
+    let run = fluxgate(
+        &[
+            "cluster",
+            topology.to_str().expect("a UTF-8 temp path"),
+            "--timeout",
+            "60",
+            "--stall-timeout",
+            "2",
+            "--inject",
+            "hold",
+            "--keep",
+        ],
+        LIMIT,
+    );
+    let _ = std::fs::remove_file(&topology);
+    let dir = run
+        .stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("node logs and reports: "))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("the run names its directory\n{}", run.all()));
+    let stderr = |node: usize| {
+        std::fs::read_to_string(dir.join(format!("node-{node}.stderr"))).unwrap_or_default()
+    };
+    let (sink_node, relay_node) = (stderr(0), stderr(1));
+    let _ = std::fs::remove_dir_all(&dir);
+    let logs = format!("--- node 0\n{sink_node}--- node 1\n{relay_node}");
+    assert!(!run.status.success(), "{}{logs}", run.all());
+    assert!(run.stdout.contains("result: FAILED"), "{}{logs}", run.all());
+    assert!(run.all().contains("stalled"), "{}{logs}", run.all());
+    // The sink's side: its channel from the relay.
+    assert!(
+        sink_node.contains("node 0: a subtask stalled; connections:"),
+        "{}{logs}",
+        run.all()
+    );
+    // The relay's side: the reader that serves the sink, with its credit.
+    let peer_dump = relay_node
+        .split_once("node 1: node 0 reported a stall; connections:")
+        .map(|(_, dump)| dump)
+        .unwrap_or_else(|| panic!("node 1 dumps for node 0's stall\n{}{logs}", run.all()));
+    assert!(peer_dump.contains("credit"), "{}{logs}", run.all());
+}
+
 #[test]
 fn cluster_catches_injected_faults() {
     for (fault, expected) in [

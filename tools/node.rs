@@ -60,7 +60,7 @@ pub struct NodeArgs {
     pub peers: Option<PathBuf>,
     /// A directory shared by the nodes of a loopback cluster: each writes `node-I.addr` there,
     /// waits for the others', and leaves `node-I.progress` (updated four times a second) and
-    /// `node-I.result`.
+    /// `node-I.result` (and `stall` with `node-I.stall-dumped` when a consumer stalled).
     #[arg(long, value_name = "DIR")]
     pub rendezvous: Option<PathBuf>,
     /// Where to listen (default: this node's peers entry, or 127.0.0.1 on base_port + index,
@@ -95,6 +95,9 @@ pub enum Fault {
     Reorder,
     /// A byte of the record is changed.
     Corrupt,
+    /// The subtask stops reading at the record until a stall was reported on any node (a
+    /// test of the stall report across nodes: the consumers downstream starve).
+    Hold,
 }
 
 /// Set by a subtask that stalled: the main loop then dumps the node's connections to stderr
@@ -102,6 +105,12 @@ pub enum Fault {
 static STALL_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// Set by the main loop once it dumped the connections for [`STALL_SEEN`].
 static STALL_DUMPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Set once this node dumped its connections for a stall, its own or another node's.
+static STALL_REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How long a stalled node waits for the other nodes of its cluster to dump their
+/// connections before its stalled subtask fails (and starts tearing down what they show).
+const PEER_DUMP_WAIT: Duration = Duration::from_secs(2);
 
 /// Which record of the subtask a fault hits.
 const FAULT_AT: u64 = 100;
@@ -311,6 +320,72 @@ struct Progress {
 /// The rendezvous files of node `index`.
 pub fn node_file(dir: &Path, index: usize, suffix: &str) -> PathBuf {
     dir.join(format!("node-{index}.{suffix}"))
+}
+
+/// The stall report across the nodes of a loopback cluster (`--rendezvous`). A stalled
+/// consumer's own node shows the consumer's side of its connections (credit, floating
+/// buffers); the producer's side (each reader's credit, backlog, announcements) is on the
+/// nodes it reads from. So a node whose subtask stalled dumps its connections, leaves `stall`
+/// (its index) in the rendezvous directory, and waits (bounded) until every other node still
+/// running has answered with `node-I.stall-dumped`, each after dumping its own.
+struct StallWatch<'a> {
+    dir: Option<&'a Path>,
+    index: usize,
+    nodes: usize,
+    /// This node dumped for a stall and told the others: once is enough for the cluster.
+    dumped: bool,
+}
+
+impl StallWatch<'_> {
+    /// Dumps `env`'s connections if a subtask of this node stalled or (once) another node
+    /// reported a stall. Called from the node's wait loops.
+    fn look(&mut self, env: &ShuffleEnvironment) {
+        let index = self.index;
+        if STALL_SEEN.swap(false, Ordering::SeqCst) {
+            eprintln!(
+                "node {index}: a subtask stalled; connections:\n{}",
+                env.debug_dump()
+            );
+            if !std::mem::replace(&mut self.dumped, true) {
+                if let Some(dir) = self.dir {
+                    let _ = write_atomically(&dir.join("stall"), &index.to_string());
+                    let _ = write_atomically(&node_file(dir, index, "stall-dumped"), "");
+                    self.wait_for_peer_dumps(dir);
+                }
+            }
+            STALL_REPORTED.store(true, Ordering::SeqCst);
+            STALL_DUMPED.store(true, Ordering::SeqCst);
+            return;
+        }
+        let Some(dir) = self.dir.filter(|_| !self.dumped) else {
+            return;
+        };
+        if let Ok(stalled) = fs::read_to_string(dir.join("stall")) {
+            eprintln!(
+                "node {index}: node {} reported a stall; connections:\n{}",
+                stalled.trim(),
+                env.debug_dump()
+            );
+            let _ = write_atomically(&node_file(dir, index, "stall-dumped"), "");
+            self.dumped = true;
+            STALL_REPORTED.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Waits up to [`PEER_DUMP_WAIT`] for every other node's dump (a node that already wrote
+    /// its result has nothing left to show).
+    fn wait_for_peer_dumps(&self, dir: &Path) {
+        let until = Instant::now() + PEER_DUMP_WAIT;
+        let answered = |node: usize| {
+            node == self.index
+                || node_file(dir, node, "stall-dumped").exists()
+                || node_file(dir, node, "result").exists()
+        };
+        // Bounded by `until`.
+        while !(0..self.nodes).all(answered) && Instant::now() < until {
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// Writes `text` to `path` through a temporary file and a rename, so readers never see half.
@@ -542,6 +617,12 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
         .map(|d| node_file(d, index, "progress"));
     let mut next_tick = Instant::now();
     let mut timed_out = None;
+    let mut stall_watch = StallWatch {
+        dir: args.rendezvous.as_deref(),
+        index,
+        nodes: topology.nodes,
+        dumped: false,
+    };
     loop {
         let now = Instant::now();
         if let Some(path) = &progress_file {
@@ -558,13 +639,7 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
                 }
             }
         }
-        if STALL_SEEN.swap(false, Ordering::SeqCst) {
-            eprintln!(
-                "node {index}: a subtask stalled; connections:\n{}",
-                env.debug_dump()
-            );
-            STALL_DUMPED.store(true, Ordering::SeqCst);
-        }
+        stall_watch.look(&env);
         if running.iter().all(|(_, h)| h.is_finished()) {
             break;
         }
@@ -631,6 +706,9 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
     // Stay up until every partition of this node was consumed or its consumer went away, so
     // remote readers get all of it before the server closes.
     while !handles.iter().all(PartitionHandle::is_released) {
+        // A consumer of these partitions may stall on another node: the report wants this
+        // side of its connections.
+        stall_watch.look(&env);
         if Instant::now() >= deadline {
             let open: Vec<String> = handles
                 .iter()
@@ -1368,6 +1446,21 @@ impl<'a> Consumer<'a> {
     }
 }
 
+/// `--inject hold`: keeps the subtask from reading until a node reported a stall (bounded by
+/// a few stall timeouts), then fails it.
+fn hold_until_a_stall_is_reported(stall: Duration) -> Failed {
+    let until = Instant::now() + stall * 3 + Duration::from_secs(10);
+    // Bounded by `until`.
+    while !STALL_REPORTED.load(Ordering::SeqCst) && Instant::now() < until {
+        thread::sleep(Duration::from_millis(10));
+    }
+    Failed::new(
+        FailureKind::Other,
+        None,
+        "held by --inject hold until a stall was reported".into(),
+    )
+}
+
 /// Reads a gate to its end (barriers aligned as the topology says), checking every record and
 /// forwarding records and barriers to `outputs` (none for a sink).
 fn consume(
@@ -1445,6 +1538,7 @@ fn consume(
                             held = Some((channel, record.to_vec()));
                             continue;
                         }
+                        Some(Fault::Hold) => return Err(hold_until_a_stall_is_reported(stall)),
                         Some(Fault::Corrupt) => {
                             let mut copy = record.to_vec();
                             let last = copy.len() - 1;
