@@ -565,6 +565,45 @@ fn unaligned_checkpoints_trigger_at_the_first_barrier_and_persist_in_flight_data
     assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
 }
 
+/// The items an unaligned barrier overtakes are all of its channel's data lane, events
+/// included: only the buffers among them are persisted, and the data after them is not.
+#[test]
+fn an_unaligned_barrier_counts_overtaken_events_without_persisting_them() {
+    let f = fixture();
+    let mut a = f.producer(23, 1);
+    let mut gate = f.gate(&[(23, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let sink = Arc::new(Sink::default());
+    let mut checkpointed =
+        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    a.emit_record(&b"d0"[..], 0).unwrap();
+    // A data-lane event between the two buffers (the cancellation of an older checkpoint).
+    a.broadcast_event(&Event::CancelCheckpointMarker(1), false)
+        .unwrap();
+    a.emit_record(&b"d1"[..], 0).unwrap();
+    a.broadcast_event(&barrier(4, Alignment::Unaligned), true)
+        .unwrap();
+    a.emit_record(&b"after"[..], 0).unwrap();
+    a.flush(0);
+    let first = next_item(&mut checkpointed);
+    assert_eq!(event(&first.item), &barrier(4, Alignment::Unaligned));
+    assert_eq!(first.overtaken, 3, "d0, the marker, d1");
+    let mut delivered = 0;
+    while checkpointed.poll_next().unwrap().is_some() {
+        delivered += 1;
+    }
+    assert_eq!(delivered, 4, "d0, the marker, d1, after");
+    let persisted: Vec<_> = sink.data.lock().unwrap().clone();
+    assert_eq!(
+        persisted,
+        vec![
+            (4, 0, common::framed_record(b"d0")),
+            (4, 0, common::framed_record(b"d1"))
+        ]
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
+}
+
 #[test]
 fn the_record_reader_yields_records_and_events_from_every_channel() {
     let f = fixture();

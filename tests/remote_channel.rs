@@ -855,6 +855,8 @@ fn a_priority_event_overtakes_received_data() {
     sender.send(b"d1", DataType::DataBuffer, 1).unwrap();
     let event = barrier(7);
     // Events come in overdraft segments: no credit used, none granted when it is recycled.
+    // The sender had sent d0 and d1 already: it counts no overtaken data of its own; the two
+    // still queued here are overtaken all the same.
     let segment = shared.buffers().event_segment().unwrap();
     sender
         .deliver(
@@ -863,7 +865,7 @@ fn a_priority_event_overtakes_received_data() {
             DataType::PrioritizedEventBuffer,
             2,
             0,
-            2,
+            0,
         )
         .unwrap();
     assert_eq!(shared.expected_sequence(), 3);
@@ -902,6 +904,46 @@ fn a_priority_event_overtakes_received_data() {
 
     gate.close();
     drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+/// A priority event overtakes the data its sender still held (the header's count) and the
+/// data received before it that the gate has not read yet; data read before it is not
+/// overtaken.
+#[test]
+fn a_priority_event_overtakes_the_sender_s_data_and_the_unread_received_data() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    sender.send(b"d0", DataType::DataBuffer, 0).unwrap();
+    sender.send(b"d1", DataType::DataBuffer, 0).unwrap();
+    let read = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(data(&read.item), b"d0");
+    drop(read);
+    // The sender queued one more data buffer (d2) before the barrier and had not sent it.
+    let segment = shared.buffers().event_segment().unwrap();
+    sender
+        .deliver(
+            segment,
+            &encoded(&barrier(8)),
+            DataType::PrioritizedEventBuffer,
+            2,
+            1,
+            1,
+        )
+        .unwrap();
+    let first = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(first.item, GateItem::Event { priority: true, .. }));
+    assert_eq!(first.overtaken, 2, "d1 unread here, d2 still at the sender");
+    drop(first);
+    let next = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(data(&next.item), b"d1");
+    assert_eq!(next.overtaken, 0);
+    drop(next);
+    gate.close();
+    drop(gate);
+    drop(shared);
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 

@@ -158,9 +158,17 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     fn handle(&mut self, item: BufferOrEvent) -> Result<Option<BufferOrEvent>, GateError> {
         let channel = item.channel;
+        if let GateItem::Event {
+            priority: false, ..
+        } = &item.item
+        {
+            // A barrier's overtaken items are everything its channel's data lane held, events
+            // included; only the buffers among them are channel state.
+            self.persist_if_in_flight(channel, None);
+        }
         match &item.item {
             GateItem::Buffer(buffer) => {
-                self.persist_if_in_flight(channel, buffer);
+                self.persist_if_in_flight(channel, Some(buffer));
                 Ok(Some(item))
             }
             GateItem::Event {
@@ -284,8 +292,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         Ok(first)
     }
 
-    fn persist_if_in_flight(&mut self, channel: usize, buffer: &Buffer) {
-        let (Some(id), Some(sink)) = (self.current, self.sink.as_ref()) else {
+    /// A data-lane item of `channel` was read: a `buffer` is persisted while the channel's
+    /// in-flight data of the running checkpoint lasts; an event (`None`) only counts.
+    fn persist_if_in_flight(&mut self, channel: usize, buffer: Option<&Buffer>) {
+        let Some(id) = self.current else {
             return;
         };
         match self.persist[channel] {
@@ -299,7 +309,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 };
             }
         }
-        sink.add_input_data(id, channel, buffer.clone());
+        // Counted without a sink too: the checkpoint completes once the data is read.
+        if let (Some(buffer), Some(sink)) = (buffer, self.sink.as_ref()) {
+            sink.add_input_data(id, channel, buffer.clone());
+        }
         if self.persist[channel] == Persist::Done {
             let _ = self.check_complete();
         }

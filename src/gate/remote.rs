@@ -400,7 +400,10 @@ pub const UNCREDITED_EVENTS: usize = 16;
 /// A received item with its sequence number checked.
 struct Received {
     buffer: Buffer,
+    /// For a priority item: the data items the sender's queue held behind it.
     overtaken: usize,
+    /// For a priority item: data-lane items received before it (all of them, read or not).
+    data_before: u64,
 }
 
 /// What the transport and the gate share of one remote channel.
@@ -411,6 +414,9 @@ pub struct RemoteChannelShared {
     buffers: Arc<BufferManager>,
     received: ArrayQueue<Received>,
     received_priority: ArrayQueue<Received>,
+    /// Items pushed onto `received` so far. Written only by the transport's thread (the one
+    /// calling `on_buffer`), so a priority item can note how many came before it.
+    data_received: AtomicU64,
     expected_sequence: AtomicU64,
     error: Mutex<Option<GateError>>,
     failed: AtomicBool,
@@ -485,12 +491,19 @@ impl RemoteChannelShared {
             .store(expected + 1, Ordering::Release);
         let priority = buffer.data_type().has_priority();
         let is_blocking = buffer.data_type().is_blocking_upstream();
+        let data_before = self.data_received.load(Ordering::Relaxed);
         let lane = if priority {
             &self.received_priority
         } else {
+            self.data_received.store(data_before + 1, Ordering::Relaxed);
             &self.received
         };
-        if lane.push(Received { buffer, overtaken }).is_err() {
+        let item = Received {
+            buffer,
+            overtaken,
+            data_before,
+        };
+        if lane.push(item).is_err() {
             let error = GateError::CreditExceeded(self.channel);
             self.fail(error.clone());
             return Err(error);
@@ -550,6 +563,8 @@ impl RemoteChannelShared {
 pub struct RemoteInputChannel {
     shared: Arc<RemoteChannelShared>,
     requested: bool,
+    /// Items the gate took off `received` so far.
+    data_read: u64,
 }
 
 impl fmt::Debug for RemoteInputChannel {
@@ -578,6 +593,7 @@ impl RemoteInputChannel {
                 // Credit bounds the buffers; events arrive without credit and need room too.
                 received: ArrayQueue::new(max_received.max(1) + UNCREDITED_EVENTS),
                 received_priority: ArrayQueue::new(max_received.max(1) + UNCREDITED_EVENTS),
+                data_received: AtomicU64::new(0),
                 expected_sequence: AtomicU64::new(0),
                 error: Mutex::new(None),
                 failed: AtomicBool::new(false),
@@ -587,6 +603,7 @@ impl RemoteInputChannel {
                 metrics: ChannelMetrics::default(),
             }),
             requested: false,
+            data_read: 0,
         }
     }
 
@@ -625,11 +642,20 @@ impl RemoteInputChannel {
                 reason: "failed".into(),
             }));
         }
-        let item = shared
-            .received_priority
-            .pop()
-            .or_else(|| shared.received.pop());
-        Ok(item.map(|Received { buffer, overtaken }| ChannelRead {
+        let (buffer, overtaken) = if let Some(item) = shared.received_priority.pop() {
+            // The sender counted the data it still held behind the priority item; what it had
+            // sent before is queued here, unread, and is overtaken as well (the gate reads this
+            // lane first). Everything received before the item was pushed before it, by the
+            // transport's one thread, so the item's count covers it.
+            let unread_before = item.data_before.saturating_sub(self.data_read) as usize;
+            (item.buffer, item.overtaken + unread_before)
+        } else if let Some(item) = shared.received.pop() {
+            self.data_read += 1;
+            (item.buffer, 0)
+        } else {
+            return Ok(None);
+        };
+        Ok(Some(ChannelRead {
             buffer,
             more_available: !shared.received.is_empty() || !shared.received_priority.is_empty(),
             next_is_priority: !shared.received_priority.is_empty(),
