@@ -765,6 +765,48 @@ fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
     assert!(f.all_segments_back());
 }
 
+/// A late barrier of a checkpoint already aborted does not make the gate forget the barrier
+/// of the checkpoint aligning now: when a channel's end completes that alignment, the task
+/// still sees it.
+#[test]
+fn a_late_barrier_does_not_drop_the_barrier_held_for_the_running_alignment() {
+    let f = fixture();
+    let mut a = f.producer(27, 1);
+    let mut b = f.producer(28, 1);
+    let mut c = f.producer(29, 1);
+    let mut gate = f.gate(&[(27, 0), (28, 0), (29, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    b.broadcast_event(&Event::CancelCheckpointMarker(5), false)
+        .unwrap();
+    a.broadcast_event(&barrier(6, Alignment::Aligned), false)
+        .unwrap();
+    b.broadcast_event(&barrier(6, Alignment::Aligned), false)
+        .unwrap();
+    let cancel = next_item(&mut checkpointed);
+    assert_eq!(event(&cancel.item), &Event::CancelCheckpointMarker(5));
+    assert!(checkpointed.poll_next().unwrap().is_none(), "6 aligns");
+    assert_eq!(checkpointed.pending_checkpoint(), Some(6));
+    // Channel 2's barrier of the aborted checkpoint 5 comes late, then the channel ends.
+    c.broadcast_event(&barrier(5, Alignment::Aligned), false)
+        .unwrap();
+    c.finish().unwrap();
+    let first = next_item(&mut checkpointed);
+    assert_eq!(
+        event(&first.item),
+        &barrier(6, Alignment::Aligned),
+        "checkpoint 6 completes with channel 2's end and its barrier comes first"
+    );
+    assert_eq!(checkpointed.pending_checkpoint(), None);
+    let second = next_item(&mut checkpointed);
+    assert_eq!(
+        (second.channel, event(&second.item)),
+        (2, &Event::EndOfPartition)
+    );
+    drop((cancel, first, second, checkpointed, a, b, c));
+    assert!(f.all_segments_back());
+}
+
 #[test]
 fn a_zero_initial_backoff_allows_no_retry_instead_of_retrying_at_once_forever() {
     let mut zero = Backoff::new(Duration::ZERO, Duration::from_millis(10));

@@ -185,8 +185,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                     let barrier = *barrier;
                     let surface = self.on_aligned_barrier(id, channel)?;
                     // Held while this checkpoint aligns, for a completion by a channel's end.
-                    self.held_barrier =
-                        (!surface && self.current == Some(id)).then_some((channel, barrier));
+                    // Only a barrier of the aligning checkpoint sets it: a late one of an
+                    // aborted checkpoint leaves it alone (a completion or an abort clears it).
+                    if !surface && self.current == Some(id) {
+                        self.held_barrier = Some((channel, barrier));
+                    }
                     Ok(surface.then_some(item))
                 }
             }
