@@ -503,15 +503,20 @@ impl RemoteChannelShared {
             overtaken,
             data_before,
         };
+        if is_blocking {
+            // The sender stopped behind an aligned barrier until ResumeConsumption. Released
+            // before the barrier is readable: a gate already holding this channel in its
+            // queue could read the barrier at once, finish the alignment and resume before a
+            // later release, and would keep unannounced credit for the segments released
+            // after it; the sender's data for that credit would then find no segment.
+            self.buffers.release_floating();
+        }
         if lane.push(item).is_err() {
             let error = GateError::CreditExceeded(self.channel);
             self.fail(error.clone());
             return Err(error);
         }
-        if is_blocking {
-            // The sender stopped behind an aligned barrier until ResumeConsumption.
-            self.buffers.release_floating();
-        } else {
+        if !is_blocking {
             // Every response, a backlog of 0 too, as Flink's `onBuffer`: a channel keeps
             // wanting floating segments only while its sender has buffers for them.
             self.buffers.on_sender_backlog(backlog);
