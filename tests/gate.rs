@@ -420,6 +420,43 @@ fn a_union_gate_remaps_channels_and_takes_gates_in_turn() {
     assert!(union.is_finished());
 }
 
+/// A union is cancelled from another thread through its own closer or a member's: a reader
+/// blocked on it wakes with `Closed`, and every segment goes back.
+#[test]
+fn a_union_gate_is_closed_from_another_thread_by_its_closer_or_a_member_s() {
+    for by_member in [false, true] {
+        let f = fixture();
+        let ids = (30 + u64::from(by_member) * 2, 31 + u64::from(by_member) * 2);
+        let a = f.producer(ids.0, 1);
+        let b = f.producer(ids.1, 1);
+        let mut g0 = f.gate(&[(ids.0, 0)], ChannelLocation::Local);
+        let mut g1 = f.gate(&[(ids.1, 0)], ChannelLocation::Local);
+        g0.request_partitions(Instant::now()).unwrap();
+        g1.request_partitions(Instant::now()).unwrap();
+        let mut union = UnionInputGate::new(vec![g0, g1]);
+        // Nothing to read: the looks that the requests queued find nothing, so the union's
+        // queue is empty and only the close can wake the reader.
+        assert!(union.poll_next().unwrap().is_none());
+        let closer = if by_member {
+            union.gates()[1].closer()
+        } else {
+            union.closer()
+        };
+        let read = thread::scope(|s| {
+            let reader = s.spawn(|| union.next_timeout(LONG));
+            closer.close();
+            reader.join().unwrap()
+        });
+        assert!(
+            matches!(read, Err(GateError::Closed)),
+            "closed by {}: {read:?}",
+            if by_member { "a member" } else { "the union" }
+        );
+        drop((union, a, b));
+        assert!(f.all_segments_back());
+    }
+}
+
 #[derive(Default)]
 struct Sink {
     data: Mutex<Vec<(u64, usize, Vec<u8>)>>,

@@ -139,6 +139,11 @@ impl ChannelQueue {
         drop(self.lock.lock().expect("not poisoned"));
         self.cond.notify_all();
         self.waker.wake();
+        // A union reads its members only when they are queued: queue this one there, so the
+        // union's reader reads it, and its read reports the close.
+        if let Some((parent, gate)) = self.parent.get() {
+            parent.enqueue(*gate, false);
+        }
     }
 
     pub fn is_closed(&self) -> bool {

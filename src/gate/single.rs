@@ -232,9 +232,7 @@ impl SingleInputGate {
     /// A handle that closes the gate from another thread (task cancellation): a reader blocked
     /// in [`next`](InputGate::next) wakes with [`GateError::Closed`].
     pub fn closer(&self) -> GateCloser {
-        GateCloser {
-            queue: self.queue.clone(),
-        }
+        GateCloser::new(self.queue.clone())
     }
 
     /// The priority-availability signal: a priority event (an unaligned barrier) is waiting;
@@ -456,13 +454,18 @@ fn send_event(channel: &InputChannel, event: &Event) {
     }
 }
 
-/// Closes a gate from any thread; see [`SingleInputGate::closer`].
+/// Closes a gate from any thread; see [`SingleInputGate::closer`] and
+/// [`UnionInputGate::closer`](super::UnionInputGate::closer).
 #[derive(Clone, Debug)]
 pub struct GateCloser {
     queue: Arc<ChannelQueue>,
 }
 
 impl GateCloser {
+    pub(crate) fn new(queue: Arc<ChannelQueue>) -> Self {
+        Self { queue }
+    }
+
     /// Closes the gate: the reader's next read fails with [`GateError::Closed`] and releases
     /// the channels.
     pub fn close(&self) {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::queue::ChannelQueue;
-use super::single::SingleInputGate;
+use super::single::{GateCloser, SingleInputGate};
 use super::{BufferOrEvent, GateError, InputGate};
 
 /// Gates behind one reader: gate 0's channels are `0..n0`, gate 1's `n0..n0+n1`, and so on.
@@ -75,11 +75,21 @@ impl UnionInputGate {
         }
         self.queue.close();
     }
+
+    /// A handle that closes the union from another thread (task cancellation): a reader
+    /// blocked in [`next`](InputGate::next) wakes with [`GateError::Closed`], and the read
+    /// closes every member gate, releasing their channels. A member gate's own closer closes
+    /// the union's reads the same way.
+    pub fn closer(&self) -> GateCloser {
+        GateCloser::new(self.queue.clone())
+    }
 }
 
 impl InputGate for UnionInputGate {
     fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
         if self.queue.is_closed() {
+            // Closed from another thread: release the members' channels here, on the reader.
+            self.close();
             return Err(GateError::Closed);
         }
         for _ in 0..=2 * self.gates.len() {
