@@ -457,6 +457,24 @@ fn a_union_gate_is_closed_from_another_thread_by_its_closer_or_a_member_s() {
     }
 }
 
+/// A request that fails is not forgotten: asking again fails again instead of reporting a
+/// gate requested whose later channels were never asked for.
+#[test]
+fn a_failed_partition_request_is_reported_again_on_the_next_call() {
+    let f = fixture();
+    let _taken = f.producer(34, 1);
+    let _free = f.producer(35, 1);
+    // Another gate holds the only view of partition 34's subpartition.
+    let mut first = f.gate(&[(34, 0)], ChannelLocation::Local);
+    first.request_partitions(Instant::now()).unwrap();
+    let mut gate = f.gate(&[(35, 0), (34, 0)], ChannelLocation::Local);
+    assert!(gate.request_partitions(Instant::now()).is_err());
+    assert!(
+        gate.request_partitions(Instant::now()).is_err(),
+        "the second call still has a channel it could not request"
+    );
+}
+
 #[derive(Default)]
 struct Sink {
     data: Mutex<Vec<(u64, usize, Vec<u8>)>>,

@@ -125,8 +125,10 @@ impl SingleInputGate {
         Ok(())
     }
 
-    /// Requests every channel's subpartition, once. A channel whose request fails carries the
-    /// error to the next read.
+    /// Requests every channel's subpartition, once. A request that fails returns its error
+    /// (Flink fails the task then); the gate does not count as requested, so a later call
+    /// tries again (channels already requested are left as they are) instead of returning
+    /// `Ok` with channels never requested.
     pub fn request_partitions(&mut self, now: Instant) -> Result<(), GateError> {
         if self.closed {
             return Err(GateError::Closed);
@@ -139,10 +141,10 @@ impl SingleInputGate {
             // number" — setup did not run.
             return Err(GateError::UnknownChannel(self.channels.len()));
         }
-        self.requested = true;
         for channel in self.channels.iter_mut() {
             channel.request(now)?;
         }
+        self.requested = true;
         Ok(())
     }
 
