@@ -22,7 +22,7 @@ use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
     open_client, refuse_connection, BusyPoll, Command, DriverHandle, IoWaker, RefusedConnects,
-    WakeFn,
+    WakeFn, ACCEPT_BACKOFF,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -79,6 +79,7 @@ impl EpollDriver {
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
             accepted: 0,
+            accept_again_at: None,
             next_token: FIRST_CONNECTION,
             commands: commands.clone(),
             waker: waker.clone(),
@@ -157,6 +158,9 @@ struct Loop {
     refused: RefusedConnects,
     /// Accepted (server-side) connections open now.
     accepted: usize,
+    /// When to accept again without a readiness event: the listener is edge-triggered, so the
+    /// connections still queued after an accept error or the per-turn bound get none.
+    accept_again_at: Option<Instant>,
     next_token: usize,
     commands: Arc<ArrayQueue<Command>>,
     waker: Arc<IoWaker<WakeFn>>,
@@ -182,6 +186,9 @@ impl Loop {
             }
             let now = Instant::now();
             self.retry_refused(now);
+            if self.accept_again_at.is_some_and(|at| now >= at) {
+                self.accept();
+            }
             // Reused token list: no allocation per loop turn.
             let mut tokens = std::mem::take(&mut self.tokens);
             tokens.clear();
@@ -254,6 +261,7 @@ impl Loop {
                     .filter_map(|c| c.tls.as_ref()?.deadline()),
             )
             .chain(self.refused.next_due())
+            .chain(self.accept_again_at)
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
             .min(MAX_PARK)
@@ -360,7 +368,9 @@ impl Loop {
     }
 
     fn accept(&mut self) {
-        // Edge-triggered: accept until WouldBlock. Bounded by the backlog.
+        self.accept_again_at = None;
+        // Edge-triggered: accept until WouldBlock. Bounded per turn (the backlog can hold
+        // more): what is left is accepted on the next turn, as no new event will say so.
         for _ in 0..1024 {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
@@ -395,12 +405,21 @@ impl Loop {
                     }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                // The connection went away before it was taken, or a signal: go on.
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        io::ErrorKind::ConnectionAborted | io::ErrorKind::Interrupted
+                    ) => {}
                 Err(error) => {
+                    // Out of file descriptors or memory: try again after a pause.
                     tracing::warn!(%error, "accept failed");
+                    self.accept_again_at = Some(Instant::now() + ACCEPT_BACKOFF);
                     return;
                 }
             }
         }
+        self.accept_again_at = Some(Instant::now());
     }
 
     fn add(

@@ -38,6 +38,10 @@ use crate::gate::RemoteChannelShared;
 use crate::protocol::{auth, ClientConfig, ClientConnection, ServerConfig};
 use crate::sync::ArrayQueue;
 
+/// Pause before accepting again after an accept error other than a transient one (out of
+/// file descriptors or memory): the connections the kernel queued meanwhile are taken then.
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+
 /// What an I/O thread needs to know (either driver).
 #[derive(Clone, Debug)]
 pub struct DriverConfig {

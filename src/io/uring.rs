@@ -52,7 +52,7 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use super::conn::{Connection, Side};
 use super::{
     open_client, refuse_connection, BusyPoll, Command, DriverConfig, DriverHandle, DriverStats,
-    IoWaker, RefusedConnects, WakeFn,
+    IoWaker, RefusedConnects, WakeFn, ACCEPT_BACKOFF,
 };
 use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
@@ -73,8 +73,6 @@ const READ_ROUNDS: usize = 16;
 const STAGING: usize = 16 * 1024;
 /// How long shutdown waits for cancelled operations to complete.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
-/// Pause before re-arming the accept after an error other than a transient one.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 
 /// Operation kinds in the low bits of a submission's user data; the slot and the slot's
 /// generation are above them.
