@@ -360,6 +360,9 @@ struct Conn {
     stop_reading: bool,
     /// A protocol error: close once the queued error response is written (one attempt).
     close_after_write: bool,
+    /// The write in flight was submitted after `close_after_write` was set: the error
+    /// response's one attempt.
+    writing_after_error: bool,
     /// Closing: `on_lost(reason)` and the socket's close wait for the operations in flight.
     closing: Option<String>,
     cancelled: bool,
@@ -1001,6 +1004,7 @@ impl Loop {
             zc_next: 0,
             stop_reading: false,
             close_after_write: false,
+            writing_after_error: false,
             closing: None,
             cancelled: false,
         });
@@ -1308,6 +1312,7 @@ impl Loop {
             self.stats.fixed_writes += u64::from(use_fixed);
             let conn = self.conns[slot].as_deref_mut().expect("present");
             conn.writing = true;
+            conn.writing_after_error = conn.close_after_write;
             conn.write_len = requested;
             conn.write_data = data;
             if let Some((_, tag)) = record {
@@ -1576,7 +1581,9 @@ impl Loop {
             self.finish_close(slot);
             return;
         }
-        if conn.close_after_write {
+        // The write that completed may predate the error (a busy sender always has one in
+        // flight): the error response queued since still gets its attempt, from `pump`.
+        if conn.close_after_write && (conn.writing_after_error || !conn.connection.wants_write()) {
             self.begin_close(slot, "connection closed".into());
             return;
         }

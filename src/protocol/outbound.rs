@@ -65,6 +65,8 @@ pub(crate) struct Outbound {
     /// holds the frames it may still read until it completes.
     cleared_in_flight: bool,
     retired: VecDeque<OutFrame>,
+    /// Bytes of the first retired frame written before the write in flight.
+    retired_written: usize,
     /// Frames leaving the queue are held under this tag (the newest zero-copy send issued).
     retain_tag: Option<u64>,
     /// Frames left the queue while a zero-copy send that may have read them is unnotified,
@@ -156,8 +158,14 @@ impl Outbound {
         if std::mem::take(&mut self.write_in_flight) && std::mem::take(&mut self.cleared_in_flight)
         {
             // The write was of frames `clear` dropped since: they may go now.
+            let on_frame_end = ends_on_frame_end(&self.retired, self.retired_written + n);
             while let Some(frame) = self.retired.pop_front() {
                 self.discard(frame);
+            }
+            if !on_frame_end {
+                // The wire stops inside a frame: whatever was queued since (an ErrorResponse)
+                // would be read as the rest of it. Nothing more goes out; the driver closes.
+                self.clear();
             }
             return;
         }
@@ -197,6 +205,7 @@ impl Outbound {
         if self.write_in_flight && !self.cleared_in_flight {
             self.cleared_in_flight = true;
             self.retired = std::mem::take(&mut self.frames);
+            self.retired_written = self.written_in_first;
         }
         while let Some(frame) = self.frames.pop_front() {
             self.discard(frame);
@@ -281,6 +290,22 @@ impl Outbound {
     }
 }
 
+/// True when `written` bytes from the start of `frames` end exactly where a frame ends (or
+/// at the very start).
+fn ends_on_frame_end(frames: &VecDeque<OutFrame>, mut written: usize) -> bool {
+    for frame in frames {
+        if written == 0 {
+            return true;
+        }
+        let len = frame.len();
+        if written < len {
+            return false;
+        }
+        written -= len;
+    }
+    true
+}
+
 /// Pushes `bytes` minus what `skip` says was already written.
 fn push_from<'a>(out: &mut Vec<IoSlice<'a>>, bytes: &'a [u8], skip: &mut usize) {
     if *skip >= bytes.len() {
@@ -334,6 +359,36 @@ mod tests {
         outbound.slices(&mut slices, 8);
         assert_eq!(slices.len(), 1);
         assert_eq!(&*slices[0], b"ERROR");
+    }
+
+    #[test]
+    fn nothing_follows_a_frame_that_a_cleared_async_write_cut_short() {
+        let pool = pool();
+        let total = pool.total_segments();
+        let mut outbound = Outbound::default();
+        queue_buffer(&mut outbound, &pool, b"payload");
+        outbound.begin_write();
+        outbound.clear();
+        let bytes = outbound.control_bytes();
+        bytes.extend_from_slice(b"ERROR");
+        outbound.push_control(5);
+        // Only "HDRp" of the 10-byte frame went out: the error response would continue it.
+        outbound.on_written(4);
+        assert!(outbound.is_empty(), "nothing more is written");
+        assert_eq!(pool.available_segments(), total);
+        // Cut where the first frame had been partly written before: the same.
+        queue_buffer(&mut outbound, &pool, b"payload");
+        outbound.on_written(2);
+        outbound.begin_write();
+        outbound.clear();
+        outbound.control_bytes().extend_from_slice(b"ERROR");
+        outbound.push_control(5);
+        outbound.on_written(0);
+        assert!(
+            outbound.is_empty(),
+            "the stream already stops inside the frame"
+        );
+        assert_eq!(pool.available_segments(), total);
     }
 
     #[test]
