@@ -447,10 +447,21 @@ fn a_union_gate_is_closed_from_another_thread_by_its_closer_or_a_member_s() {
             closer.close();
             reader.join().unwrap()
         });
+        let by = if by_member { "a member" } else { "the union" };
         assert!(
             matches!(read, Err(GateError::Closed)),
-            "closed by {}: {read:?}",
-            if by_member { "a member" } else { "the union" }
+            "closed by {by}: {read:?}"
+        );
+        // It stays closed, and the read released every member's channels.
+        for _ in 0..3 {
+            assert!(
+                matches!(union.poll_next(), Err(GateError::Closed)),
+                "still closed ({by})"
+            );
+        }
+        assert!(
+            union.gates().iter().all(|g| g.is_closed()),
+            "closed by {by}"
         );
         drop((union, a, b));
         assert!(f.all_segments_back());

@@ -475,8 +475,9 @@ impl ChannelStateSink for PersistedRecords {
 
 /// Exactly-once across the wire: data the sender had already sent, still queued unread in
 /// the consumer's channel when an unaligned barrier overtakes it there, is channel state of
-/// that checkpoint. The sender counts only what it still held (nothing here), so the
-/// consumer must count the rest; data after the barrier is not persisted.
+/// that checkpoint, and so is the data the sender still held behind the barrier. The sender
+/// counts only what it held, so the consumer counts the rest; data after the barrier is not
+/// persisted.
 #[test]
 fn an_unaligned_barrier_persists_the_data_it_overtakes_in_the_consumer() {
     let Setup {
@@ -486,8 +487,9 @@ fn an_unaligned_barrier_persists_the_data_it_overtakes_in_the_consumer() {
         gate,
         mut pair,
     } = setup_with(1, 7, 1 << 20, None, None);
-    // Two flushed records: two buffers, sent with the two exclusive credits and queued unread.
-    for seq in 0..2 {
+    // Three flushed records: two buffers sent with the two exclusive credits and queued
+    // unread, and a third the sender holds for want of credit.
+    for seq in 0..3 {
         producers[0].emit_record(&record(seq, 100)[..], 0).unwrap();
         producers[0].flush(0);
         settle(&mut pair);
@@ -499,7 +501,7 @@ fn an_unaligned_barrier_persists_the_data_it_overtakes_in_the_consumer() {
         alignment: Alignment::Unaligned,
     });
     producers[0].broadcast_event(&barrier, true).unwrap();
-    producers[0].emit_record(&record(2, 100)[..], 0).unwrap();
+    producers[0].emit_record(&record(3, 100)[..], 0).unwrap();
     producers[0].flush(0);
     settle(&mut pair);
 
@@ -515,13 +517,14 @@ fn an_unaligned_barrier_persists_the_data_it_overtakes_in_the_consumer() {
                 GateItem::Event { .. } => "event",
             });
         }
-        if read.len() == 4 {
+        if read.len() == 5 {
             break;
         }
         settle(&mut pair);
     }
-    assert_eq!(read, ["barrier", "data", "data", "data"]);
-    assert_eq!(*sink.records.lock().unwrap(), [(9, 0), (9, 1)]);
+    assert_eq!(read, ["barrier", "data", "data", "data", "data"]);
+    // Records 0 and 1 overtaken here, record 2 at the sender; record 3 came after.
+    assert_eq!(*sink.records.lock().unwrap(), [(9, 0), (9, 1), (9, 2)]);
     assert_eq!(*sink.complete.lock().unwrap(), [9]);
 
     pair.client.close();

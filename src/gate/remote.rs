@@ -568,8 +568,10 @@ impl RemoteChannelShared {
 pub struct RemoteInputChannel {
     shared: Arc<RemoteChannelShared>,
     requested: bool,
-    /// Items the gate took off `received` so far.
+    /// Items the gate took off `received` so far (returned, not stashed).
     data_read: u64,
+    /// A data item taken off `received` while a priority item came in: returned after it.
+    stashed: Option<Received>,
 }
 
 impl fmt::Debug for RemoteInputChannel {
@@ -609,6 +611,7 @@ impl RemoteInputChannel {
             }),
             requested: false,
             data_read: 0,
+            stashed: None,
         }
     }
 
@@ -647,25 +650,42 @@ impl RemoteInputChannel {
                 reason: "failed".into(),
             }));
         }
-        let (buffer, overtaken) = if let Some(item) = shared.received_priority.pop() {
-            // The sender counted the data it still held behind the priority item; what it had
-            // sent before is queued here, unread, and is overtaken as well (the gate reads this
-            // lane first). Everything received before the item was pushed before it, by the
-            // transport's one thread, so the item's count covers it.
-            let unread_before = item.data_before.saturating_sub(self.data_read) as usize;
-            (item.buffer, item.overtaken + unread_before)
-        } else if let Some(item) = shared.received.pop() {
-            self.data_read += 1;
-            (item.buffer, 0)
-        } else {
-            return Ok(None);
-        };
-        Ok(Some(ChannelRead {
+        let mut priority = shared.received_priority.pop();
+        if priority.is_none() {
+            let Some(data) = self.stashed.take().or_else(|| shared.received.pop()) else {
+                return Ok(None);
+            };
+            // A priority item may have come in after the look above and before this data item
+            // (the transport pushes in wire order): it goes first, or the data item, which may
+            // be after it on the wire, would be read before the barrier that it follows.
+            priority = shared.received_priority.pop();
+            if priority.is_none() {
+                self.data_read += 1;
+                return Ok(Some(self.read_of(data.buffer, 0)));
+            }
+            self.stashed = Some(data);
+        }
+        let item = priority.expect("taken above");
+        // The sender counted the data it still held behind the priority item; what it had
+        // sent before is queued here, unread, and is overtaken as well (the gate reads this
+        // lane first). Everything received before the item was pushed before it, by the
+        // transport's one thread, so the item's count covers it.
+        let unread_before = item.data_before.saturating_sub(self.data_read) as usize;
+        Ok(Some(
+            self.read_of(item.buffer, item.overtaken + unread_before),
+        ))
+    }
+
+    fn read_of(&self, buffer: Buffer, overtaken: usize) -> ChannelRead {
+        let shared = &self.shared;
+        ChannelRead {
             buffer,
-            more_available: !shared.received.is_empty() || !shared.received_priority.is_empty(),
+            more_available: self.stashed.is_some()
+                || !shared.received.is_empty()
+                || !shared.received_priority.is_empty(),
             next_is_priority: !shared.received_priority.is_empty(),
             overtaken,
-        }))
+        }
     }
 
     pub(crate) fn resume_consumption(&mut self) {
@@ -677,6 +697,7 @@ impl RemoteInputChannel {
     }
 
     pub(crate) fn release(&mut self) {
+        self.stashed = None;
         let shared = &self.shared;
         shared.released.store(true, Ordering::SeqCst);
         while shared.received.pop().is_some() {}

@@ -97,9 +97,18 @@ impl InputGate for UnionInputGate {
                 return Ok(None);
             };
             let gate = &mut self.gates[index as usize];
-            let Some(mut item) = gate.poll_next()? else {
+            let read = match gate.poll_next() {
+                Err(GateError::Closed) => {
+                    // A member's closer cancels the whole union: it stays closed.
+                    self.close();
+                    return Err(GateError::Closed);
+                }
+                read => read?,
+            };
+            let Some(mut item) = read else {
                 continue;
             };
+            let gate = &mut self.gates[index as usize];
             item.channel += self.offsets[index as usize];
             if gate.queue().has_channels() {
                 // Back to the tail of the gate FIFO.
