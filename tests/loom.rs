@@ -1,8 +1,9 @@
 //! loom model checks of the lock-free protocols (run with `RUSTFLAGS="--cfg loom"`, as
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
 //! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
-//! ready-reader queue with its enqueued flags, the I/O thread's parked flag, and a
-//! subpartition's backlog count.
+//! ready-reader queue with its enqueued flags, the I/O thread's parked flag, a
+//! subpartition's backlog count, and a remote channel's read order against a priority item
+//! arriving mid-read.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -940,6 +941,119 @@ fn a_next_data_buffer_is_always_in_the_backlog() {
             );
         }
         drop((first, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (g) The transport pushes priority barriers and then data that follows the last of them on
+/// the wire while the gate reads the channel. A read that took the channel off the gate's
+/// queue after its item was already read (a barrier read first leaves such an entry) may
+/// look at the empty priority lane just before the second barrier comes, yet it never hands
+/// out the data after that barrier before the barrier itself. Before the fix it did: that
+/// data, processed ahead of its barrier, was in no checkpoint's state.
+#[test]
+fn a_remote_read_racing_a_priority_arrival_never_returns_the_later_data_first() {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+    use fluxgate::gate::{
+        ChannelLocation, ChannelSpec, ConsumedSubpartition, GateItem, InputGate, SingleInputGate,
+    };
+    use fluxgate::partition::PartitionManager;
+
+    bounded_model(|| {
+        let config = config(6);
+        let pool = NetworkBufferPool::new(&config).unwrap();
+        let spec = ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: ResultPartitionId {
+                    partition: 0,
+                    producer: 0,
+                },
+                subpartition: 0,
+            },
+            location: ChannelLocation::Remote,
+        };
+        let mut gate = SingleInputGate::new(
+            vec![spec],
+            Arc::new(PartitionManager::new()),
+            &pool,
+            &config,
+        );
+        gate.setup().unwrap();
+        gate.request_partitions(std::time::Instant::now()).unwrap();
+        let shared = gate.remote_channel(0).unwrap().shared().clone();
+        let fill = |segment: PooledSegment, bytes: &[u8], kind: DataType| {
+            let mut builder = segment.into_builder(kind);
+            builder.append_and_commit(bytes);
+            let mut consumer = builder.create_consumer_from_beginning();
+            consumer.build()
+        };
+        let barrier = |id: u64| {
+            let mut bytes = Vec::new();
+            Event::CheckpointBarrier(CheckpointBarrier {
+                id,
+                timestamp: 0,
+                kind: CheckpointKind::Checkpoint,
+                alignment: Alignment::Unaligned,
+            })
+            .encode(&mut bytes);
+            fill(
+                shared.buffers().event_segment().unwrap(),
+                &bytes,
+                DataType::PrioritizedEventBuffer,
+            )
+        };
+        let (first, second) = (barrier(1), barrier(2));
+        let data = |bytes: &[u8]| {
+            fill(
+                shared.buffers().take_segment().unwrap(),
+                bytes,
+                DataType::DataBuffer,
+            )
+        };
+        let (d0, d1) = (data(b"d0"), data(b"d1"));
+        shared.on_buffer(d0, 0, 0, 0).unwrap();
+
+        let transport = {
+            let shared = shared.clone();
+            thread::spawn(move || {
+                shared.on_buffer(first, 1, 0, 0).unwrap();
+                shared.on_buffer(second, 2, 0, 0).unwrap();
+                shared.on_buffer(d1, 3, 0, 0).unwrap();
+            })
+        };
+        // What the gate hands out, in order: barrier ids, and 0 for data.
+        let mut read = Vec::new();
+        let mut take_one = |gate: &mut SingleInputGate| -> bool {
+            let Some(item) = gate.poll_next().unwrap() else {
+                return false;
+            };
+            read.push(match item.item {
+                GateItem::Event {
+                    event: Event::CheckpointBarrier(b),
+                    ..
+                } => b.id,
+                _ => 0,
+            });
+            true
+        };
+        // Three reads race the pushes; the rest is read after them (bounded: four items).
+        for _ in 0..3 {
+            take_one(&mut gate);
+        }
+        transport.join().unwrap();
+        for _ in 0..4 {
+            take_one(&mut gate);
+        }
+        assert_eq!(read.len(), 4, "{read:?}");
+        // d1 is last on the wire, and the barriers keep their order: d1 must be read last.
+        assert_eq!(
+            read.last(),
+            Some(&0),
+            "d1 follows barrier 2 on the wire and comes after it: {read:?}"
+        );
+        gate.close();
+        drop(gate);
+        drop(shared);
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }
