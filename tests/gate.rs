@@ -670,6 +670,26 @@ fn an_unaligned_barrier_counts_overtaken_events_without_persisting_them() {
     assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
 }
 
+/// Without a sink an unaligned checkpoint still completes once its overtaken data is read
+/// (before, its count never went down and only a later checkpoint ended it).
+#[test]
+fn an_unaligned_checkpoint_without_a_sink_completes_once_its_overtaken_data_is_read() {
+    let f = fixture();
+    let mut a = f.producer(36, 1);
+    let mut gate = f.gate(&[(36, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, None);
+    a.emit_record(&b"in-flight"[..], 0).unwrap();
+    a.broadcast_event(&barrier(5, Alignment::Unaligned), true)
+        .unwrap();
+    let first = next_item(&mut checkpointed);
+    assert_eq!(event(&first.item), &barrier(5, Alignment::Unaligned));
+    assert_eq!(checkpointed.pending_checkpoint(), Some(5));
+    let second = next_item(&mut checkpointed);
+    assert_eq!(data(&second.item), common::framed_record(b"in-flight"));
+    assert_eq!(checkpointed.pending_checkpoint(), None);
+}
+
 #[test]
 fn the_record_reader_yields_records_and_events_from_every_channel() {
     let f = fixture();
