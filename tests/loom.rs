@@ -3,7 +3,7 @@
 //! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
 //! ready-reader queue with its enqueued flags, the I/O thread's parked flag, a
 //! subpartition's backlog count, and a remote channel's read order against a priority item
-//! arriving mid-read.
+//! arriving mid-read and its floating credit against a blocking barrier read at once.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -1054,6 +1054,106 @@ fn a_remote_read_racing_a_priority_arrival_never_returns_the_later_data_first() 
         gate.close();
         drop(gate);
         drop(shared);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (h) A channel without exclusive segments (all its credit floating) receives an aligned
+/// barrier while the gate, which already had the channel queued, reads on: the gate may read
+/// the barrier at once, finish the one-channel alignment and resume. Credit not yet announced
+/// never outlives the floating segments it stood for: the channel releases them before the
+/// barrier is readable. (Released after, a resume in between kept the credit, and the
+/// sender's data for it found no segment.)
+#[test]
+fn a_blocking_barrier_read_at_once_keeps_no_credit_for_released_segments() {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+    use fluxgate::gate::{
+        AlignmentMode, ChannelLocation, ChannelSpec, CheckpointedInputGate, ConsumedSubpartition,
+        SingleInputGate,
+    };
+    use fluxgate::partition::PartitionManager;
+
+    bounded_model(|| {
+        let mut config = config(6);
+        config.buffers_per_channel = 0;
+        config.floating_buffers_per_gate = 2;
+        let pool = NetworkBufferPool::new(&config).unwrap();
+        let spec = ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: ResultPartitionId {
+                    partition: 0,
+                    producer: 0,
+                },
+                subpartition: 0,
+            },
+            location: ChannelLocation::Remote,
+        };
+        let mut gate = SingleInputGate::new(
+            vec![spec],
+            Arc::new(PartitionManager::new()),
+            &pool,
+            &config,
+        );
+        gate.setup().unwrap();
+        gate.request_partitions(std::time::Instant::now()).unwrap();
+        let shared = gate.remote_channel(0).unwrap().shared().clone();
+        let fill = |segment: PooledSegment, bytes: &[u8], kind: DataType| {
+            let mut builder = segment.into_builder(kind);
+            builder.append_and_commit(bytes);
+            let mut consumer = builder.create_consumer_from_beginning();
+            consumer.build()
+        };
+        // The sender announced a backlog: one floating segment, its credit announced.
+        let buffers = shared.buffers().clone();
+        buffers.on_sender_backlog(1);
+        assert_eq!(buffers.take_unannounced_credit(), 1);
+        // d0 arrives into it, saying one more buffer is coming: another floating segment,
+        // its credit not yet announced.
+        let d0 = fill(buffers.take_segment().unwrap(), b"d0", DataType::DataBuffer);
+        shared.on_buffer(d0, 0, 1, 0).unwrap();
+        assert_eq!(buffers.unannounced_credit(), 1);
+        let mut bytes = Vec::new();
+        Event::CheckpointBarrier(CheckpointBarrier {
+            id: 1,
+            timestamp: 0,
+            kind: CheckpointKind::Checkpoint,
+            alignment: Alignment::Aligned,
+        })
+        .encode(&mut bytes);
+        let barrier = fill(
+            buffers.event_segment().unwrap(),
+            &bytes,
+            DataType::AlignedCheckpointBarrier,
+        );
+
+        let transport = {
+            let shared = shared.clone();
+            thread::spawn(move || shared.on_buffer(barrier, 1, 0, 0).unwrap())
+        };
+        let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+        // d0, then (if it came in time) the barrier, which completes the alignment at once.
+        for _ in 0..2 {
+            drop(checkpointed.poll_next().unwrap());
+        }
+        transport.join().unwrap();
+        // The barrier, if it came too late above: the resume follows the release then.
+        for _ in 0..2 {
+            drop(checkpointed.poll_next().unwrap());
+        }
+        assert_eq!(
+            checkpointed.pending_checkpoint(),
+            None,
+            "aligned and resumed"
+        );
+        assert!(
+            buffers.unannounced_credit() as usize <= buffers.available(),
+            "credit {} not announced for {} segments held",
+            buffers.unannounced_credit(),
+            buffers.available()
+        );
+        drop(checkpointed);
+        drop(shared);
+        drop(buffers);
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }
