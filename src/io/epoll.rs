@@ -80,6 +80,7 @@ impl EpollDriver {
             refused: RefusedConnects::default(),
             accepted: 0,
             accept_again_at: None,
+            accept_failing: false,
             next_token: FIRST_CONNECTION,
             commands: commands.clone(),
             waker: waker.clone(),
@@ -161,6 +162,8 @@ struct Loop {
     /// When to accept again without a readiness event: the listener is edge-triggered, so the
     /// connections still queued after an accept error or the per-turn bound get none.
     accept_again_at: Option<Instant>,
+    /// The last accept failed: the next failures of the streak are logged at debug level.
+    accept_failing: bool,
     next_token: usize,
     commands: Arc<ArrayQueue<Command>>,
     waker: Arc<IoWaker<WakeFn>>,
@@ -374,6 +377,7 @@ impl Loop {
         for _ in 0..1024 {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
+                    self.accept_failing = false;
                     if self.accepted >= self.config.max_connections {
                         refuse_connection(Some(peer), self.accepted, self.config.max_connections);
                         // Dropping the stream closes it at once.
@@ -412,8 +416,13 @@ impl Loop {
                         io::ErrorKind::ConnectionAborted | io::ErrorKind::Interrupted
                     ) => {}
                 Err(error) => {
-                    // Out of file descriptors or memory: try again after a pause.
-                    tracing::warn!(%error, "accept failed");
+                    // Out of file descriptors or memory: try again after a pause (logged once
+                    // per streak, not every pause).
+                    if std::mem::replace(&mut self.accept_failing, true) {
+                        tracing::debug!(%error, "accept failed again");
+                    } else {
+                        tracing::warn!(%error, "accept failed; retrying every 10 ms");
+                    }
                     self.accept_again_at = Some(Instant::now() + ACCEPT_BACKOFF);
                     return;
                 }
