@@ -1006,6 +1006,12 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "UnexpectedMessage",
         ),
         entry(
+            "partition_request_credit_overflow",
+            cat(&[&h, &request(5, (1 << 20) + 1)]),
+            "CreditOverflow",
+            "UnexpectedMessage",
+        ),
+        entry(
             "duplicate_receiver",
             cat(&[&h, &request(5, 2), &request(5, 2)]),
             "DuplicateReceiver",
@@ -2220,6 +2226,54 @@ fn a_buffer_in_flight_for_a_closed_gate_is_discarded() {
         drop((client, closing, healthy));
         nets.assert_all_back("closed gate");
     }
+}
+
+/// A payload half read when its channel's gate closes: the channel leaves (its slot is free)
+/// and a new channel takes the slot before the rest arrives. The rest is discarded; it never
+/// reaches the new channel, whose first buffer it would have been.
+#[test]
+fn a_payload_for_a_channel_that_left_never_reaches_the_one_in_its_slot() {
+    let nets = Networks::new();
+    let mut closing = remote_gate(&nets, PARTITION);
+    let mut client = ClientConnection::new(2, 4, SEGMENT);
+    let closing_receiver = register(&mut client, &closing);
+    client_writes(&mut client);
+    let in_flight = buffer_frame(closing_receiver, 0, DataType::DataBuffer, &[7u8; 600]);
+    let input = cat(&[&handshake(), &in_flight]);
+    let (first, rest) = input.split_at(input.len() - 300);
+    let fed = |client: &mut ClientConnection, bytes: &[u8]| {
+        feed(
+            client,
+            bytes,
+            &[usize::MAX],
+            |c| c.read_buffer(),
+            |c, n| c.on_read(n),
+            |_| {},
+        )
+    };
+    assert_eq!(fed(&mut client, first), Ok(()));
+    // The gate closes mid-payload; the client's next turn lets the channel go.
+    closing.close();
+    client.poll_transmit(nets.start);
+    client_writes(&mut client);
+    let other = ResultPartitionId {
+        partition: 1,
+        producer: 1,
+    };
+    let mut fresh = remote_gate(&nets, other);
+    let fresh_receiver = register(&mut client, &fresh);
+    assert_ne!(fresh_receiver, closing_receiver);
+    assert_eq!(
+        fresh_receiver.0 as u64, closing_receiver.0 as u64,
+        "the new channel has the slot of the one that left"
+    );
+    assert_eq!(fed(&mut client, rest), Ok(()));
+    assert!(
+        matches!(fresh.poll_next(), Ok(None)),
+        "the new channel got nothing"
+    );
+    drop((client, closing, fresh));
+    nets.assert_all_back("channel that left mid-payload");
 }
 
 /// The server writes a BufferResponse partly (a short vectored send), then reads a bad frame.

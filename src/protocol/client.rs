@@ -629,19 +629,30 @@ impl ClientConnection {
             }
             Some(channel) => {
                 let segment = if header.data_type.is_buffer() {
-                    channel
-                        .shared
-                        .buffers()
-                        .take_segment()
-                        .ok_or(ProtocolError::CreditExceeded(header.receiver))?
+                    channel.shared.buffers().take_segment()
                 } else {
-                    channel
-                        .shared
-                        .buffers()
-                        .event_segment()
-                        .ok_or(ProtocolError::NoEventMemory)?
+                    channel.shared.buffers().event_segment()
                 };
-                Some(segment.into_builder(header.data_type))
+                match segment {
+                    Some(segment) => Some(segment.into_builder(header.data_type)),
+                    // The gate closed between the look above and this one (its release empties
+                    // the channel's segments): discard as for a channel gone, not a protocol
+                    // error that would fail the connection's other channels.
+                    None if channel.shared.is_released() => {
+                        let receiver = channel.receiver;
+                        self.remove_channel(slot.expect("a channel was found in it"));
+                        slot = None;
+                        encode(
+                            &mut self.outbound,
+                            &Message::CancelPartitionRequest { receiver },
+                        );
+                        None
+                    }
+                    None if header.data_type.is_buffer() => {
+                        return Err(ProtocolError::CreditExceeded(header.receiver));
+                    }
+                    None => return Err(ProtocolError::NoEventMemory),
+                }
             }
         };
         self.stage = ReadStage::Payload {
@@ -676,7 +687,15 @@ impl ClientConnection {
         drop(builder);
         let mut buffer = consumer.build();
         buffer.set_compressed(header.compressed);
-        let Some(channel) = self.channels.get(slot).and_then(Option::as_ref) else {
+        // By receiver id, not by slot alone: the channel may have left while its payload was
+        // read (its gate closed) and a new channel taken the slot; the payload is then
+        // discarded (its segment goes back), never delivered to the newcomer.
+        let Some(channel) = self
+            .channels
+            .get(slot)
+            .and_then(Option::as_ref)
+            .filter(|c| c.receiver == header.receiver)
+        else {
             return Ok(());
         };
         let delivered = channel.shared.on_buffer(

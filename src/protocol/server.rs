@@ -481,6 +481,10 @@ impl ServerConnection {
                         limit: self.config.max_channels,
                     });
                 }
+                // The same bound as AddCredit's: a starting credit beyond it is no consumer's.
+                if credit > MAX_CREDIT {
+                    return Err(ProtocolError::CreditOverflow(receiver));
+                }
                 let request = PendingRequest {
                     partition,
                     subpartition,
