@@ -2,8 +2,9 @@
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
 //! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
 //! ready-reader queue with its enqueued flags, the I/O thread's parked flag, a
-//! subpartition's backlog count, and a remote channel's read order against a priority item
-//! arriving mid-read and its floating credit against a blocking barrier read at once.
+//! subpartition's backlog count and read order against a priority event queued mid-read,
+//! and a remote channel's read order against a priority item arriving mid-read and its
+//! floating credit against a blocking barrier read at once.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -1154,6 +1155,57 @@ fn a_blocking_barrier_read_at_once_keeps_no_credit_for_released_segments() {
         drop(checkpointed);
         drop(shared);
         drop(buffers);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (i) The producer queues an unaligned barrier and then writes and flushes a record after it
+/// while the reader takes from the subpartition: whatever the reader looked at first, it
+/// never hands out the record written after the barrier before the barrier. (It could: a
+/// reader that found the priority lane empty, then the data lane holding the new record,
+/// returned the record first, and a consumer processed it ahead of its checkpoint.)
+#[test]
+fn a_subpartition_never_hands_out_data_written_after_a_barrier_before_it() {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+
+    bounded_model(|| {
+        let config = config(6);
+        let pool = NetworkBufferPool::new(&config).unwrap();
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 1,
+        };
+        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
+        let mut view = partition
+            .handle()
+            .create_view(0, Arc::new(Unheard))
+            .unwrap();
+        let producer = thread::spawn(move || {
+            let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+                id: 1,
+                timestamp: 0,
+                kind: CheckpointKind::Checkpoint,
+                alignment: Alignment::Unaligned,
+            });
+            partition.broadcast_event(&barrier, true).unwrap();
+            partition.emit_record(&[7u8; 8][..], 0).unwrap();
+            partition.flush(0);
+            partition
+        });
+        // What the reader hands out, in order: true for the barrier.
+        let mut read = Vec::new();
+        if let Some(item) = view.poll_next() {
+            read.push(item.buffer.data_type().has_priority());
+        }
+        let partition = producer.join().unwrap();
+        // Bounded: two items.
+        for _ in 0..2 {
+            if let Some(item) = view.poll_next() {
+                read.push(item.buffer.data_type().has_priority());
+            }
+        }
+        assert_eq!(read, [true, false], "the barrier, then the record after it");
+        drop((view, partition));
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }

@@ -15,11 +15,10 @@ use std::fmt;
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
-use crossbeam_queue::ArrayQueue;
 
 use super::{AvailabilityListener, BufferAndBacklog, PartitionError};
 use crate::buffer::{BufferConsumer, DataType};
-use crate::sync::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// A priority item and how many data-lane items had been enqueued when it was added.
 struct PriorityItem {
@@ -369,6 +368,11 @@ impl SubpartitionView {
         if self.subpartition.is_released() || self.blocked {
             return None;
         }
+        // The data lane's next item first, then the priority lane: a data item the producer
+        // queued after a priority event is seen only with that event's push, so the event
+        // comes out first. Looked at the other way round, a reader that found the priority
+        // lane empty could then take data written after the event ahead of it.
+        let next_data = self.peek_data_type();
         if let Some(PriorityItem {
             mut consumer,
             data_enqueued,
@@ -387,7 +391,7 @@ impl SubpartitionView {
             let overtaken = data_enqueued.saturating_sub(self.data_taken) as usize;
             return Some(self.emit(buffer, overtaken));
         }
-        if self.peek_data_type() == DataType::None {
+        if next_data == DataType::None {
             return None;
         }
         let head = self.head.as_mut().expect("a readable head");
