@@ -396,10 +396,14 @@ impl SubpartitionView {
         }
         let head = self.head.as_mut().expect("a readable head");
         if !head.is_finished() {
-            // The flushed part of the unfinished tail.
+            // The flushed part of the unfinished tail. A swap, not a store: it reads the
+            // latest flag, so a flush that lands while this runs either is read here (and the
+            // build below sees the bytes that flush published) or stays set for the next
+            // look. A store could sit in the store buffer past that flush, clear it, and leave
+            // its bytes unread, the reader parked and nobody told.
             self.subpartition
                 .flush_requested
-                .store(false, Ordering::Release);
+                .swap(false, Ordering::AcqRel);
             let buffer = head.build();
             return Some(self.emit(buffer, 0));
         }
