@@ -867,17 +867,7 @@ impl AvailabilityListener for Unheard {
 #[test]
 fn subpartition_backlog_races_the_finish_of_a_buffer() {
     bounded_model(|| {
-        let config = config(4);
-        let pool = NetworkBufferPool::new(&config).unwrap();
-        let id = ResultPartitionId {
-            partition: 1,
-            producer: 1,
-        };
-        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
-        let mut view = partition
-            .handle()
-            .create_view(0, Arc::new(Unheard))
-            .unwrap();
+        let (pool, mut partition, mut view) = one_subpartition_with_view(4);
         partition.emit_record(&b"record"[..], 0).unwrap();
 
         let producer = thread::spawn(move || {
@@ -902,6 +892,29 @@ fn subpartition_backlog_races_the_finish_of_a_buffer() {
     });
 }
 
+/// A network of `segments` segments and a partition of one subpartition on it, with the
+/// subpartition's view (polled by the models, never told anything).
+fn one_subpartition_with_view(
+    segments: usize,
+) -> (
+    NetworkBufferPool,
+    ResultPartition,
+    fluxgate::partition::SubpartitionView,
+) {
+    let config = config(segments);
+    let pool = NetworkBufferPool::new(&config).unwrap();
+    let id = ResultPartitionId {
+        partition: 1,
+        producer: 1,
+    };
+    let partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
+    let view = partition
+        .handle()
+        .create_view(0, Arc::new(Unheard))
+        .unwrap();
+    (pool, partition, view)
+}
+
 /// (p6) The reader takes a finished buffer while the producer finishes the next one (a flush
 /// made its start readable): an item whose next is a data buffer never comes with a backlog
 /// of 0. The backlog once read the count before the next buffer's state, saw the finish but
@@ -910,17 +923,7 @@ fn subpartition_backlog_races_the_finish_of_a_buffer() {
 #[test]
 fn a_next_data_buffer_is_always_in_the_backlog() {
     bounded_model(|| {
-        let config = config(4);
-        let pool = NetworkBufferPool::new(&config).unwrap();
-        let id = ResultPartitionId {
-            partition: 1,
-            producer: 1,
-        };
-        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
-        let mut view = partition
-            .handle()
-            .create_view(0, Arc::new(Unheard))
-            .unwrap();
+        let (pool, mut partition, mut view) = one_subpartition_with_view(4);
         // The second record spans: it finishes the first buffer and starts a second, whose
         // start the flush makes readable.
         partition.emit_record(&[1u8; 3000][..], 0).unwrap();
@@ -946,6 +949,49 @@ fn a_next_data_buffer_is_always_in_the_backlog() {
     });
 }
 
+/// A network of `config`'s memory and a set-up, requested gate of one remote channel (for
+/// partition 0, subpartition 0), with the channel's transport side.
+fn one_remote_channel_gate(
+    config: NetworkConfig,
+) -> (
+    NetworkBufferPool,
+    fluxgate::gate::SingleInputGate,
+    Arc<fluxgate::gate::RemoteChannelShared>,
+) {
+    use fluxgate::gate::{ChannelLocation, ChannelSpec, ConsumedSubpartition, SingleInputGate};
+    use fluxgate::partition::PartitionManager;
+
+    let pool = NetworkBufferPool::new(&config).unwrap();
+    let spec = ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: ResultPartitionId {
+                partition: 0,
+                producer: 0,
+            },
+            subpartition: 0,
+        },
+        location: ChannelLocation::Remote,
+    };
+    let mut gate = SingleInputGate::new(
+        vec![spec],
+        Arc::new(PartitionManager::new()),
+        &pool,
+        &config,
+    );
+    gate.setup().unwrap();
+    gate.request_partitions(std::time::Instant::now()).unwrap();
+    let shared = gate.remote_channel(0).unwrap().shared().clone();
+    (pool, gate, shared)
+}
+
+/// `bytes` written into `segment` as a finished buffer of `kind`, as the transport receives one.
+fn fill(segment: PooledSegment, bytes: &[u8], kind: DataType) -> Buffer {
+    let mut builder = segment.into_builder(kind);
+    builder.append_and_commit(bytes);
+    let mut consumer = builder.create_consumer_from_beginning();
+    consumer.build()
+}
+
 /// (g) The transport pushes priority barriers and then data that follows the last of them on
 /// the wire while the gate reads the channel. A read that took the channel off the gate's
 /// queue after its item was already read (a barrier read first leaves such an entry) may
@@ -955,39 +1001,10 @@ fn a_next_data_buffer_is_always_in_the_backlog() {
 #[test]
 fn a_remote_read_racing_a_priority_arrival_never_returns_the_later_data_first() {
     use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
-    use fluxgate::gate::{
-        ChannelLocation, ChannelSpec, ConsumedSubpartition, GateItem, InputGate, SingleInputGate,
-    };
-    use fluxgate::partition::PartitionManager;
+    use fluxgate::gate::{GateItem, InputGate, SingleInputGate};
 
     bounded_model(|| {
-        let config = config(6);
-        let pool = NetworkBufferPool::new(&config).unwrap();
-        let spec = ChannelSpec {
-            consumed: ConsumedSubpartition {
-                partition: ResultPartitionId {
-                    partition: 0,
-                    producer: 0,
-                },
-                subpartition: 0,
-            },
-            location: ChannelLocation::Remote,
-        };
-        let mut gate = SingleInputGate::new(
-            vec![spec],
-            Arc::new(PartitionManager::new()),
-            &pool,
-            &config,
-        );
-        gate.setup().unwrap();
-        gate.request_partitions(std::time::Instant::now()).unwrap();
-        let shared = gate.remote_channel(0).unwrap().shared().clone();
-        let fill = |segment: PooledSegment, bytes: &[u8], kind: DataType| {
-            let mut builder = segment.into_builder(kind);
-            builder.append_and_commit(bytes);
-            let mut consumer = builder.create_consumer_from_beginning();
-            consumer.build()
-        };
+        let (pool, mut gate, shared) = one_remote_channel_gate(config(6));
         let barrier = |id: u64| {
             let mut bytes = Vec::new();
             Event::CheckpointBarrier(CheckpointBarrier {
@@ -1068,42 +1085,13 @@ fn a_remote_read_racing_a_priority_arrival_never_returns_the_later_data_first() 
 #[test]
 fn a_blocking_barrier_read_at_once_keeps_no_credit_for_released_segments() {
     use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
-    use fluxgate::gate::{
-        AlignmentMode, ChannelLocation, ChannelSpec, CheckpointedInputGate, ConsumedSubpartition,
-        SingleInputGate,
-    };
-    use fluxgate::partition::PartitionManager;
+    use fluxgate::gate::{AlignmentMode, CheckpointedInputGate};
 
     bounded_model(|| {
         let mut config = config(6);
         config.buffers_per_channel = 0;
         config.floating_buffers_per_gate = 2;
-        let pool = NetworkBufferPool::new(&config).unwrap();
-        let spec = ChannelSpec {
-            consumed: ConsumedSubpartition {
-                partition: ResultPartitionId {
-                    partition: 0,
-                    producer: 0,
-                },
-                subpartition: 0,
-            },
-            location: ChannelLocation::Remote,
-        };
-        let mut gate = SingleInputGate::new(
-            vec![spec],
-            Arc::new(PartitionManager::new()),
-            &pool,
-            &config,
-        );
-        gate.setup().unwrap();
-        gate.request_partitions(std::time::Instant::now()).unwrap();
-        let shared = gate.remote_channel(0).unwrap().shared().clone();
-        let fill = |segment: PooledSegment, bytes: &[u8], kind: DataType| {
-            let mut builder = segment.into_builder(kind);
-            builder.append_and_commit(bytes);
-            let mut consumer = builder.create_consumer_from_beginning();
-            consumer.build()
-        };
+        let (pool, gate, shared) = one_remote_channel_gate(config);
         // The sender announced a backlog: one floating segment, its credit announced.
         let buffers = shared.buffers().clone();
         buffers.on_sender_backlog(1);
@@ -1169,17 +1157,7 @@ fn a_subpartition_never_hands_out_data_written_after_a_barrier_before_it() {
     use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 
     bounded_model(|| {
-        let config = config(6);
-        let pool = NetworkBufferPool::new(&config).unwrap();
-        let id = ResultPartitionId {
-            partition: 1,
-            producer: 1,
-        };
-        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
-        let mut view = partition
-            .handle()
-            .create_view(0, Arc::new(Unheard))
-            .unwrap();
+        let (pool, mut partition, mut view) = one_subpartition_with_view(6);
         let producer = thread::spawn(move || {
             let barrier = Event::CheckpointBarrier(CheckpointBarrier {
                 id: 1,
