@@ -650,22 +650,24 @@ impl RemoteInputChannel {
                 reason: "failed".into(),
             }));
         }
-        let mut priority = shared.received_priority.pop();
-        if priority.is_none() {
-            let Some(data) = self.stashed.take().or_else(|| shared.received.pop()) else {
-                return Ok(None);
-            };
-            // A priority item may have come in after the look above and before this data item
-            // (the transport pushes in wire order): it goes first, or the data item, which may
-            // be after it on the wire, would be read before the barrier that it follows.
-            priority = shared.received_priority.pop();
-            if priority.is_none() {
-                self.data_read += 1;
-                return Ok(Some(self.read_of(data.buffer, 0)));
+        let item = match shared.received_priority.pop() {
+            Some(item) => item,
+            None => {
+                let Some(data) = self.stashed.take().or_else(|| shared.received.pop()) else {
+                    return Ok(None);
+                };
+                // A priority item may have come in after the look above and before this data
+                // item (the transport pushes in wire order): it goes first, or the data item,
+                // which may be after it on the wire, would be read before the barrier that it
+                // follows.
+                let Some(item) = shared.received_priority.pop() else {
+                    self.data_read += 1;
+                    return Ok(Some(self.read_of(data.buffer, 0)));
+                };
+                self.stashed = Some(data);
+                item
             }
-            self.stashed = Some(data);
-        }
-        let item = priority.expect("taken above");
+        };
         // The sender counted the data it still held behind the priority item; what it had
         // sent before is queued here, unread, and is overtaken as well (the gate reads this
         // lane first). Everything received before the item was pushed before it, by the
