@@ -338,6 +338,15 @@ mod tests {
         outbound.push_buffer(3, consumer.build(), 0);
     }
 
+    /// The connection fails while a write is in flight: the queue is cleared and an error
+    /// response (`ERROR`, a 5-byte control frame) queued after it.
+    fn fail_during_write_and_queue_error(outbound: &mut Outbound) {
+        outbound.begin_write();
+        outbound.clear();
+        outbound.control_bytes().extend_from_slice(b"ERROR");
+        outbound.push_control(5);
+    }
+
     #[test]
     fn a_clear_during_an_async_write_keeps_its_segments_until_it_completes() {
         let pool = pool();
@@ -367,11 +376,7 @@ mod tests {
         let total = pool.total_segments();
         let mut outbound = Outbound::default();
         queue_buffer(&mut outbound, &pool, b"payload");
-        outbound.begin_write();
-        outbound.clear();
-        let bytes = outbound.control_bytes();
-        bytes.extend_from_slice(b"ERROR");
-        outbound.push_control(5);
+        fail_during_write_and_queue_error(&mut outbound);
         // Only "HDRp" of the 10-byte frame went out: the error response would continue it.
         outbound.on_written(4);
         assert!(outbound.is_empty(), "nothing more is written");
@@ -379,10 +384,7 @@ mod tests {
         // Cut where the first frame had been partly written before: the same.
         queue_buffer(&mut outbound, &pool, b"payload");
         outbound.on_written(2);
-        outbound.begin_write();
-        outbound.clear();
-        outbound.control_bytes().extend_from_slice(b"ERROR");
-        outbound.push_control(5);
+        fail_during_write_and_queue_error(&mut outbound);
         outbound.on_written(0);
         assert!(
             outbound.is_empty(),
