@@ -38,6 +38,7 @@ fn spec(min: usize, max: usize) -> LocalPoolSpec {
         subpartitions: 2,
         max_segments_per_channel: max,
         max_listeners: 4,
+        max_overdraft_segments: usize::MAX,
     }
 }
 

@@ -147,6 +147,7 @@ fn local_buffer_leases_dropped_on_two_threads() {
                 subpartitions: 1,
                 max_segments_per_channel: 2,
                 max_listeners: 1,
+                max_overdraft_segments: usize::MAX,
             })
             .unwrap();
         let mut builder = local.request_buffer_builder(0).unwrap();
@@ -192,6 +193,7 @@ fn local_pool_recycle_races_request() {
                 subpartitions: 1,
                 max_segments_per_channel: 4,
                 max_listeners: 1,
+                max_overdraft_segments: usize::MAX,
             })
             .unwrap();
         let first = local.request_buffer_builder(0).unwrap();
@@ -654,6 +656,7 @@ fn waiter_races_give_back(on_io_thread: bool) {
                 subpartitions: 1,
                 max_segments_per_channel: 2,
                 max_listeners: 1,
+                max_overdraft_segments: usize::MAX,
             })
             .unwrap();
         let held = local.request_buffer_builder(0).unwrap();
@@ -709,6 +712,7 @@ fn gate_pool(
             subpartitions: 0,
             max_segments_per_channel: usize::MAX,
             max_listeners: listeners,
+            max_overdraft_segments: usize::MAX,
         })
         .unwrap()
 }

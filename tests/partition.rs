@@ -670,3 +670,127 @@ fn the_backlog_counts_a_flushed_tail_only_when_it_is_next_and_holds_bytes() {
     assert_eq!(tail.buffer.len(), 6 + 5 * 1002 - 4096);
     assert_eq!(tail.backlog, 0);
 }
+
+#[test]
+fn priority_events_for_a_reader_that_stopped_wait_for_memory_past_the_overdraft() {
+    // A reader that stops reading while its producer keeps sending priority events (a
+    // consumer stuck while unaligned checkpoints go on): each event overdraws the network
+    // memory, and without a bound the lanes overflowed (the producer panicked) once there
+    // were more events than twice the pool's maximum.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let spec = partition.pool().spec();
+    let queued_at_most = spec.max_segments + spec.max_overdraft_segments;
+    assert!(
+        queued_at_most < network.total_segments(),
+        "the network memory outlasts the bound, so the bound is what stops the producer"
+    );
+    let events = queued_at_most as u64 + 10;
+    let writer = thread::spawn(move || {
+        let mut peak_overdraft = 0;
+        for id in 0..events {
+            partition.broadcast_event(&barrier(id, Alignment::Unaligned), true)?;
+            peak_overdraft = peak_overdraft.max(partition.pool().overdraft_segments());
+        }
+        Ok::<_, PartitionError>((partition, peak_overdraft))
+    });
+    // Nothing is read until the producer has queued all the bound allows.
+    for _ in 0..events {
+        // The count before the look: an event counted after it then counts beyond `seen`.
+        let seen = signal.notifications();
+        if signal.priority.load(Ordering::SeqCst) >= queued_at_most {
+            break;
+        }
+        assert!(signal.wait_beyond(seen), "the producer stopped early");
+    }
+    assert_eq!(signal.priority.load(Ordering::SeqCst), queued_at_most);
+    let mut seen = signal.notifications();
+    let mut next_id = 0;
+    for _ in 0..10 * events {
+        if next_id == events {
+            break;
+        }
+        match view.poll_next() {
+            Some(item) => {
+                assert_eq!(
+                    Event::decode(item.buffer.as_slice()).unwrap(),
+                    barrier(next_id, Alignment::Unaligned)
+                );
+                next_id += 1;
+            }
+            None => {
+                assert!(signal.wait_beyond(seen), "the producer stayed blocked");
+                seen = signal.notifications();
+            }
+        }
+    }
+    assert_eq!(next_id, events, "every event arrived, in order");
+    let (partition, peak_overdraft) = writer.join().expect("the producer does not panic").unwrap();
+    assert!(peak_overdraft <= spec.max_overdraft_segments);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_broadcast_skips_a_released_subpartition_and_the_others_get_it_whole() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 3, &network, &config).unwrap();
+    let (mut view0, _) = view(&partition, 0);
+    let (released, _) = view(&partition, 1);
+    let (mut view2, _) = view(&partition, 2);
+    partition.broadcast_record(&b"before"[..]).unwrap();
+    released.release();
+    // Spans two 4 KiB segments, each queued after subpartition 1 was released.
+    let spanning: Vec<u8> = (0..6000u32).map(|i| i as u8).collect();
+    partition.broadcast_record(&spanning[..]).unwrap();
+    partition
+        .broadcast_event(&barrier(4, Alignment::Aligned), false)
+        .unwrap();
+    partition.finish().unwrap();
+    for view in [&mut view0, &mut view2] {
+        let mut reader = RecordDeserializer::new(1 << 20);
+        let mut records = Vec::new();
+        let mut events = Vec::new();
+        for _ in 0..16 {
+            let Some(item) = view.poll_next() else { break };
+            assert!(item.backlog < 16, "backlog {} wrapped", item.backlog);
+            if item.buffer.data_type() == DataType::DataBuffer {
+                reader.set_next_buffer(item.buffer).unwrap();
+                while let Some(r) = reader.next_record().unwrap() {
+                    records.push(r.to_vec());
+                }
+            } else {
+                events.push(Event::decode(item.buffer.as_slice()).unwrap());
+                // The aligned barrier blocked the view; the consumer aligned and resumes.
+                view.resume_consumption();
+            }
+        }
+        assert_eq!(records, vec![b"before".to_vec(), spanning.clone()]);
+        assert_eq!(
+            events,
+            vec![barrier(4, Alignment::Aligned), Event::EndOfPartition]
+        );
+    }
+    drop((view0, view2, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_broadcast_fails_once_every_subpartition_is_released() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    for index in 0..2 {
+        view(&partition, index).0.release();
+    }
+    assert!(matches!(
+        partition.broadcast_record(&b"nobody"[..]),
+        Err(PartitionError::Released)
+    ));
+    assert!(matches!(
+        partition.broadcast_event(&barrier(1, Alignment::Aligned), false),
+        Err(PartitionError::Released)
+    ));
+    drop(partition);
+    assert_eq!(network.available_segments(), network.total_segments());
+}

@@ -95,6 +95,7 @@ fn pool_for(network: &NetworkBufferPool) -> LocalBufferPool {
         subpartitions: 3,
         max_segments_per_channel: 3,
         max_listeners: 1,
+        max_overdraft_segments: usize::MAX,
     };
     network.create_local_pool(spec).expect("minimums fit")
 }

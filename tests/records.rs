@@ -109,6 +109,7 @@ proptest! {
                 subpartitions: 1,
                 max_segments_per_channel: 256,
                 max_listeners: 1,
+                max_overdraft_segments: usize::MAX,
             })
             .unwrap();
         let mut sink = QueueSink { pool: &pool, current: None, out: VecDeque::new() };

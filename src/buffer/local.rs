@@ -28,6 +28,9 @@ use crate::sync::{
 /// explicit.
 const WAIT_RECHECK: Duration = Duration::from_millis(50);
 
+/// The tag of an overdraft segment: not a channel's, and not part of the pool's count.
+const OVERDRAFT: u32 = NO_CHANNEL - 1;
+
 /// Sizes of a local pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LocalPoolSpec {
@@ -41,6 +44,8 @@ pub struct LocalPoolSpec {
     pub max_segments_per_channel: usize,
     /// Most buffer listeners waiting at once (an input gate's channel count).
     pub max_listeners: usize,
+    /// Most overdraft segments (taken outside the quota, for events) held at once.
+    pub max_overdraft_segments: usize,
 }
 
 impl LocalPoolSpec {
@@ -56,6 +61,9 @@ impl LocalPoolSpec {
             subpartitions,
             max_segments_per_channel: config.max_buffers_per_channel,
             max_listeners: 1,
+            // As many events as the pool has segments: a subpartition's lanes then hold at
+            // most twice the pool's maximum (see `ResultPartition::new`).
+            max_overdraft_segments: max,
         }
     }
 
@@ -71,6 +79,9 @@ impl LocalPoolSpec {
             subpartitions: 0,
             max_segments_per_channel: usize::MAX,
             max_listeners: channels.max(1),
+            // Bounded per channel instead: a remote channel takes at most
+            // `UNCREDITED_EVENTS` events beyond its credit.
+            max_overdraft_segments: usize::MAX,
         }
     }
 }
@@ -111,6 +122,8 @@ pub(crate) struct LocalPoolShared {
     notified: AtomicBool,
     /// Total nanoseconds blocking requests waited (the writer's back-pressured time).
     blocked_nanos: AtomicU64,
+    /// Overdraft segments handed out and not yet recycled.
+    overdraft: AtomicUsize,
     wait_lock: Mutex<()>,
     wait_cond: Condvar,
     waker: AtomicWaker,
@@ -144,6 +157,7 @@ impl LocalBufferPool {
             waiting: AtomicUsize::new(0),
             notified: AtomicBool::new(false),
             blocked_nanos: AtomicU64::new(0),
+            overdraft: AtomicUsize::new(0),
             wait_lock: Mutex::new(()),
             wait_cond: Condvar::new(),
             waker: AtomicWaker::new(),
@@ -301,11 +315,38 @@ impl LocalBufferPool {
     }
 
     /// A segment outside the pool's quota, straight from the global pool (Flink's overdraft
-    /// buffer), for an item that must not wait behind back pressure (a priority event). It
-    /// returns to the global pool when dropped.
+    /// buffer), for an item that must not wait behind back pressure (an event). `None` when
+    /// the pool already holds `max_overdraft_segments` of them or the global pool is empty.
+    /// It goes back to the global pool when dropped, and wakes this pool's waiters then: an
+    /// event that found the overdraft used up waits on this pool.
     pub fn request_overdraft_segment(&self) -> Option<PooledSegment> {
-        let segment = self.shared.network.take()?;
-        Some(PooledSegment::new(self.shared.network.clone(), segment))
+        let shared = &self.shared;
+        let mut held = shared.overdraft.load(Ordering::Relaxed);
+        loop {
+            if held >= shared.spec.max_overdraft_segments {
+                return None;
+            }
+            match shared.overdraft.compare_exchange_weak(
+                held,
+                held + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(current) => held = current,
+            }
+        }
+        let Some(segment) = shared.network.take() else {
+            shared.overdraft.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        };
+        shared.network.memory().set_tag(&segment, OVERDRAFT);
+        Some(PooledSegment::new(shared.clone(), segment))
+    }
+
+    /// Overdraft segments held now.
+    pub fn overdraft_segments(&self) -> usize {
+        self.shared.overdraft.load(Ordering::Relaxed)
     }
 
     /// True once destroyed.
@@ -588,6 +629,13 @@ impl Recycler for LocalPoolShared {
 
     fn recycle(&self, segment: Segment) {
         let tag = self.network.memory().tag(&segment);
+        if tag == OVERDRAFT {
+            self.network.memory().set_tag(&segment, NO_CHANNEL);
+            self.network.give_back(segment);
+            self.overdraft.fetch_sub(1, Ordering::Relaxed);
+            self.wake_waiters();
+            return;
+        }
         if let Some(counter) = self.per_channel.get(tag as usize) {
             counter.fetch_sub(1, Ordering::Relaxed);
         }

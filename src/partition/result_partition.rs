@@ -17,6 +17,11 @@ use crate::record::{self, Record, RecordError, SegmentSink};
 /// Builder requests for segments not counted against one subpartition (events, broadcast).
 const UNACCOUNTED: usize = usize::MAX;
 
+/// How often an event waiting for a segment looks again for an overdraft segment: an
+/// overdraft segment's return wakes the waiter, but one returned between its look and its
+/// wait does not.
+const EVENT_RECHECK: Duration = Duration::from_millis(50);
+
 /// The part of a partition both sides reach: its subpartitions and metrics. Cheap to clone;
 /// the partition manager, the output flusher and readers hold it.
 #[derive(Clone)]
@@ -139,9 +144,10 @@ impl ResultPartition {
     ) -> Result<Self, PartitionError> {
         let spec = LocalPoolSpec::for_partition(subpartitions, config);
         let pool = network.create_local_pool(spec)?;
-        // Each lane item holds a distinct segment of the pool (or one overdraft segment per
-        // priority event), so lanes of the pool's maximum plus headroom never overflow.
-        let lane = spec.max_segments + spec.max_segments;
+        // Each lane item holds a distinct segment: one of the pool's (at most its maximum) or
+        // an event's overdraft segment (at most `max_overdraft_segments`), so a lane of both
+        // together never overflows.
+        let lane = spec.max_segments + spec.max_overdraft_segments;
         let shared = Arc::new(PartitionShared {
             id,
             kind: PartitionType::Pipelined,
@@ -293,10 +299,9 @@ impl ResultPartition {
         event.write_to(&mut builder)?;
         let consumer = builder.create_consumer_from_beginning();
         drop(builder);
-        for subpartition in self.handle.shared.subpartitions.iter() {
-            subpartition.add_event(consumer.copy(), priority)?;
-        }
-        Ok(())
+        queue_in_open_subpartitions(&self.handle.shared, |subpartition| {
+            subpartition.add_event(consumer.copy(), priority)
+        })
     }
 
     /// Makes the committed bytes of subpartition `target` readable now.
@@ -379,27 +384,40 @@ impl ResultPartition {
         Ok(())
     }
 
-    /// A segment for an event. An event never waits for the partition's pool while the
-    /// network has memory (Flink serializes events into unpooled memory): a checkpoint barrier
-    /// or EndOfPartition is what lets blocked or back-pressured consumers go on, and the
-    /// segments it would wait for may be held by exactly those consumers — an aligned barrier
-    /// behind a subpartition its consumer blocked for the previous barrier is a deadlock. It
-    /// takes a free segment of the pool, else one overdraft segment of the network; only with
-    /// the whole network memory in use does it wait like a record.
+    /// A segment for an event. An event does not wait for the partition's pool while it can
+    /// overdraw (Flink serializes events into unpooled memory): a checkpoint barrier or
+    /// EndOfPartition is what lets blocked or back-pressured consumers go on, and the segments
+    /// it would wait for may be held by exactly those consumers — an aligned barrier behind a
+    /// subpartition its consumer blocked for the previous barrier is a deadlock. It takes a
+    /// free segment of the pool, else an overdraft segment of the network. The overdraft is
+    /// bounded (the pool's `max_overdraft_segments`), so that events queued for a reader
+    /// that stopped reading cannot take the whole network memory nor overflow a lane; past
+    /// it, or with the whole network memory in use, the event waits like a record, looking
+    /// again for an overdraft segment at each recheck.
     fn event_builder(&self, priority: bool) -> Result<BufferBuilder, PartitionError> {
-        if let Some(segment) = self
-            .pool
-            .request_segment()
-            .or_else(|| self.pool.request_overdraft_segment())
-        {
-            let data_type = if priority {
-                DataType::PrioritizedEventBuffer
-            } else {
-                DataType::EventBuffer
-            };
-            return Ok(segment.into_builder(data_type));
+        let data_type = if priority {
+            DataType::PrioritizedEventBuffer
+        } else {
+            DataType::EventBuffer
+        };
+        loop {
+            if let Some(segment) = self
+                .pool
+                .request_segment()
+                .or_else(|| self.pool.request_overdraft_segment())
+            {
+                return Ok(segment.into_builder(data_type));
+            }
+            match self
+                .pool
+                .request_buffer_builder_blocking(UNACCOUNTED, EVENT_RECHECK)
+            {
+                Ok(builder) => return Ok(builder),
+                Err(PoolError::Timeout(_)) => continue,
+                Err(PoolError::Destroyed) => return Err(PartitionError::Released),
+                Err(other) => return Err(other.into()),
+            }
         }
-        request_blocking(&self.pool, UNACCOUNTED, self.request_timeout)
     }
 
     fn finish_unicast_builder(&mut self, target: usize) {
@@ -449,6 +467,29 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
     shared.metrics.num_buffers_out.add(1);
     shared.metrics.num_bytes_out.add(bytes as u64);
     readers.iter().for_each(|s| s.on_data_finished());
+}
+
+/// Queues one item of a broadcast in every subpartition not released. One whose consumer
+/// released it is skipped, as Flink's `add` skips it: failing there would leave the others
+/// with part of a spanning record, a buffer the backlog never counted, or without the event.
+/// Fails only when every subpartition was released.
+fn queue_in_open_subpartitions(
+    shared: &PartitionShared,
+    mut queue: impl FnMut(&PipelinedSubpartition) -> Result<(), PartitionError>,
+) -> Result<(), PartitionError> {
+    let mut queued = false;
+    for subpartition in shared.subpartitions.iter() {
+        match queue(subpartition) {
+            Ok(()) => queued = true,
+            Err(PartitionError::Released) => {}
+            Err(other) => return Err(other),
+        }
+    }
+    if queued {
+        Ok(())
+    } else {
+        Err(PartitionError::Released)
+    }
 }
 
 /// A serializer error as the writer reports it: the sink's [`RecordError::Released`] means
@@ -515,15 +556,11 @@ impl SegmentSink for PartitionSink<'_> {
             let consumer = builder.create_consumer_from_beginning();
             let queued = match self.target {
                 Target::Unicast(index) => self.shared.subpartitions[index].add_data(consumer),
-                Target::Broadcast => {
-                    let mut result = Ok(());
-                    for subpartition in self.shared.subpartitions.iter() {
-                        result = result.and(subpartition.add_data(consumer.copy()));
-                    }
-                    result
-                }
+                Target::Broadcast => queue_in_open_subpartitions(self.shared, |subpartition| {
+                    subpartition.add_data(consumer.copy())
+                }),
             };
-            // A subpartition refuses data only once released.
+            // A subpartition refuses data only once released (a broadcast: all of them).
             queued.map_err(|_| RecordError::Released)?;
             *self.slot = Some(builder);
         }
