@@ -359,16 +359,20 @@ fn fresh_client(nets: &Networks, auth: bool) -> (ClientConnection, SingleInputGa
     (client, gate)
 }
 
-fn client_writes(client: &mut ClientConnection) {
+/// Writes what the client queued; returns the bytes.
+fn client_writes(client: &mut ClientConnection) -> Vec<u8> {
+    let mut written = Vec::new();
     // Bounded: every round writes at least one byte of a finite queue.
     while client.wants_write() {
         let mut slices = Vec::new();
         client.write_slices(&mut slices, 64);
         let n: usize = slices.iter().map(|s| s.len()).sum();
+        slices.iter().for_each(|s| written.extend_from_slice(s));
         drop(slices);
         assert!(n > 0, "wants to write but offers no bytes");
         client.on_written(n);
     }
+    written
 }
 
 /// Reads what the gate has (dropping buffers: their segments are credit again), resuming
@@ -2183,7 +2187,7 @@ fn message_decode_reports_a_frame_length_below_the_header_as_an_error() {
 /// the channel had announced. The buffer arrives before the client's next `poll_transmit`
 /// (which would drop the released channel and cancel it): `begin_payload` finds the channel
 /// still registered, asks its released `BufferManager` for a segment, gets none and fails the
-/// whole connection with `CreditExceeded` (an event in flight: `NoEventMemory`, the gate's
+/// whole connection with `CreditExceeded` (an event in flight: no event memory, the gate's
 /// pool is gone), which fails the other gate's healthy channel too. Flink's client handler
 /// discards a buffer for a released channel and cancels it; the client should check
 /// `is_released()` before reserving a segment and take the discard path.
@@ -2226,6 +2230,62 @@ fn a_buffer_in_flight_for_a_closed_gate_is_discarded() {
         drop((client, closing, healthy));
         nets.assert_all_back("closed gate");
     }
+}
+
+/// An event arrives while the consumer's whole network memory is in use: there is no segment
+/// to read it into. That is this side's shortage, not the connection's fault: the event's
+/// channel fails with a typed error and its producer is told to stop, while the other
+/// channel on the connection goes on. (It failed the whole connection before.)
+#[test]
+fn an_event_without_memory_fails_its_channel_only() {
+    let nets = Networks::new();
+    let mut starved = remote_gate(&nets, PARTITION);
+    let other_partition = ResultPartitionId {
+        partition: 1,
+        producer: 1,
+    };
+    let mut healthy = remote_gate(&nets, other_partition);
+    let mut client = ClientConnection::new(2, 4, SEGMENT);
+    let starved_receiver = register(&mut client, &starved);
+    let healthy_receiver = register(&mut client, &healthy);
+    client_writes(&mut client);
+    let hoard: Vec<_> = std::iter::from_fn(|| nets.consumer.request_segment()).collect();
+    assert_eq!(nets.consumer.available_segments(), 0);
+    let input = cat(&[
+        &handshake(),
+        &event_frame(starved_receiver, 0, &Event::EndOfPartition, false),
+        &buffer_frame(healthy_receiver, 0, DataType::DataBuffer, b"credited"),
+    ]);
+    let result = feed(
+        &mut client,
+        &input,
+        &[usize::MAX],
+        |c| c.read_buffer(),
+        |c, n| c.on_read(n),
+        |_| {},
+    );
+    assert_eq!(result, Ok(()), "the connection goes on");
+    assert!(
+        matches!(
+            starved.poll_next(),
+            Err(GateError::Transport { channel: 0, .. })
+        ),
+        "the event's channel fails"
+    );
+    let item = healthy
+        .poll_next()
+        .expect("the other channel is healthy")
+        .expect("its buffer arrived, read into its own credited segment");
+    assert!(matches!(item.item, GateItem::Buffer(ref b) if b.as_slice() == b"credited"));
+    client.poll_transmit(nets.start);
+    assert!(
+        split_frames(&client_writes(&mut client)).contains(&Ok(Message::CancelPartitionRequest {
+            receiver: starved_receiver
+        })),
+        "the producer is told to stop sending to the failed channel"
+    );
+    drop((item, hoard, client, starved, healthy));
+    nets.assert_all_back("event without memory");
 }
 
 /// A payload half read when its channel's gate closes: the channel leaves (its slot is free)

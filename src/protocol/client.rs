@@ -635,23 +635,35 @@ impl ClientConnection {
                 };
                 match segment {
                     Some(segment) => Some(segment.into_builder(header.data_type)),
+                    None if header.data_type.is_buffer() && !channel.shared.is_released() => {
+                        return Err(ProtocolError::CreditExceeded(header.receiver));
+                    }
                     // The gate closed between the look above and this one (its release empties
-                    // the channel's segments): discard as for a channel gone, not a protocol
-                    // error that would fail the connection's other channels.
-                    None if channel.shared.is_released() => {
+                    // the channel's segments), or an event found the whole network memory in
+                    // use: this channel leaves and the payload is discarded, as for a channel
+                    // gone. Neither is the connection's fault, so its other channels go on.
+                    None => {
                         let receiver = channel.receiver;
-                        self.remove_channel(slot.expect("a channel was found in it"));
+                        let channel = self
+                            .remove_channel(slot.expect("a channel was found in it"))
+                            .expect("a channel was found in it");
                         slot = None;
+                        if !channel.shared.is_released() {
+                            tracing::warn!(
+                                ?receiver,
+                                "no network memory for an incoming event; failing its channel"
+                            );
+                            channel.shared.fail(GateError::Transport {
+                                channel: channel.shared.channel(),
+                                reason: "no network memory for an incoming event".to_owned(),
+                            });
+                        }
                         encode(
                             &mut self.outbound,
                             &Message::CancelPartitionRequest { receiver },
                         );
                         None
                     }
-                    None if header.data_type.is_buffer() => {
-                        return Err(ProtocolError::CreditExceeded(header.receiver));
-                    }
-                    None => return Err(ProtocolError::NoEventMemory),
                 }
             }
         };

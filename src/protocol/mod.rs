@@ -58,9 +58,6 @@ pub enum ProtocolError {
     /// A partition request for a receiver id already in use (peer's fault).
     #[error("duplicate receiver {0:?}")]
     DuplicateReceiver(ReceiverId),
-    /// No memory to receive an event into (this side's limits).
-    #[error("no network memory for an incoming event")]
-    NoEventMemory,
     /// The peer reported an error for the whole connection.
     #[error("remote error ({kind:?}): {message}")]
     Remote {
