@@ -89,6 +89,7 @@ impl EpollDriver {
             manager,
             worked: false,
             sleeps: 0,
+            failed_accepts: 0,
         };
         let thread = thread::Builder::new()
             .name("fluxgate-io-epoll".into())
@@ -177,6 +178,8 @@ struct Loop {
     worked: bool,
     /// Waits that could sleep (`DriverStats::sleeps`).
     sleeps: u64,
+    /// `DriverStats::failed_accepts`.
+    failed_accepts: u64,
 }
 
 impl Loop {
@@ -291,6 +294,7 @@ impl Loop {
                 Command::Stats(reply) => {
                     let _ = reply.send(super::DriverStats {
                         sleeps: self.sleeps,
+                        failed_accepts: self.failed_accepts,
                         ..super::DriverStats::default()
                     });
                 }
@@ -418,6 +422,7 @@ impl Loop {
                 Err(error) => {
                     // Out of file descriptors or memory: try again after a pause (logged once
                     // per streak, not every pause).
+                    self.failed_accepts += 1;
                     if std::mem::replace(&mut self.accept_failing, true) {
                         tracing::debug!(%error, "accept failed again");
                     } else {

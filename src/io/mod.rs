@@ -164,6 +164,9 @@ pub struct DriverStats {
     /// Waits that could sleep: the thread ran out of work (and out of its busy-poll window)
     /// and parked until woken or its next deadline.
     pub sleeps: u64,
+    /// Accepts that failed for want of resources (descriptors, memory); the connections
+    /// they left in the listener's backlog are accepted again 10 ms later.
+    pub failed_accepts: u64,
     /// `io_uring_enter` calls.
     pub enters: u64,
     /// Reads submitted.

@@ -421,6 +421,8 @@ struct Loop {
     listener: TcpListener,
     accept_armed: bool,
     accept_paused_until: Option<Instant>,
+    /// The last accept failed: the next failures of the streak are logged at debug level.
+    accept_failing: bool,
     wake_file: Arc<File>,
     /// Where the armed eventfd read puts the counter (never read by us).
     wake_buf: Box<[u8; 8]>,
@@ -523,6 +525,7 @@ impl Loop {
             listener,
             accept_armed: false,
             accept_paused_until: None,
+            accept_failing: false,
             wake_file,
             wake_buf: Box::new([0; 8]),
             wake_armed: false,
@@ -1495,6 +1498,7 @@ impl Loop {
         self.accept_armed = false;
         self.in_flight -= 1;
         if result >= 0 {
+            self.accept_failing = false;
             // SAFETY: the accept returned a new descriptor that nothing else owns.
             let stream = unsafe { TcpStream::from_raw_fd(result as RawFd) };
             if self.shutting_down {
@@ -1520,7 +1524,15 @@ impl Loop {
         match -result {
             libc::EINTR | libc::EAGAIN | libc::ECONNABORTED | libc::ECANCELED => {}
             errno => {
-                tracing::warn!(error = %io::Error::from_raw_os_error(errno), "accept failed");
+                // Out of file descriptors or memory: try again after a pause (logged once per
+                // streak, not every pause).
+                self.stats.failed_accepts += 1;
+                let error = io::Error::from_raw_os_error(errno);
+                if std::mem::replace(&mut self.accept_failing, true) {
+                    tracing::debug!(%error, "accept failed again");
+                } else {
+                    tracing::warn!(%error, "accept failed; retrying every 10 ms");
+                }
                 self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
             }
         }
