@@ -754,6 +754,76 @@ on_both_drivers!(
     connections_beyond_the_limit_are_closed_at_once_uring
 );
 
+/// A protocol error found while the server's write is stuck (its consumer reads nothing, so
+/// the socket's buffers are full): the server must still answer with its ErrorResponse once
+/// that write is done, after the whole frame the write was in, and only then close. The
+/// io_uring driver once closed the connection as soon as the stuck write completed, so the
+/// consumer saw EOF without the error.
+fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transport) {
+    let producer = start(1, transport, &[]);
+    let partition = producer.create_partition(CHAOS, 1).unwrap();
+    let writer = thread::spawn(move || {
+        let mut writer = RecordWriter::new(
+            partition,
+            RoundRobinSelector::default(),
+            BufferTimeout::from_millis(1),
+        );
+        // Bounded: far more than the sockets hold; the writer blocks until the connection
+        // closes, which releases the subpartition and fails the next emit.
+        for seq in 0..1_000_000u64 {
+            if writer.emit(&[seq as u8; 1000][..]).is_err() {
+                return;
+            }
+        }
+    });
+    let mut peer = RawPeer::handshaken(producer.local_addr(), None);
+    peer.send(&frame(&Message::PartitionRequest {
+        partition: CHAOS,
+        subpartition: 0,
+        receiver: ReceiverId(1),
+        credit: 1 << 20,
+    }));
+    let short_writes = || {
+        producer
+            .driver_stats()
+            .map_or(0, |stats| stats.short_writes)
+    };
+    assert!(
+        common::wait_until(LONG, || short_writes() > 0),
+        "the server's writes fill the socket"
+    );
+    // A frame with a bad magic: the server finds it while its write is stuck.
+    let mut bad_magic = frame(&Message::AddCredit {
+        receiver: ReceiverId(1),
+        credit: 1,
+    });
+    bad_magic[4] ^= 0xFF;
+    peer.send(&bad_magic);
+    let messages = peer.read_until_closed();
+    assert!(
+        matches!(
+            messages.last(),
+            Some(Message::ErrorResponse {
+                receiver: None,
+                kind: ErrorKind::Protocol,
+                ..
+            })
+        ),
+        "the server answered {messages:?}"
+    );
+    writer.join().expect("the writer does not panic");
+    drop(peer);
+    assert!(
+        common::wait_until(LONG, || common::pool_full(&producer)),
+        "producer segments leaked"
+    );
+}
+on_both_drivers!(
+    an_error_found_while_a_write_is_stuck_is_answered_after_it,
+    an_error_found_while_a_write_is_stuck_is_answered_after_it_epoll,
+    an_error_found_while_a_write_is_stuck_is_answered_after_it_uring
+);
+
 #[test]
 fn authentication_on_without_a_secret_refuses_to_start() {
     let missing = std::env::temp_dir().join("fluxgate-chaos-no-such-secret-file");

@@ -90,6 +90,7 @@ impl EpollDriver {
             worked: false,
             sleeps: 0,
             failed_accepts: 0,
+            short_writes: 0,
         };
         let thread = thread::Builder::new()
             .name("fluxgate-io-epoll".into())
@@ -180,6 +181,8 @@ struct Loop {
     sleeps: u64,
     /// `DriverStats::failed_accepts`.
     failed_accepts: u64,
+    /// `DriverStats::short_writes`: writes the send buffer took in part or not at all.
+    short_writes: u64,
 }
 
 impl Loop {
@@ -295,6 +298,7 @@ impl Loop {
                     let _ = reply.send(super::DriverStats {
                         sleeps: self.sleeps,
                         failed_accepts: self.failed_accepts,
+                        short_writes: self.short_writes,
                         ..super::DriverStats::default()
                     });
                 }
@@ -554,10 +558,14 @@ impl Loop {
                         // The socket's send buffer is full: the next write would only say
                         // WouldBlock. Writable readiness raises a new edge when ACKs free
                         // room, and the loop goes on then.
+                        self.short_writes += 1;
                         break;
                     }
                 }
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    self.short_writes += 1;
+                    break;
+                }
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(error) => {
                     failure = Some(format!("write failed: {error}"));

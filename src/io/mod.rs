@@ -175,7 +175,8 @@ pub struct DriverStats {
     pub writes: u64,
     /// Writes from a registered buffer (`WriteFixed`, or `SendZc` with a buffer index).
     pub fixed_writes: u64,
-    /// Writes that completed with fewer bytes than asked for.
+    /// Writes that completed with fewer bytes than asked for: the socket's send buffer was
+    /// full (epoll counts a write refused with `WouldBlock` too).
     pub short_writes: u64,
     /// Control bytes copied into a staging area before a write.
     pub copied_bytes: u64,
