@@ -459,3 +459,48 @@ fn async_request_resolves_when_a_segment_is_recycled() {
         panic!("the request never resolved");
     });
 }
+
+#[test]
+fn an_event_waits_for_an_overdraft_segment_and_gets_the_one_that_comes_back() {
+    let (network, _) = network(32);
+    let pool = network
+        .create_local_pool(LocalPoolSpec {
+            max_overdraft_segments: 2,
+            ..spec(2, 2)
+        })
+        .unwrap();
+    let pooled: Vec<_> = (0..2).map(|_| pool.request_segment().unwrap()).collect();
+    let mut overdraft: Vec<_> = (0..2)
+        .map(|_| pool.request_overdraft_segment().unwrap())
+        .collect();
+    assert!(
+        pool.request_overdraft_segment().is_none(),
+        "the overdraft is bounded though the network has memory"
+    );
+    assert_eq!(pool.overdraft_segments(), 2);
+    thread::scope(|s| {
+        let waiter = s.spawn(|| pool.request_event_segment_blocking(LONG));
+        // Whether the waiter already waits or not, the returned overdraft segment is its.
+        drop(overdraft.pop());
+        let segment = waiter
+            .join()
+            .unwrap()
+            .expect("the returned overdraft segment");
+        assert_eq!(
+            pool.overdraft_segments(),
+            2,
+            "it is an overdraft segment again"
+        );
+        drop(segment);
+    });
+    assert_eq!(pool.overdraft_segments(), 1);
+    drop((pooled, overdraft));
+    assert_eq!(pool.overdraft_segments(), 0);
+    pool.destroy();
+    assert!(matches!(
+        pool.request_event_segment_blocking(LONG),
+        Err(PoolError::Destroyed)
+    ));
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
+}

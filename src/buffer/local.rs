@@ -194,8 +194,33 @@ impl LocalBufferPool {
         subpartition: usize,
         timeout: Duration,
     ) -> Result<BufferBuilder, PoolError> {
-        if let Some(builder) = self.try_builder(subpartition)? {
-            return Ok(builder);
+        self.wait_for(timeout, || self.try_builder(subpartition))
+    }
+
+    /// A segment for an event: one of the pool's, else an overdraft segment, waiting up to
+    /// `timeout` while the pool and its overdraft are both used up. Woken by the return of
+    /// either kind. Fails when the pool is destroyed or the time is up.
+    pub fn request_event_segment_blocking(
+        &self,
+        timeout: Duration,
+    ) -> Result<PooledSegment, PoolError> {
+        self.wait_for(timeout, || {
+            let shared = &self.shared;
+            Ok(match shared.take(NO_CHANNEL)? {
+                Some(segment) => Some(PooledSegment::new(shared.clone(), segment)),
+                None => self.request_overdraft_segment(),
+            })
+        })
+    }
+
+    /// Runs `attempt` until it yields, waiting between attempts for a segment to come back.
+    fn wait_for<T>(
+        &self,
+        timeout: Duration,
+        mut attempt: impl FnMut() -> Result<Option<T>, PoolError>,
+    ) -> Result<T, PoolError> {
+        if let Some(found) = attempt()? {
+            return Ok(found);
         }
         let shared = &self.shared;
         let started = Instant::now();
@@ -211,8 +236,8 @@ impl LocalBufferPool {
             // Checked with the lock held: a recycler that pushes after this check must take
             // the lock to notify, so it cannot slip between the check and the wait.
             shared.notified.store(false, Ordering::SeqCst);
-            if let Some(builder) = self.try_builder(subpartition)? {
-                return Ok(builder);
+            if let Some(found) = attempt()? {
+                return Ok(found);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -258,6 +283,11 @@ impl LocalBufferPool {
             shared.place(segment);
         }
         if shared.destroyed.load(Ordering::SeqCst) {
+            // `destroy` may have told the listeners before this one was queued: tell them now,
+            // or it stays queued (and its pool with it: listeners hold their pool).
+            while let Some(listener) = shared.listeners.pop() {
+                listener.on_pool_destroyed();
+            }
             return Err(PoolError::Destroyed);
         }
         Ok(None)
@@ -321,7 +351,9 @@ impl LocalBufferPool {
     /// event that found the overdraft used up waits on this pool.
     pub fn request_overdraft_segment(&self) -> Option<PooledSegment> {
         let shared = &self.shared;
-        let mut held = shared.overdraft.load(Ordering::Relaxed);
+        // SeqCst, with the recycler's decrement and `notified` (see `recycle`): a waiter that
+        // cleared `notified` before this look sees a decrement whose wake-up it missed.
+        let mut held = shared.overdraft.load(Ordering::SeqCst);
         loop {
             if held >= shared.spec.max_overdraft_segments {
                 return None;
@@ -463,22 +495,8 @@ impl LocalPoolShared {
 
     /// Takes one more segment from the global pool if under the maximum.
     fn grow(&self) -> Option<Segment> {
-        // SeqCst: a registering listener's second look must see a give-back's decrement, or
-        // that give-back see the listener (`place`).
-        let mut requested = self.requested.load(Ordering::SeqCst);
-        loop {
-            if requested >= self.spec.max_segments {
-                return None;
-            }
-            match self.requested.compare_exchange_weak(
-                requested,
-                requested + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break,
-                Err(current) => requested = current,
-            }
+        if !self.reserve_one() {
+            return None;
         }
         if let Some(segment) = self.network.take() {
             return Some(segment);
@@ -492,8 +510,35 @@ impl LocalPoolShared {
             self.starved.store(false, Ordering::SeqCst);
         }
         let segment = self.network.take()?;
-        self.requested.fetch_add(1, Ordering::Relaxed);
-        Some(segment)
+        // Counted against the maximum again: another thread may have grown the pool to it
+        // since the count was given back above.
+        if self.reserve_one() {
+            Some(segment)
+        } else {
+            self.network.give_back(segment);
+            None
+        }
+    }
+
+    /// Counts one more segment taken from the global pool, unless the pool is at its maximum.
+    fn reserve_one(&self) -> bool {
+        // SeqCst: a registering listener's second look must see a give-back's decrement, or
+        // that give-back see the listener (`place`).
+        let mut requested = self.requested.load(Ordering::SeqCst);
+        loop {
+            if requested >= self.spec.max_segments {
+                return false;
+            }
+            match self.requested.compare_exchange_weak(
+                requested,
+                requested + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(current) => requested = current,
+            }
+        }
     }
 
     /// Called by the global pool when a segment came back while this pool was starved.
@@ -630,9 +675,11 @@ impl Recycler for LocalPoolShared {
     fn recycle(&self, segment: Segment) {
         let tag = self.network.memory().tag(&segment);
         if tag == OVERDRAFT {
+            // Counted down before the give-back, which may wake a starved pool's waiter at
+            // once, and before the wake-up of this pool's (an event waiting for overdraft).
+            self.overdraft.fetch_sub(1, Ordering::SeqCst);
             self.network.memory().set_tag(&segment, NO_CHANNEL);
             self.network.give_back(segment);
-            self.overdraft.fetch_sub(1, Ordering::Relaxed);
             self.wake_waiters();
             return;
         }

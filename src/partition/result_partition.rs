@@ -17,11 +17,6 @@ use crate::record::{self, Record, RecordError, SegmentSink};
 /// Builder requests for segments not counted against one subpartition (events, broadcast).
 const UNACCOUNTED: usize = usize::MAX;
 
-/// How often an event waiting for a segment looks again for an overdraft segment: an
-/// overdraft segment's return wakes the waiter, but one returned between its look and its
-/// wait does not.
-const EVENT_RECHECK: Duration = Duration::from_millis(50);
-
 /// The part of a partition both sides reach: its subpartitions and metrics. Cheap to clone;
 /// the partition manager, the output flusher and readers hold it.
 #[derive(Clone)]
@@ -392,27 +387,22 @@ impl ResultPartition {
     /// free segment of the pool, else an overdraft segment of the network. The overdraft is
     /// bounded (the pool's `max_overdraft_segments`), so that events queued for a reader
     /// that stopped reading cannot take the whole network memory nor overflow a lane; past
-    /// it, or with the whole network memory in use, the event waits like a record, looking
-    /// again for an overdraft segment at each recheck.
+    /// it, or with the whole network memory in use, the event waits like a record, for a
+    /// segment of either kind.
     fn event_builder(&self, priority: bool) -> Result<BufferBuilder, PartitionError> {
         let data_type = if priority {
             DataType::PrioritizedEventBuffer
         } else {
             DataType::EventBuffer
         };
+        // Bounded by the pool's destruction (the partition's release): like a record's, the
+        // wait lasts as long as the back pressure does.
         loop {
-            if let Some(segment) = self
-                .pool
-                .request_segment()
-                .or_else(|| self.pool.request_overdraft_segment())
-            {
-                return Ok(segment.into_builder(data_type));
-            }
             match self
                 .pool
-                .request_buffer_builder_blocking(UNACCOUNTED, EVENT_RECHECK)
+                .request_event_segment_blocking(self.request_timeout)
             {
-                Ok(builder) => return Ok(builder),
+                Ok(segment) => return Ok(segment.into_builder(data_type)),
                 Err(PoolError::Timeout(_)) => continue,
                 Err(PoolError::Destroyed) => return Err(PartitionError::Released),
                 Err(other) => return Err(other.into()),
