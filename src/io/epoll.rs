@@ -21,8 +21,8 @@ use mio::{Events, Interest, Poll, Token};
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
-    open_client, refuse_connection, BusyPoll, Command, DriverHandle, IoWaker, RefusedConnects,
-    WakeFn, ACCEPT_BACKOFF,
+    client_for, refuse_connection, start_connect, BusyPoll, Command, DriverHandle, IoWaker,
+    PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -78,6 +78,7 @@ impl EpollDriver {
             connections: HashMap::new(),
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
+            pending: PendingConnects::default(),
             accepted: 0,
             accept_again_at: None,
             accept_failing: false,
@@ -159,6 +160,8 @@ struct Loop {
     peers: HashMap<(SocketAddr, usize), Token>,
     /// Channels whose connection was refused, to try again.
     refused: RefusedConnects,
+    /// Channels waiting for a connection a helper thread is opening.
+    pending: PendingConnects,
     /// Accepted (server-side) connections open now.
     accepted: usize,
     /// When to accept again without a readiness event: the listener is edge-triggered, so the
@@ -256,8 +259,11 @@ impl Loop {
                 }
             }
         }
-        // Shutdown: dropping the connections fails their channels and releases their views.
+        // Shutdown: dropping the connections fails their channels and releases their views;
+        // channels still waiting for a connection fail too.
         self.connections.clear();
+        self.pending.fail_all(SHUTDOWN_REASON);
+        self.refused.fail_all(SHUTDOWN_REASON);
     }
 
     fn next_timeout(&self, now: Instant) -> Duration {
@@ -318,6 +324,14 @@ impl Loop {
                     let backoff = self.config.request_backoff;
                     self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
                 }
+                Command::Connected {
+                    peer,
+                    connection_index,
+                    result,
+                } => {
+                    self.worked = true;
+                    self.on_connected(peer, connection_index, result, Instant::now());
+                }
             }
         }
         true
@@ -331,18 +345,61 @@ impl Loop {
         backoff: crate::gate::Backoff,
         now: Instant,
     ) {
-        let token = match self.peers.get(&(peer, index)) {
-            Some(token) if self.connections.contains_key(token) => *token,
-            _ => match self.open(peer, index) {
-                Ok(token) => token,
-                Err(error) => {
+        if channel.is_released() {
+            return; // its gate closed before the connection was asked for
+        }
+        match self.peers.get(&(peer, index)) {
+            Some(token) if self.connections.contains_key(token) => {
+                let token = *token;
+                self.register(token, peer, channel);
+            }
+            _ => {
+                if self.pending.wait(peer, index, channel, backoff) {
+                    let started =
+                        start_connect(peer, index, &self.config, &self.commands, &self.waker);
+                    if let Err(error) = started {
+                        self.on_connected(peer, index, Err(error), now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A helper thread's connect to (`peer`, `index`) finished: the channels waiting for it
+    /// are registered on the new connection, or go to the refused list (tried again or
+    /// failed, by the error).
+    fn on_connected(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        result: io::Result<std::net::TcpStream>,
+        now: Instant,
+    ) {
+        let waiting = self.pending.take(peer, index);
+        match result.and_then(|stream| self.open(stream, peer, index)) {
+            Ok(token) => {
+                for (channel, _) in waiting {
+                    if !channel.is_released() {
+                        self.register(token, peer, channel);
+                    }
+                }
+            }
+            Err(error) => {
+                for (channel, backoff) in waiting {
                     self.refused
                         .on_failure(peer, index, channel, backoff, &error, now);
-                    return;
                 }
-            },
-        };
-        let conn = self.connections.get_mut(&token).expect("just looked up");
+            }
+        }
+    }
+
+    fn register(
+        &mut self,
+        token: Token,
+        peer: SocketAddr,
+        channel: Arc<crate::gate::RemoteChannelShared>,
+    ) {
+        let conn = self.connections.get_mut(&token).expect("a live connection");
         let Side::Client(client) = &mut conn.connection.side else {
             unreachable!("peer map holds client connections only");
         };
@@ -355,8 +412,13 @@ impl Loop {
         }
     }
 
-    fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<Token> {
-        let (stream, client) = open_client(peer, &self.config)?;
+    fn open(
+        &mut self,
+        stream: std::net::TcpStream,
+        peer: SocketAddr,
+        index: usize,
+    ) -> io::Result<Token> {
+        let client = client_for(peer, &self.config)?;
         stream.set_nonblocking(true)?;
         let tls = match &self.config.tls {
             Some(context) => Some(TlsLink::new(

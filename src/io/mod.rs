@@ -136,6 +136,12 @@ pub(crate) enum Command {
         connection_index: usize,
         channel: Arc<RemoteChannelShared>,
     },
+    /// A connect a helper thread made (see [`start_connect`]) finished.
+    Connected {
+        peer: SocketAddr,
+        connection_index: usize,
+        result: io::Result<std::net::TcpStream>,
+    },
     /// Report every connection's state (diagnostics).
     Dump(std::sync::mpsc::Sender<String>),
     /// Report the I/O thread's operation counts (diagnostics and tests).
@@ -148,6 +154,9 @@ impl fmt::Debug for Command {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Command::Connect { peer, .. } => write!(f, "Connect({peer})"),
+            Command::Connected { peer, result, .. } => {
+                write!(f, "Connected({peer}, ok {})", result.is_ok())
+            }
             Command::Dump(_) => f.write_str("Dump"),
             Command::Stats(_) => f.write_str("Stats"),
             Command::Shutdown => f.write_str("Shutdown"),
@@ -344,6 +353,13 @@ impl RefusedConnects {
     pub(crate) fn next_due(&self) -> Option<Instant> {
         self.waiting.iter().map(|e| e.due).min()
     }
+
+    /// The I/O thread ends: no attempt will be made for the waiting channels.
+    pub(crate) fn fail_all(&mut self, reason: &str) {
+        for entry in self.waiting.drain(..) {
+            fail_at_shutdown(&entry.channel, reason);
+        }
+    }
 }
 
 /// How a connection notices a peer that went silent (host down, cable cut, a process
@@ -394,17 +410,107 @@ impl Default for Liveness {
     }
 }
 
-/// Opens a client connection's socket (blocking connect bounded by the configured timeout,
-/// TCP_NODELAY, keepalive and user timeout on) and its protocol state, as both drivers do.
-pub(crate) fn open_client(
-    peer: SocketAddr,
-    config: &DriverConfig,
-) -> io::Result<(std::net::TcpStream, ClientConnection)> {
-    let stream = std::net::TcpStream::connect_timeout(&peer, config.connect_timeout)?;
-    config.liveness.apply(&stream)?;
-    let client = config
+/// The protocol state of a new client connection to `peer`, as both drivers make it.
+pub(crate) fn client_for(peer: SocketAddr, config: &DriverConfig) -> io::Result<ClientConnection> {
+    Ok(config
         .new_client()?
         .with_request_backoff(config.request_backoff)
-        .with_peer(peer);
-    Ok((stream, client))
+        .with_peer(peer))
+}
+
+/// Starts connecting to `peer` on a helper thread: a blocking connect, bounded by the
+/// environment's `connect_timeout`, then the socket options (TCP_NODELAY, keepalive, user timeout). Its result comes back to the
+/// I/O thread as [`Command::Connected`]. The I/O thread never waits for a peer: one that drops
+/// SYNs would stall every other connection of the thread for the whole timeout, once per
+/// channel wanting it. A thread per connection being opened, not per channel
+/// ([`PendingConnects`] keeps the channels).
+pub(crate) fn start_connect(
+    peer: SocketAddr,
+    connection_index: usize,
+    config: &DriverConfig,
+    commands: &Arc<ArrayQueue<Command>>,
+    waker: &Arc<IoWaker<WakeFn>>,
+) -> io::Result<()> {
+    let timeout = config.connect_timeout;
+    let liveness = config.liveness;
+    let commands = commands.clone();
+    let waker = waker.clone();
+    thread::Builder::new()
+        .name("fluxgate-connect".into())
+        .spawn(move || {
+            let result = std::net::TcpStream::connect_timeout(&peer, timeout).and_then(|stream| {
+                liveness.apply(&stream)?;
+                Ok(stream)
+            });
+            let connected = Command::Connected {
+                peer,
+                connection_index,
+                result,
+            };
+            // A full queue for about 10 s means a stuck I/O thread, and after a shutdown
+            // nobody reads it: either way the stream is closed with the dropped command.
+            let _ = waker.submit(&commands, connected);
+        })
+        .map(drop)
+}
+
+/// The channels waiting for a connection being opened, per (peer, connection index), with
+/// the back-off each went through (a refused connect is tried again, see
+/// [`RefusedConnects`]). Shared by both drivers.
+#[derive(Default)]
+pub(crate) struct PendingConnects {
+    waiting: std::collections::HashMap<(SocketAddr, usize), Vec<WaitingChannel>>,
+}
+
+/// A channel waiting for its connection, with the back-off its connects went through.
+pub(crate) type WaitingChannel = (Arc<RemoteChannelShared>, crate::gate::Backoff);
+
+impl fmt::Debug for PendingConnects {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingConnects")
+            .field("connections", &self.waiting.len())
+            .finish()
+    }
+}
+
+impl PendingConnects {
+    /// Queues `channel` for the connection to (`peer`, `index`). True when no connect is
+    /// under way for it yet: the caller starts one.
+    pub(crate) fn wait(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        channel: Arc<RemoteChannelShared>,
+        backoff: crate::gate::Backoff,
+    ) -> bool {
+        let waiting = self.waiting.entry((peer, index)).or_default();
+        waiting.push((channel, backoff));
+        waiting.len() == 1
+    }
+
+    /// The connect to (`peer`, `index`) finished: the channels that waited for it.
+    pub(crate) fn take(&mut self, peer: SocketAddr, index: usize) -> Vec<WaitingChannel> {
+        self.waiting.remove(&(peer, index)).unwrap_or_default()
+    }
+
+    /// The I/O thread ends: no connect will finish for the waiting channels.
+    pub(crate) fn fail_all(&mut self, reason: &str) {
+        for (peer, _) in self.waiting.keys() {
+            tracing::debug!(%peer, "the I/O thread ends while connecting");
+        }
+        for (channel, _) in self.waiting.drain().flat_map(|(_, waiting)| waiting) {
+            fail_at_shutdown(&channel, reason);
+        }
+    }
+}
+
+/// Why the channels an ending I/O thread still held fail.
+pub(crate) const SHUTDOWN_REASON: &str = "the network environment shut down";
+
+/// Fails a channel the ending I/O thread will never serve.
+fn fail_at_shutdown(channel: &RemoteChannelShared, reason: &str) {
+    channel.fail(crate::gate::GateError::Transport {
+        channel: channel.channel(),
+        reason: reason.to_owned(),
+    });
 }

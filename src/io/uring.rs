@@ -51,8 +51,9 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    open_client, refuse_connection, BusyPoll, Command, DriverConfig, DriverHandle, DriverStats,
-    IoWaker, RefusedConnects, WakeFn, ACCEPT_BACKOFF,
+    client_for, refuse_connection, start_connect, BusyPoll, Command, DriverConfig, DriverHandle,
+    DriverStats, IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF,
+    SHUTDOWN_REASON,
 };
 use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
@@ -434,6 +435,8 @@ struct Loop {
     peers: HashMap<(SocketAddr, usize), usize>,
     /// Channels whose connection was refused, to try again.
     refused: RefusedConnects,
+    /// Channels waiting for a connection a helper thread is opening.
+    pending: PendingConnects,
     /// Accepted (server-side) connections open now, closing ones included.
     accepted: usize,
     /// Reads, writes, the accept and the eventfd read submitted and not completed.
@@ -534,6 +537,7 @@ impl Loop {
             next_generation: 0,
             peers: HashMap::new(),
             refused: RefusedConnects::default(),
+            pending: PendingConnects::default(),
             accepted: 0,
             in_flight: 0,
             commands,
@@ -908,6 +912,14 @@ impl Loop {
                     let backoff = self.config.request_backoff;
                     self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
                 }
+                Command::Connected {
+                    peer,
+                    connection_index,
+                    result,
+                } => {
+                    self.worked = true;
+                    self.on_connected(peer, connection_index, result, Instant::now());
+                }
             }
         }
         true
@@ -940,18 +952,58 @@ impl Loop {
         backoff: crate::gate::Backoff,
         now: Instant,
     ) {
-        let slot = match self.peers.get(&(peer, index)) {
-            Some(&slot) if self.live(slot).is_some() => slot,
-            _ => match self.open(peer, index) {
-                Ok(slot) => slot,
-                Err(error) => {
+        if channel.is_released() {
+            return; // its gate closed before the connection was asked for
+        }
+        match self.peers.get(&(peer, index)) {
+            Some(&slot) if self.live(slot).is_some() => self.register(slot, peer, channel),
+            _ => {
+                if self.pending.wait(peer, index, channel, backoff) {
+                    let started =
+                        start_connect(peer, index, &self.config, &self.commands, &self.waker);
+                    if let Err(error) = started {
+                        self.on_connected(peer, index, Err(error), now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A helper thread's connect to (`peer`, `index`) finished: the channels waiting for it
+    /// are registered on the new connection, or go to the refused list (tried again or
+    /// failed, by the error).
+    fn on_connected(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        result: io::Result<TcpStream>,
+        now: Instant,
+    ) {
+        let waiting = self.pending.take(peer, index);
+        match result.and_then(|stream| self.open(stream, peer, index)) {
+            Ok(slot) => {
+                for (channel, _) in waiting {
+                    if !channel.is_released() {
+                        self.register(slot, peer, channel);
+                    }
+                }
+            }
+            Err(error) => {
+                for (channel, backoff) in waiting {
                     self.refused
                         .on_failure(peer, index, channel, backoff, &error, now);
-                    return;
                 }
-            },
-        };
-        let conn = self.conns[slot].as_mut().expect("just looked up");
+            }
+        }
+    }
+
+    fn register(
+        &mut self,
+        slot: usize,
+        peer: SocketAddr,
+        channel: Arc<crate::gate::RemoteChannelShared>,
+    ) {
+        let conn = self.conns[slot].as_mut().expect("a live connection");
         let Side::Client(client) = &mut conn.connection.side else {
             unreachable!("peer map holds client connections only");
         };
@@ -964,9 +1016,9 @@ impl Loop {
         }
     }
 
-    fn open(&mut self, peer: SocketAddr, index: usize) -> io::Result<usize> {
+    fn open(&mut self, stream: TcpStream, peer: SocketAddr, index: usize) -> io::Result<usize> {
         // Blocking socket: io_uring polls it itself.
-        let (stream, client) = open_client(peer, &self.config)?;
+        let client = client_for(peer, &self.config)?;
         let slot = self.add(stream, Side::Client(client), Some((peer, index)));
         self.peers.insert((peer, index), slot);
         tracing::debug!(%peer, index, "connection opened");
@@ -1698,6 +1750,9 @@ impl Loop {
     /// connections (their channels fail, their views are released).
     fn shutdown(&mut self) {
         self.shutting_down = true;
+        // Channels still waiting for a connection fail now: none will be opened.
+        self.pending.fail_all(SHUTDOWN_REASON);
+        self.refused.fail_all(SHUTDOWN_REASON);
         for slot in 0..self.conns.len() {
             if self.conns[slot].is_some() {
                 self.cancel(slot);
