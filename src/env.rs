@@ -354,8 +354,12 @@ impl ShuffleEnvironment {
             ProducerLocation::Remote(peer) => (ChannelLocation::Remote, Some(peer)),
             ProducerLocation::Unknown => return Ok(()),
         };
+        // Only a channel this call locates is connected: one already located (a repeated
+        // update, or a channel created remote) is registered on its connection already, and
+        // a second registration would request its subpartition twice, which fails it.
+        let was_unknown = matches!(gate.channel(index), Some(InputChannel::Unknown(_)));
         gate.update_channel(index, channel_location, Instant::now())?;
-        if let Some(peer) = peer {
+        if let (true, Some(peer)) = (was_unknown, peer) {
             self.connect(gate, index, peer);
         }
         Ok(())

@@ -934,3 +934,35 @@ on_both_drivers!(
     a_peer_that_never_answers_does_not_hold_up_other_connections_epoll,
     a_peer_that_never_answers_does_not_hold_up_other_connections_uring
 );
+
+fn a_channel_located_twice_is_connected_once(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    let mut gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Unknown,
+        }])
+        .unwrap();
+    gate.request_partitions(Instant::now()).unwrap();
+    let located = ProducerLocation::Remote(producer_env.local_addr());
+    // Lazy scheduling may report a producer's location more than once.
+    consumer_env
+        .update_channel(&mut gate, 0, located.clone())
+        .unwrap();
+    consumer_env.update_channel(&mut gate, 0, located).unwrap();
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    partition.emit_record(&b"located"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"located");
+    drop(partition);
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_channel_located_twice_is_connected_once,
+    a_channel_located_twice_is_connected_once_epoll,
+    a_channel_located_twice_is_connected_once_uring
+);
