@@ -2288,6 +2288,37 @@ fn an_event_without_memory_fails_its_channel_only() {
     nets.assert_all_back("event without memory");
 }
 
+/// A gate closed before its channel reached the connection (the driver registers channels
+/// later, on its own thread): the request goes out, and so does its cancellation, so the
+/// producer does not keep a subpartition for a consumer that is gone. (Without exclusive
+/// buffers nothing else would ever cancel it: no payload comes to find it released.)
+#[test]
+fn a_channel_released_before_it_was_registered_is_cancelled() {
+    let nets = Networks::new();
+    let mut gate = remote_gate(&nets, PARTITION);
+    gate.close();
+    let mut client = ClientConnection::new(2, 4, SEGMENT);
+    let receiver = register(&mut client, &gate);
+    let result = feed(
+        &mut client,
+        &handshake(),
+        &[usize::MAX],
+        |c| c.read_buffer(),
+        |c, n| c.on_read(n),
+        |_| {},
+    );
+    assert_eq!(result, Ok(()));
+    client.poll_transmit(nets.start);
+    let sent = split_frames(&client_writes(&mut client));
+    assert!(
+        sent.contains(&Ok(Message::CancelPartitionRequest { receiver })),
+        "sent {sent:?}"
+    );
+    assert_eq!(client.channel_count(), 0, "the channel left");
+    drop((client, gate));
+    nets.assert_all_back("released before registration");
+}
+
 /// A payload half read when its channel's gate closes: the channel leaves (its slot is free)
 /// and a new channel takes the slot before the rest arrives. The rest is discarded; it never
 /// reaches the new channel, whose first buffer it would have been.

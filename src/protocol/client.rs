@@ -258,6 +258,15 @@ impl ClientConnection {
             retry: Retry::No,
         });
         self.send_request(slot);
+        // A channel released before the listener was attached told no one: its slot is
+        // queued now, and the next `poll_transmit` cancels the request. (Released after the
+        // attach, the release queues it itself.)
+        if self.channels[slot]
+            .as_ref()
+            .is_some_and(|c| c.shared.is_released())
+        {
+            self.ready.enqueue(slot as u32);
+        }
         Ok(receiver)
     }
 
