@@ -966,3 +966,38 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once_epoll,
     a_channel_located_twice_is_connected_once_uring
 );
+
+fn open_connections(env: &ShuffleEnvironment) -> u64 {
+    env.driver_stats()
+        .map_or(u64::MAX, |stats| stats.open_connections)
+}
+
+fn a_connection_closes_when_its_last_channel_leaves(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    for round in 0..2u8 {
+        let gate = remote_gate(&consumer_env, producer_env.local_addr());
+        let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+        partition.emit_record(&[round][..], 0).unwrap();
+        partition.finish().unwrap();
+        wait_until("the consumer's connection opened", || {
+            open_connections(&consumer_env) == 1
+        });
+        // Reads to the end and drops the gate: its one channel leaves the connection.
+        read_one(gate, &[round]);
+        wait_until("the consumer closed its idle connection", || {
+            open_connections(&consumer_env) == 0
+        });
+        wait_until("the producer saw it close", || {
+            open_connections(&producer_env) == 0
+        });
+        drop(partition);
+        producer_env.partition_manager().release(pid(0)).ok();
+    }
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_connection_closes_when_its_last_channel_leaves,
+    a_connection_closes_when_its_last_channel_leaves_epoll,
+    a_connection_closes_when_its_last_channel_leaves_uring
+);

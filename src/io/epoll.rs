@@ -303,6 +303,7 @@ impl Loop {
                 Command::Stats(reply) => {
                     let _ = reply.send(super::DriverStats {
                         sleeps: self.sleeps,
+                        open_connections: self.connections.len() as u64,
                         failed_accepts: self.failed_accepts,
                         short_writes: self.short_writes,
                         ..super::DriverStats::default()
@@ -348,8 +349,14 @@ impl Loop {
         if channel.is_released() {
             return; // its gate closed before the connection was asked for
         }
+        // A closing connection (its last channel left) takes no new channel: a new one opens.
+        let live = |token: &Token| {
+            self.connections
+                .get(token)
+                .is_some_and(|conn| !conn.connection.is_closing())
+        };
         match self.peers.get(&(peer, index)) {
-            Some(token) if self.connections.contains_key(token) => {
+            Some(token) if live(token) => {
                 let token = *token;
                 self.register(token, peer, channel);
             }
@@ -842,7 +849,10 @@ impl Loop {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             match conn.peer {
                 Some(peer) => {
-                    self.peers.remove(&peer);
+                    // Unless a newer connection to the peer took the entry meanwhile.
+                    if self.peers.get(&peer) == Some(&token) {
+                        self.peers.remove(&peer);
+                    }
                 }
                 None => self.accepted -= 1,
             }

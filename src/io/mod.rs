@@ -166,13 +166,16 @@ impl fmt::Debug for Command {
 
 /// Operation counts of one I/O thread since it started
 /// ([`ShuffleEnvironment::driver_stats`](crate::ShuffleEnvironment::driver_stats)). The epoll
-/// driver counts only `sleeps`; its other counts are zero.
+/// driver counts only `sleeps`, `open_connections`, `failed_accepts` and `short_writes`; its
+/// other counts (io_uring's operations) are zero.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DriverStats {
     /// Waits that could sleep: the thread ran out of work (and out of its busy-poll window)
     /// and parked until woken or its next deadline.
     pub sleeps: u64,
+    /// Connections open now (accepted and opened, closing ones included).
+    pub open_connections: u64,
     /// Accepts that failed for want of resources (descriptors, memory); the connections
     /// they left in the listener's backlog are accepted again 10 ms later.
     pub failed_accepts: u64,

@@ -927,6 +927,7 @@ impl Loop {
 
     fn stats_now(&self) -> DriverStats {
         let mut stats = self.stats.clone();
+        stats.open_connections = self.conns.iter().flatten().count() as u64;
         stats.file_slots_in_use = self
             .conns
             .iter()
@@ -955,8 +956,14 @@ impl Loop {
         if channel.is_released() {
             return; // its gate closed before the connection was asked for
         }
+        // A closing connection (its last channel left, or a protocol error) takes no new
+        // channel: a new one opens.
+        let open = |slot: usize| {
+            self.live(slot)
+                .is_some_and(|conn| !conn.close_after_write && !conn.connection.is_closing())
+        };
         match self.peers.get(&(peer, index)) {
-            Some(&slot) if self.live(slot).is_some() => self.register(slot, peer, channel),
+            Some(&slot) if open(slot) => self.register(slot, peer, channel),
             _ => {
                 if self.pending.wait(peer, index, channel, backoff) {
                     let started =

@@ -834,11 +834,19 @@ impl ClientConnection {
         true
     }
 
-    /// Takes the channel in `slot` out, keeping the count of retrying channels exact.
+    /// Takes the channel in `slot` out, keeping the count of retrying channels exact. The
+    /// last channel leaving closes the connection (CloseRequest after whatever is queued,
+    /// its cancellation included), as Flink's client closes a connection no channel uses:
+    /// else every consumer that ever read from a producer would keep a socket there, and
+    /// its descriptors and the producer's `max-connections` would run out. The driver
+    /// opens a new connection for a channel that comes later.
     fn remove_channel(&mut self, slot: usize) -> Option<ClientChannel> {
         let channel = self.channels.get_mut(slot)?.take()?;
         if channel.retry != Retry::No {
             self.retrying -= 1;
+        }
+        if self.channels.iter().all(Option::is_none) {
+            self.close();
         }
         Some(channel)
     }
