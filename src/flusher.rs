@@ -22,8 +22,10 @@ impl fmt::Debug for OutputFlusher {
 }
 
 impl OutputFlusher {
-    /// Flushes `partition` every `interval` until dropped.
+    /// Flushes `partition` every `interval` (at least 1 ms: a zero interval would make the
+    /// thread spin) until dropped.
     pub fn start(partition: PartitionHandle, interval: Duration) -> Self {
+        let interval = interval.max(Duration::from_millis(1));
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let signal = stop.clone();
         let thread = thread::Builder::new()

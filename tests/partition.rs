@@ -363,6 +363,50 @@ fn the_manager_finds_partitions_and_allows_one_view_per_subpartition() {
     assert!(manager.is_empty());
 }
 
+/// Counts task events (a producer's listener).
+#[derive(Default)]
+struct TaskEvents(AtomicUsize);
+
+impl fluxgate::partition::TaskEventListener for TaskEvents {
+    fn on_task_event(&self, _event: &Event) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn the_manager_forgets_a_partition_its_consumers_released_and_its_listener() {
+    let (network, config) = setup(64);
+    let manager = PartitionManager::new();
+    let consumed = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    manager.register(consumed.handle()).unwrap();
+    let listener = Arc::new(TaskEvents::default());
+    manager.subscribe_task_events(ID, listener.clone());
+    assert!(manager.publish_task_event(ID, &Event::EndOfData(fluxgate::event::StopMode::Drain)));
+    let signal: Arc<dyn AvailabilityListener> = Arc::new(Signal::default());
+    // Its one consumer went away: the subpartition is released.
+    manager.create_view(ID, 0, signal).unwrap().release();
+    let next = ResultPartitionId {
+        partition: ID.partition + 1,
+        ..ID
+    };
+    let other = ResultPartition::new(next, 1, &network, &config).unwrap();
+    manager.register(other.handle()).unwrap();
+    assert_eq!(manager.len(), 1, "only the partition still to be consumed");
+    assert!(matches!(
+        manager.partition(ID),
+        Err(PartitionError::PartitionNotFound(_))
+    ));
+    assert!(
+        !manager.publish_task_event(ID, &Event::EndOfData(fluxgate::event::StopMode::Drain)),
+        "its listener went with it"
+    );
+    assert_eq!(listener.0.load(Ordering::SeqCst), 1);
+    drop((consumed, other));
+    manager.release(next).unwrap();
+    assert!(manager.is_empty());
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 #[test]
 fn broadcast_records_share_one_segment_across_subpartitions() {
     let (network, config) = setup(64);

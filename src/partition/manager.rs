@@ -35,10 +35,14 @@ impl PartitionManager {
         Self::default()
     }
 
-    /// Registers a partition so consumers can find it.
+    /// Registers a partition so consumers can find it. Partitions every consumer released
+    /// are forgotten first, as Flink's manager forgets a partition once it was consumed: a
+    /// long-running process would otherwise keep an entry for every partition it produced.
     pub fn register(&self, partition: PartitionHandle) -> Result<(), PartitionError> {
-        let mut partitions = self.partitions.lock().expect("not poisoned");
         let id = partition.id();
+        // A listener the new producer of `id` subscribed before registering stays.
+        self.forget_released(Some(id));
+        let mut partitions = self.partitions.lock().expect("not poisoned");
         if partitions.contains_key(&id) {
             return Err(PartitionError::DuplicatePartition(id));
         }
@@ -69,16 +73,18 @@ impl PartitionManager {
 
     /// Releases a partition and forgets it.
     pub fn release(&self, id: ResultPartitionId) -> Result<(), PartitionError> {
+        // The listener goes whether or not the partition is still registered (it may have
+        // been forgotten as released already).
+        self.task_event_listeners
+            .lock()
+            .expect("not poisoned")
+            .remove(&id);
         let partition = self
             .partitions
             .lock()
             .expect("not poisoned")
             .remove(&id)
             .ok_or(PartitionError::PartitionNotFound(id))?;
-        self.task_event_listeners
-            .lock()
-            .expect("not poisoned")
-            .remove(&id);
         partition.release();
         Ok(())
     }
@@ -115,10 +121,28 @@ impl PartitionManager {
 
     /// Forgets partitions whose every subpartition was consumed or released.
     pub fn remove_released(&self) -> usize {
-        let mut partitions = self.partitions.lock().expect("not poisoned");
-        let before = partitions.len();
-        partitions.retain(|_, p| !p.is_released());
-        before - partitions.len()
+        self.forget_released(None)
+    }
+
+    /// Forgets partitions every consumer released, with their task-event listeners (but the
+    /// one of `keep_listener`); returns how many.
+    fn forget_released(&self, keep_listener: Option<ResultPartitionId>) -> usize {
+        let mut forgotten = Vec::new();
+        self.partitions
+            .lock()
+            .expect("not poisoned")
+            .retain(|id, partition| {
+                let released = partition.is_released();
+                if released {
+                    forgotten.push(*id);
+                }
+                !released
+            });
+        let mut listeners = self.task_event_listeners.lock().expect("not poisoned");
+        for id in forgotten.iter().filter(|&&id| Some(id) != keep_listener) {
+            listeners.remove(id);
+        }
+        forgotten.len()
     }
 
     /// Registered partitions.
