@@ -2310,11 +2310,16 @@ fn a_channel_released_before_it_was_registered_is_cancelled() {
     assert_eq!(result, Ok(()));
     client.poll_transmit(nets.start);
     let sent = split_frames(&client_writes(&mut client));
-    assert!(
-        sent.contains(&Ok(Message::CancelPartitionRequest { receiver })),
-        "sent {sent:?}"
-    );
+    let at = |message: Message| sent.iter().position(|m| m.as_ref() == Ok(&message));
+    let cancel = at(Message::CancelPartitionRequest { receiver });
+    assert!(cancel.is_some(), "sent {sent:?}");
     assert_eq!(client.channel_count(), 0, "the channel left");
+    // Its last channel gone, the connection closes, after the cancellation.
+    assert!(
+        at(Message::CloseRequest) > cancel,
+        "the connection closes after the cancellation: {sent:?}"
+    );
+    assert!(client.is_closed());
     drop((client, gate));
     nets.assert_all_back("released before registration");
 }
@@ -2328,6 +2333,15 @@ fn a_payload_for_a_channel_that_left_never_reaches_the_one_in_its_slot() {
     let mut closing = remote_gate(&nets, PARTITION);
     let mut client = ClientConnection::new(2, 4, SEGMENT);
     let closing_receiver = register(&mut client, &closing);
+    // A second channel keeps the connection open when the first leaves.
+    let staying = remote_gate(
+        &nets,
+        ResultPartitionId {
+            partition: 2,
+            producer: 1,
+        },
+    );
+    register(&mut client, &staying);
     client_writes(&mut client);
     let in_flight = buffer_frame(closing_receiver, 0, DataType::DataBuffer, &[7u8; 600]);
     let input = cat(&[&handshake(), &in_flight]);
@@ -2363,7 +2377,7 @@ fn a_payload_for_a_channel_that_left_never_reaches_the_one_in_its_slot() {
         matches!(fresh.poll_next(), Ok(None)),
         "the new channel got nothing"
     );
-    drop((client, closing, fresh));
+    drop((client, closing, staying, fresh));
     nets.assert_all_back("channel that left mid-payload");
 }
 

@@ -198,6 +198,7 @@ impl Loop {
             }
             let now = Instant::now();
             self.retry_refused(now);
+            self.give_up_overdue_connects(now);
             if self.accept_again_at.is_some_and(|at| now >= at) {
                 self.accept();
             }
@@ -276,6 +277,7 @@ impl Loop {
                     .filter_map(|c| c.tls.as_ref()?.deadline()),
             )
             .chain(self.refused.next_due())
+            .chain(self.pending.next_overdue())
             .chain(self.accept_again_at)
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
@@ -361,7 +363,11 @@ impl Loop {
                 self.register(token, peer, channel);
             }
             _ => {
-                if self.pending.wait(peer, index, channel, backoff) {
+                let timeout = self.config.connect_timeout;
+                if self
+                    .pending
+                    .wait(peer, index, channel, backoff, timeout, now)
+                {
                     let started =
                         start_connect(peer, index, &self.config, &self.commands, &self.waker);
                     if let Err(error) = started {
@@ -372,9 +378,7 @@ impl Loop {
         }
     }
 
-    /// A helper thread's connect to (`peer`, `index`) finished: the channels waiting for it
-    /// are registered on the new connection, or go to the refused list (tried again or
-    /// failed, by the error).
+    /// A helper thread's connect to (`peer`, `index`) finished.
     fn on_connected(
         &mut self,
         peer: SocketAddr,
@@ -383,6 +387,30 @@ impl Loop {
         now: Instant,
     ) {
         let waiting = self.pending.take(peer, index);
+        self.finish_connect(peer, index, waiting, result, now);
+    }
+
+    /// Gives up the connects whose results are overdue (see `PendingConnects`).
+    fn give_up_overdue_connects(&mut self, now: Instant) {
+        while let Some((peer, index, waiting)) = self.pending.pop_overdue(now) {
+            self.finish_connect(peer, index, waiting, Err(super::overdue_connect()), now);
+        }
+    }
+
+    /// The channels that waited for a connect: registered on the new connection, or to the
+    /// refused list (tried again or failed, by the error). A connection no waiting channel
+    /// wants any more (all released, or given up as overdue) is not opened.
+    fn finish_connect(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        waiting: Vec<super::WaitingChannel>,
+        result: io::Result<std::net::TcpStream>,
+        now: Instant,
+    ) {
+        if waiting.iter().all(|(channel, _)| channel.is_released()) {
+            return; // a stream that came is closed by the drop
+        }
         match result.and_then(|stream| self.open(stream, peer, index)) {
             Ok(token) => {
                 for (channel, _) in waiting {

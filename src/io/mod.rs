@@ -298,9 +298,9 @@ impl RefusedConnects {
     /// went through: queues another attempt, or fails the channel once the back-off is
     /// exhausted or the error is not one a later attempt may get past.
     ///
-    /// Only a refusal or a reset is retried. A timed-out connect already waited the whole
-    /// connect timeout on the I/O thread; waiting it again per channel would stall every
-    /// other connection of the thread for minutes.
+    /// Only a refusal or a reset is retried: a peer that did not answer within the connect
+    /// timeout is taken as down (the channel fails, as Flink's connect failure fails the
+    /// task), rather than holding the task for another timeout per back-off step.
     pub(crate) fn on_failure(
         &mut self,
         peer: SocketAddr,
@@ -462,8 +462,21 @@ pub(crate) fn start_connect(
 /// [`RefusedConnects`]). Shared by both drivers.
 #[derive(Default)]
 pub(crate) struct PendingConnects {
-    waiting: std::collections::HashMap<(SocketAddr, usize), Vec<WaitingChannel>>,
+    waiting: std::collections::HashMap<(SocketAddr, usize), PendingConnect>,
 }
+
+/// One connection being opened.
+struct PendingConnect {
+    channels: Vec<WaitingChannel>,
+    /// When its result is overdue: the connect timeout, plus the time the helper thread may
+    /// wait for room in the command queue before it gives up. A result that never came
+    /// (the queue stayed full) must not leave the channels waiting for good.
+    overdue: Instant,
+}
+
+/// How much longer than the connect timeout a connect's result may take to arrive: the
+/// helper thread gives up on a full command queue after about 10 s.
+const CONNECT_RESULT_GRACE: Duration = Duration::from_secs(15);
 
 /// A channel waiting for its connection, with the back-off its connects went through.
 pub(crate) type WaitingChannel = (Arc<RemoteChannelShared>, crate::gate::Backoff);
@@ -478,22 +491,53 @@ impl fmt::Debug for PendingConnects {
 
 impl PendingConnects {
     /// Queues `channel` for the connection to (`peer`, `index`). True when no connect is
-    /// under way for it yet: the caller starts one.
+    /// under way for it yet: the caller starts one, bounded by `timeout`.
     pub(crate) fn wait(
         &mut self,
         peer: SocketAddr,
         index: usize,
         channel: Arc<RemoteChannelShared>,
         backoff: crate::gate::Backoff,
+        timeout: Duration,
+        now: Instant,
     ) -> bool {
-        let waiting = self.waiting.entry((peer, index)).or_default();
-        waiting.push((channel, backoff));
-        waiting.len() == 1
+        let pending = self
+            .waiting
+            .entry((peer, index))
+            .or_insert_with(|| PendingConnect {
+                channels: Vec::new(),
+                overdue: now + timeout + CONNECT_RESULT_GRACE,
+            });
+        pending.channels.push((channel, backoff));
+        pending.channels.len() == 1
     }
 
-    /// The connect to (`peer`, `index`) finished: the channels that waited for it.
+    /// The connect to (`peer`, `index`) finished: the channels that waited for it (none when
+    /// it was given up as overdue before).
     pub(crate) fn take(&mut self, peer: SocketAddr, index: usize) -> Vec<WaitingChannel> {
-        self.waiting.remove(&(peer, index)).unwrap_or_default()
+        self.waiting
+            .remove(&(peer, index))
+            .map(|pending| pending.channels)
+            .unwrap_or_default()
+    }
+
+    /// A connect whose result is overdue at `now`, given up: its key and channels.
+    pub(crate) fn pop_overdue(
+        &mut self,
+        now: Instant,
+    ) -> Option<(SocketAddr, usize, Vec<WaitingChannel>)> {
+        let key = *self
+            .waiting
+            .iter()
+            .find(|(_, pending)| pending.overdue <= now)?
+            .0;
+        let pending = self.waiting.remove(&key)?;
+        Some((key.0, key.1, pending.channels))
+    }
+
+    /// When the next result becomes overdue.
+    pub(crate) fn next_overdue(&self) -> Option<Instant> {
+        self.waiting.values().map(|pending| pending.overdue).min()
     }
 
     /// The I/O thread ends: no connect will finish for the waiting channels.
@@ -501,10 +545,22 @@ impl PendingConnects {
         for (peer, _) in self.waiting.keys() {
             tracing::debug!(%peer, "the I/O thread ends while connecting");
         }
-        for (channel, _) in self.waiting.drain().flat_map(|(_, waiting)| waiting) {
+        for (channel, _) in self
+            .waiting
+            .drain()
+            .flat_map(|(_, pending)| pending.channels)
+        {
             fail_at_shutdown(&channel, reason);
         }
     }
+}
+
+/// The error of a connect given up because its result never came.
+pub(crate) fn overdue_connect() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the connect's result never reached the I/O thread",
+    )
 }
 
 /// Why the channels an ending I/O thread still held fail.

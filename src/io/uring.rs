@@ -671,6 +671,7 @@ impl Loop {
                 busy_poll.worked(now);
             }
             self.retry_refused(now);
+            self.give_up_overdue_connects(now);
             for slot in 0..self.conns.len() {
                 self.pump(slot, now);
             }
@@ -804,6 +805,7 @@ impl Loop {
             .filter_map(|c| c.connection.poll_timeout())
             .chain(self.accept_paused_until)
             .chain(self.refused.next_due())
+            .chain(self.pending.next_overdue())
             .min()
             .map_or(MAX_PARK, |due| due.saturating_duration_since(now))
             .min(MAX_PARK)
@@ -965,7 +967,11 @@ impl Loop {
         match self.peers.get(&(peer, index)) {
             Some(&slot) if open(slot) => self.register(slot, peer, channel),
             _ => {
-                if self.pending.wait(peer, index, channel, backoff) {
+                let timeout = self.config.connect_timeout;
+                if self
+                    .pending
+                    .wait(peer, index, channel, backoff, timeout, now)
+                {
                     let started =
                         start_connect(peer, index, &self.config, &self.commands, &self.waker);
                     if let Err(error) = started {
@@ -976,9 +982,7 @@ impl Loop {
         }
     }
 
-    /// A helper thread's connect to (`peer`, `index`) finished: the channels waiting for it
-    /// are registered on the new connection, or go to the refused list (tried again or
-    /// failed, by the error).
+    /// A helper thread's connect to (`peer`, `index`) finished.
     fn on_connected(
         &mut self,
         peer: SocketAddr,
@@ -987,6 +991,30 @@ impl Loop {
         now: Instant,
     ) {
         let waiting = self.pending.take(peer, index);
+        self.finish_connect(peer, index, waiting, result, now);
+    }
+
+    /// Gives up the connects whose results are overdue (see `PendingConnects`).
+    fn give_up_overdue_connects(&mut self, now: Instant) {
+        while let Some((peer, index, waiting)) = self.pending.pop_overdue(now) {
+            self.finish_connect(peer, index, waiting, Err(super::overdue_connect()), now);
+        }
+    }
+
+    /// The channels that waited for a connect: registered on the new connection, or to the
+    /// refused list (tried again or failed, by the error). A connection no waiting channel
+    /// wants any more (all released, or given up as overdue) is not opened.
+    fn finish_connect(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        waiting: Vec<super::WaitingChannel>,
+        result: io::Result<TcpStream>,
+        now: Instant,
+    ) {
+        if waiting.iter().all(|(channel, _)| channel.is_released()) {
+            return; // a stream that came is closed by the drop
+        }
         match result.and_then(|stream| self.open(stream, peer, index)) {
             Ok(slot) => {
                 for (channel, _) in waiting {

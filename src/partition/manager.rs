@@ -36,8 +36,10 @@ impl PartitionManager {
     }
 
     /// Registers a partition so consumers can find it. Partitions every consumer released
-    /// are forgotten first, as Flink's manager forgets a partition once it was consumed: a
-    /// long-running process would otherwise keep an entry for every partition it produced.
+    /// are forgotten first, with their task-event listeners, as Flink's manager forgets a
+    /// partition once it was consumed: a long-running process would otherwise keep an entry
+    /// for every partition it produced. (Ids are not reused, as Flink's are not: they name
+    /// one producer attempt.)
     pub fn register(&self, partition: PartitionHandle) -> Result<(), PartitionError> {
         let id = partition.id();
         // A listener the new producer of `id` subscribed before registering stays.
@@ -71,7 +73,8 @@ impl PartitionManager {
         self.partition(id)?.create_view(subpartition, listener)
     }
 
-    /// Releases a partition and forgets it.
+    /// Releases a partition and forgets it. `PartitionNotFound` when it is not registered,
+    /// which includes one every consumer released and a later `register` already forgot.
     pub fn release(&self, id: ResultPartitionId) -> Result<(), PartitionError> {
         // The listener goes whether or not the partition is still registered (it may have
         // been forgotten as released already).

@@ -230,12 +230,16 @@ impl ClientConnection {
     }
 
     /// Registers a remote channel and queues its PartitionRequest with the initial credit.
-    /// Fails when the connection has no room for another channel.
+    /// Fails when the connection has no room for another channel or is closing.
     pub fn register(
         &mut self,
         shared: Arc<RemoteChannelShared>,
         attach: impl FnOnce(Arc<dyn CreditListener>),
     ) -> Result<ReceiverId, ProtocolError> {
+        if self.closed {
+            // Closing (its last channel left, or it failed): the driver opens a new one.
+            return Err(ProtocolError::Closed);
+        }
         let slot = match self.channels.iter().position(Option::is_none) {
             Some(slot) => slot,
             None if self.channels.len() < self.ready.capacity() => {
@@ -435,10 +439,22 @@ impl ClientConnection {
     /// Moves what channels want sent (credit, resume, cancel) into the outbound queue.
     pub fn poll_transmit(&mut self, now: Instant) {
         self.check_handshake_deadline(now);
-        if !self.authenticated {
-            // Credit and the like wait for authentication (their channels' requests do too).
-            return;
+        // Credit and the like wait for authentication (their channels' requests do too).
+        if self.authenticated {
+            self.transmit_channels(now);
         }
+        // A connection no channel uses closes (CloseRequest after whatever was queued, the
+        // last channel's cancellation included), as Flink's client closes its connection
+        // when the last channel goes: else every consumer that ever read from a producer
+        // would keep a socket there, and descriptors and the producer's `max-connections`
+        // would run out. The driver opens a new connection for a channel that comes later.
+        if !self.closed && self.channels.iter().all(Option::is_none) {
+            self.close();
+        }
+    }
+
+    /// The requests due again, cancellations, credit and resumes of the channels.
+    fn transmit_channels(&mut self, now: Instant) {
         if self.retrying > 0 {
             self.retry_requests(now);
         }
@@ -834,19 +850,11 @@ impl ClientConnection {
         true
     }
 
-    /// Takes the channel in `slot` out, keeping the count of retrying channels exact. The
-    /// last channel leaving closes the connection (CloseRequest after whatever is queued,
-    /// its cancellation included), as Flink's client closes a connection no channel uses:
-    /// else every consumer that ever read from a producer would keep a socket there, and
-    /// its descriptors and the producer's `max-connections` would run out. The driver
-    /// opens a new connection for a channel that comes later.
+    /// Takes the channel in `slot` out, keeping the count of retrying channels exact.
     fn remove_channel(&mut self, slot: usize) -> Option<ClientChannel> {
         let channel = self.channels.get_mut(slot)?.take()?;
         if channel.retry != Retry::No {
             self.retrying -= 1;
-        }
-        if self.channels.iter().all(Option::is_none) {
-            self.close();
         }
         Some(channel)
     }
