@@ -950,6 +950,28 @@ fn bench_busy_polls_its_io_threads_when_asked() {
 }
 
 #[test]
+fn bench_pins_its_two_sides_to_the_cpus_asked_for() {
+    // CPU 0 for both sides: there on every machine.
+    let run = short_bench(&["--pin-cpus", "0,0"]);
+    assert!(run.status.success(), "{}", run.all());
+    assert!(
+        run.stdout.contains("pinned: producer side"),
+        "{}",
+        run.all()
+    );
+    assert!(run.stdout.contains("latency_p50_us"), "{}", run.all());
+    // A CPU the machine does not have: pinning is attempted, and refused clearly.
+    let run = short_bench(&["--pin-cpus", "0,1000"]);
+    assert_clean_failure(&run, &["CPU 1000"]);
+    let run = fluxgate(&["bench", "--local", "--pin-cpus", "0,1"], LIMIT);
+    assert_clean_failure(&run, &["--pin-cpus", "--local"]);
+    // A malformed value is a usage error (clap's exit status 2).
+    let run = fluxgate(&["bench", "--pin-cpus", "0"], LIMIT);
+    assert_eq!(run.status.code(), Some(2), "{}", run.all());
+    assert!(run.stderr.contains("is not `P,C`"), "{}", run.all());
+}
+
+#[test]
 fn bench_config_file_errors_are_clear() {
     let cases = [
         (

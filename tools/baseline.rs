@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
+use crate::affinity::{self, Pinning};
+
 /// Bytes per write of the throughput run (a segment's worth, as the engine sends).
 const BATCH: usize = 32 * 1024;
 
@@ -96,11 +98,42 @@ impl Counter {
     }
 }
 
+/// Runs `write` on the calling thread, pinned to the producer's CPU when `pinning` says so
+/// (the reader, started before, stays on the consumer's), and gives the thread its CPUs back.
+fn as_writer<T>(
+    pinning: Option<Pinning>,
+    write: impl FnOnce() -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let Some(pinning) = pinning else {
+        return write();
+    };
+    let before = affinity::current_cpus().map_err(std::io::Error::other)?;
+    affinity::pin_current_thread(pinning.producer).map_err(std::io::Error::other)?;
+    let written = write();
+    affinity::restore(&before).map_err(std::io::Error::other)?;
+    written
+}
+
+/// Pins the calling thread (the reader) to the consumer's CPU when `pinning` says so.
+fn as_reader(pinning: Option<Pinning>) -> std::io::Result<()> {
+    match pinning {
+        Some(pinning) => {
+            affinity::pin_current_thread(pinning.consumer).map_err(std::io::Error::other)
+        }
+        None => Ok(()),
+    }
+}
+
 /// Streams records of `record_size` bytes for `duration`.
-pub fn throughput(record_size: usize, duration: Duration) -> std::io::Result<Moved> {
+pub fn throughput(
+    record_size: usize,
+    duration: Duration,
+    pinning: Option<Pinning>,
+) -> std::io::Result<Moved> {
     let (mut sender, mut receiver) = connected_pair()?;
     let started = Instant::now();
     let reader = thread::spawn(move || -> std::io::Result<(u64, u64)> {
+        as_reader(pinning)?;
         let mut counter = Counter::default();
         let mut buffer = vec![0u8; BATCH];
         loop {
@@ -114,22 +147,24 @@ pub fn throughput(record_size: usize, duration: Duration) -> std::io::Result<Mov
     let mut batch = Vec::with_capacity(BATCH + record_size + 5);
     let record = vec![0xA5u8; record_size];
     let framed = fluxgate::record::framed_len(record_size);
-    while started.elapsed() < duration {
-        for _ in 0..64 {
-            // Pack records back to back; write a full batch at a time.
-            // At least one record per write, so records over 32 KiB are sent too.
-            loop {
-                put_length(&mut batch, record_size);
-                batch.extend_from_slice(&record);
-                if batch.len() + framed > BATCH {
-                    break;
+    as_writer(pinning, || {
+        while started.elapsed() < duration {
+            for _ in 0..64 {
+                // Pack records back to back; write a full batch at a time.
+                // At least one record per write, so records over 32 KiB are sent too.
+                loop {
+                    put_length(&mut batch, record_size);
+                    batch.extend_from_slice(&record);
+                    if batch.len() + framed > BATCH {
+                        break;
+                    }
                 }
+                sender.write_all(&batch)?;
+                batch.clear();
             }
-            sender.write_all(&batch)?;
-            batch.clear();
         }
-    }
-    sender.shutdown(std::net::Shutdown::Write)?;
+        sender.shutdown(std::net::Shutdown::Write)
+    })?;
     let (records, payload_bytes) = reader
         .join()
         .map_err(|_| std::io::Error::other("baseline reader panicked"))??;
@@ -146,10 +181,12 @@ pub fn latency(
     record_size: usize,
     rate: u64,
     duration: Duration,
+    pinning: Option<Pinning>,
 ) -> std::io::Result<Histogram<u64>> {
     let (mut sender, mut receiver) = connected_pair()?;
     let epoch = Instant::now();
     let reader = thread::spawn(move || -> std::io::Result<Histogram<u64>> {
+        as_reader(pinning)?;
         let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         let mut counter = Counter::default();
@@ -175,13 +212,15 @@ pub fn latency(
     put_length(&mut frame, size);
     let body = frame.len();
     frame.resize(body + size, 0);
-    for i in 0..total {
-        let scheduled = interval * i as u32;
-        super::bench::pace(epoch, scheduled);
-        frame[body..body + 8].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
-        sender.write_all(&frame)?;
-    }
-    sender.shutdown(std::net::Shutdown::Write)?;
+    as_writer(pinning, || {
+        for i in 0..total {
+            let scheduled = interval * i as u32;
+            super::bench::pace(epoch, scheduled);
+            frame[body..body + 8].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
+            sender.write_all(&frame)?;
+        }
+        sender.shutdown(std::net::Shutdown::Write)
+    })?;
     reader
         .join()
         .map_err(|_| std::io::Error::other("baseline reader panicked"))?

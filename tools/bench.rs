@@ -28,6 +28,7 @@ use fluxgate::partition::{
 };
 use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
 
+use crate::affinity::{self, Pinning};
 use crate::baseline;
 use crate::config_file::apply_config_file;
 use crate::plot;
@@ -99,6 +100,11 @@ pub struct BenchArgs {
     /// Internal: run the producer half of a remote benchmark (started by `bench` itself).
     #[arg(long, value_enum, hide = true)]
     producer_process: Option<Phase>,
+    /// Pin the producer side to CPU P and the consumer side to CPU C: the producer process
+    /// (its tasks and its I/O thread) and the baseline's writer on P, the consumer process
+    /// and the baseline's reader on C. Remote runs only.
+    #[arg(long, value_name = "P,C")]
+    pin_cpus: Option<Pinning>,
     /// A TOML file of Flink option names and values (e.g.
     /// `"taskmanager.memory.segment-size" = "16kb"`), applied before the flags (flags win).
     #[arg(long, value_name = "FILE.toml")]
@@ -157,9 +163,21 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     if args.plot.is_some() && args.rate == 0 {
         return Err("--plot needs the latency run (--rate above 0)".into());
     }
+    if args.pin_cpus.is_some() && args.local {
+        return Err("--pin-cpus pins the two processes of a remote run; --local has one".into());
+    }
     let config = network_config(args)?;
     if let Some(phase) = args.producer_process {
+        if let Some(pinning) = args.pin_cpus {
+            // Before the environment starts its I/O thread, which inherits the pinning.
+            affinity::pin_current_thread(pinning.producer)?;
+        }
         return producer_process(args, &config, phase);
+    }
+    if let Some(pinning) = args.pin_cpus {
+        // Every thread of this process (the consumers, the I/O thread, the baseline's reader)
+        // inherits it; the baseline's writer moves to the producer's CPU for its runs.
+        affinity::pin_current_thread(pinning.consumer)?;
     }
     let baseline_runs = !args.no_baseline;
     let latency_runs = args.rate > 0;
@@ -260,8 +278,12 @@ fn baseline_figures(
 ) -> Result<(Figures, Option<Histogram<u64>>), String> {
     progress.phase("baseline throughput");
     let cpu_started = cpu_time();
-    let moved = baseline::throughput(args.record_size, Duration::from_secs_f64(args.duration))
-        .map_err(|e| format!("baseline: {e}"))?;
+    let moved = baseline::throughput(
+        args.record_size,
+        Duration::from_secs_f64(args.duration),
+        args.pin_cpus,
+    )
+    .map_err(|e| format!("baseline: {e}"))?;
     let cpu = cpu_time().saturating_sub(cpu_started).as_secs_f64();
     let elapsed = moved.elapsed.as_secs_f64();
     let mut figures = Figures {
@@ -278,6 +300,7 @@ fn baseline_figures(
             args.record_size,
             args.rate,
             Duration::from_secs_f64(args.latency_duration),
+            args.pin_cpus,
         )
         .map_err(|e| format!("baseline latency: {e}"))?;
         figures.latency_us = Some(percentiles(&histogram));
@@ -1074,6 +1097,12 @@ fn print(
                 println!(
                     "  I/O threads busy-poll {} µs before they sleep (fluxgate.network.io-thread.busy-poll-us)",
                     config.io_thread_busy_poll.as_micros()
+                );
+            }
+            if let Some(pinning) = args.pin_cpus {
+                println!(
+                    "  pinned: producer side (process, baseline writer) on CPU {}, consumer side on CPU {}",
+                    pinning.producer, pinning.consumer
                 );
             }
             // The baseline never encrypts: say so beside an engine that does.

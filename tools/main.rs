@@ -1,5 +1,6 @@
 //! `fluxgate`: benchmarks and tools on top of the library.
 
+mod affinity;
 mod baseline;
 mod bench;
 mod cluster;
