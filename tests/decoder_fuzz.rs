@@ -2324,6 +2324,46 @@ fn a_channel_released_before_it_was_registered_is_cancelled() {
     nets.assert_all_back("released before registration");
 }
 
+/// A producer that streams empty BufferResponses for receivers the consumer does not know,
+/// and never reads: each is answered with a cancellation, and the consumer's queue of them
+/// would grow without bound. Past `MAX_QUEUED_CONTROL` the connection fails with a typed
+/// error instead, and the queue is dropped.
+#[test]
+fn a_flood_of_frames_answered_with_cancellations_fails_at_the_control_limit() {
+    let nets = Networks::new();
+    let (mut client, gate) = fresh_client(&nets, false);
+    client_writes(&mut client);
+    let unknown = buffer_frame(ReceiverId(999), 0, DataType::DataBuffer, &[]);
+    let cancel = frame(&Message::CancelPartitionRequest {
+        receiver: ReceiverId(999),
+    });
+    let frames = fluxgate::protocol::MAX_QUEUED_CONTROL / cancel.len() + 2;
+    let mut input = handshake();
+    for _ in 0..frames {
+        input.extend_from_slice(&unknown);
+    }
+    let result = feed(
+        &mut client,
+        &input,
+        &[usize::MAX],
+        |c| c.read_buffer(),
+        |c, n| c.on_read(n),
+        |_| {},
+    );
+    assert!(
+        matches!(result, Err(ProtocolError::ControlBacklog { bytes }) if bytes > fluxgate::protocol::MAX_QUEUED_CONTROL),
+        "{result:?}"
+    );
+    assert!(client.is_closed());
+    let queued = client_writes(&mut client).len();
+    assert!(
+        queued <= fluxgate::protocol::MAX_QUEUED_CONTROL,
+        "the backlog was dropped ({queued} bytes left)"
+    );
+    drop((client, gate));
+    nets.assert_all_back("control flood");
+}
+
 /// A payload half read when its channel's gate closes: the channel leaves (its slot is free)
 /// and a new channel takes the slot before the rest arrives. The rest is discarded; it never
 /// reaches the new channel, whose first buffer it would have been.

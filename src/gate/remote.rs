@@ -187,8 +187,10 @@ impl BufferManager {
         // SeqCst, with the flag's SeqCst compare_exchange in `request_floating`: either this
         // thread finds the flag cleared and asks itself, or the thread that cleared it reads
         // this store (store then load on both sides, Dekker's pattern).
-        self.required
-            .store(backlog + self.exclusive_total, Ordering::SeqCst);
+        self.required.store(
+            backlog.saturating_add(self.exclusive_total),
+            Ordering::SeqCst,
+        );
         if backlog > 0 {
             self.request_floating();
         }
@@ -673,9 +675,10 @@ impl RemoteInputChannel {
         // lane first). Everything received before the item was pushed before it, by the
         // transport's one thread, so the item's count covers it.
         let unread_before = item.data_before.saturating_sub(self.data_read) as usize;
-        Ok(Some(
-            self.read_of(item.buffer, item.overtaken + unread_before),
-        ))
+        Ok(Some(self.read_of(
+            item.buffer,
+            item.overtaken.saturating_add(unread_before),
+        )))
     }
 
     fn read_of(&self, buffer: Buffer, overtaken: usize) -> ChannelRead {

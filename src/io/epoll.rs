@@ -734,13 +734,16 @@ impl Loop {
                         return;
                     }
                 };
-                if let Err(error) = session.process_new_packets() {
-                    // rustls queued an alert telling the peer why; it goes if the socket
-                    // takes it.
-                    let _ = session.write_tls(stream);
-                    self.fail_tls(token, &error);
-                    return;
-                }
+                let closed_by_peer = match session.process_new_packets() {
+                    Ok(state) => state.peer_has_closed(),
+                    Err(error) => {
+                        // rustls queued an alert telling the peer why; it goes if the socket
+                        // takes it.
+                        let _ = session.write_tls(stream);
+                        self.fail_tls(token, &error);
+                        return;
+                    }
+                };
                 if let Err(error) = deliver_plaintext(session, connection, now) {
                     tracing::warn!(
                         %error,
@@ -751,7 +754,13 @@ impl Loop {
                     self.close(token);
                     return;
                 }
-                // Nothing taken: the peer sent close_notify; its EOF follows.
+                // The peer's close_notify ends the stream as its EOF would: a peer that sends
+                // it and keeps the socket open must not hold the connection (and its
+                // channels) open.
+                if closed_by_peer {
+                    self.lose(token, "connection closed by the peer (TLS close_notify)");
+                    return;
+                }
                 if taken == 0 || pending.is_empty() {
                     break;
                 }

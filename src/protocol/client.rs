@@ -418,7 +418,13 @@ impl ClientConnection {
             // as a closing server drops them.
             return Ok(());
         }
-        let result = self.advance(n);
+        let result = self.advance(n).and_then(|()| {
+            let bytes = self.outbound.queued_bytes();
+            if bytes > super::MAX_QUEUED_CONTROL {
+                return Err(ProtocolError::ControlBacklog { bytes });
+            }
+            Ok(())
+        });
         if let Err(error) = &result {
             self.fail_all(error);
             if let ProtocolError::Unauthenticated(reason) = error {

@@ -395,10 +395,11 @@ pub fn decode_buffer_response(
     }
     let size = r.u32();
     let overtaken = r.u32();
-    if frame.length as usize != BUFFER_RESPONSE_HEADER + size as usize {
+    // In u64: on a 32-bit target the sum in usize could wrap to a short frame's length.
+    if u64::from(frame.length) != BUFFER_RESPONSE_HEADER as u64 + u64::from(size) {
         return Err(DecodeError::BodyLength {
             id: MessageId::BufferResponse as u8,
-            expected: BUFFER_RESPONSE_HEADER + size as usize - FRAME_HEADER,
+            expected: (BUFFER_RESPONSE_HEADER - FRAME_HEADER).saturating_add(size as usize),
             actual: frame.body_len(),
         });
     }
@@ -675,7 +676,7 @@ impl<'a> Reader<'a> {
         if self.body.len() < n {
             return Err(DecodeError::BodyLength {
                 id: self.id as u8,
-                expected: self.total - self.body.len() + n,
+                expected: (self.total - self.body.len()).saturating_add(n),
                 actual: self.total,
             });
         }

@@ -84,19 +84,33 @@ pub enum ProtocolError {
         /// `fluxgate.network.partition-request-burst`.
         burst: u32,
     },
+    /// The peer sends what makes this side queue control messages (cancellations, error
+    /// responses) and does not read them: more than [`MAX_QUEUED_CONTROL`] bytes wait
+    /// (peer's fault).
+    #[error("{bytes} bytes of control messages wait for the peer to read them")]
+    ControlBacklog {
+        /// Bytes queued when the limit was passed.
+        bytes: usize,
+    },
     /// The connection was closed (by either side).
     #[error("connection closed")]
     Closed,
 }
+
+/// Most bytes of control messages one side queues for a peer that does not read: a stream of
+/// frames each answered with a message (a BufferResponse for an unknown receiver answered
+/// with a cancellation, a bad partition request with an error response) would otherwise
+/// grow the queue without bound.
+pub const MAX_QUEUED_CONTROL: usize = 1 << 20;
 
 impl ProtocolError {
     /// The kind an ErrorResponse reporting this error carries.
     pub fn error_kind(&self) -> ErrorKind {
         match self {
             ProtocolError::Unauthenticated(_) => ErrorKind::Unauthenticated,
-            ProtocolError::TooManyChannels { .. } | ProtocolError::RequestRateExceeded { .. } => {
-                ErrorKind::LimitExceeded
-            }
+            ProtocolError::TooManyChannels { .. }
+            | ProtocolError::RequestRateExceeded { .. }
+            | ProtocolError::ControlBacklog { .. } => ErrorKind::LimitExceeded,
             ProtocolError::Remote { kind, .. } => *kind,
             _ => ErrorKind::Protocol,
         }

@@ -282,6 +282,20 @@ impl ServerConnection {
             Ok(Step::Body(frame)) => self.on_message(frame, now),
             Err(error) => Err(error),
         };
+        let result = result.and_then(|()| {
+            // Data frames stop at `max_queued_bytes` (the last one may pass it by a segment's
+            // frame); what lies beyond is control messages the consumer does not read.
+            let bytes = self.outbound.queued_bytes();
+            let limit = self
+                .config
+                .max_queued_bytes
+                .saturating_add(self.config.segment_size + super::frame::BUFFER_RESPONSE_HEADER)
+                .saturating_add(super::MAX_QUEUED_CONTROL);
+            if bytes > limit {
+                return Err(ProtocolError::ControlBacklog { bytes });
+            }
+            Ok(())
+        });
         if let Err(error) = &result {
             self.fail(error);
         }
