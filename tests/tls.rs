@@ -531,3 +531,78 @@ fn stalled_tls_handshakes_are_closed_after_the_timeout() {
     drop(mute);
     assert!(common::pools_full(&[&producer, &consumer]));
 }
+
+#[test]
+fn a_peer_s_close_notify_ends_the_connection_though_its_socket_stays_open() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let certs = Certs::new("close-notify");
+    let producer = env(1, &certs.options("producer", "ca"));
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in CertificateDer::pem_file_iter(certs.path("ca.pem")).unwrap() {
+        roots.add(ca.unwrap()).unwrap();
+    }
+    let chain: Vec<_> = CertificateDer::pem_file_iter(certs.path("consumer.pem"))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(certs.path("consumer-key.pem")).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(chain, key)
+    .unwrap();
+    let name = ServerName::try_from(DEFAULT_SSL_SERVER_NAME).unwrap();
+    let mut session = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let mut socket = TcpStream::connect(producer.local_addr()).unwrap();
+    socket.set_read_timeout(Some(LONG)).unwrap();
+    // Bounded: each round trip moves the handshake on, or fails.
+    for _ in 0..100 {
+        if !session.is_handshaking() {
+            break;
+        }
+        session.complete_io(&mut socket).unwrap();
+    }
+    assert!(!session.is_handshaking(), "the TLS handshake completed");
+    // The protocol's handshake too, so that no handshake deadline closes the connection.
+    let mut hello = Vec::new();
+    fluxgate::protocol::Message::Handshake {
+        version: fluxgate::protocol::frame::VERSION,
+        node: 666,
+        authenticate: false,
+        nonce: [0; 32],
+    }
+    .encode(&mut hello);
+    session.writer().write_all(&hello).unwrap();
+    session.send_close_notify();
+    while session.wants_write() {
+        session.write_tls(&mut socket).unwrap();
+    }
+    // The TCP connection stays open on this side: only the producer can end it now.
+    let mut scratch = [0u8; 4096];
+    let mut closed = false;
+    // Bounded: what the producer still sends is finite, and each read waits at most LONG.
+    for _ in 0..1000 {
+        match socket.read(&mut scratch) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => {
+                closed = true;
+                break;
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) => panic!("the producer kept the connection open: {error}"),
+        }
+    }
+    assert!(closed, "the producer closed the connection");
+    assert!(common::wait_until(LONG, || producer
+        .driver_stats()
+        .is_some_and(|stats| stats.open_connections == 0)));
+    assert!(common::pools_full(&[&producer]));
+}
