@@ -21,8 +21,8 @@ use mio::{Events, Interest, Poll, Token};
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
-    client_for, refuse_connection, start_connect, BusyPoll, Command, DriverHandle, IoWaker,
-    PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
+    client_for, refuse_connection, BusyPoll, Command, DriverHandle, IoWaker, PendingConnects,
+    RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -188,6 +188,68 @@ struct Loop {
     short_writes: u64,
 }
 
+impl super::ClientConnections for Loop {
+    type Handle = Token;
+
+    fn open_connection(&self, peer: SocketAddr, index: usize) -> Option<Token> {
+        let token = *self.peers.get(&(peer, index))?;
+        self.connections
+            .get(&token)
+            .is_some_and(|conn| !conn.connection.is_closing())
+            .then_some(token)
+    }
+
+    fn add_client(
+        &mut self,
+        stream: std::net::TcpStream,
+        peer: SocketAddr,
+        index: usize,
+    ) -> io::Result<Token> {
+        let client = client_for(peer, &self.config)?;
+        stream.set_nonblocking(true)?;
+        let tls = match &self.config.tls {
+            Some(context) => Some(TlsLink::new(
+                context.client_session().map_err(|error| {
+                    io::Error::other(format!("starting a TLS session failed: {error}"))
+                })?,
+                Instant::now() + context.handshake_timeout(),
+            )),
+            None => None,
+        };
+        let token = self.add(
+            TcpStream::from_std(stream),
+            Side::Client(client),
+            Some((peer, index)),
+            tls,
+        )?;
+        self.peers.insert((peer, index), token);
+        tracing::debug!(%peer, index, "connection opened");
+        Ok(token)
+    }
+
+    fn client(&mut self, token: Token) -> &mut crate::protocol::ClientConnection {
+        let conn = self.connections.get_mut(&token).expect("a live connection");
+        let Side::Client(client) = &mut conn.connection.side else {
+            unreachable!("peer map holds client connections only");
+        };
+        client
+    }
+
+    fn connect_context(
+        &self,
+    ) -> (
+        &super::DriverConfig,
+        &Arc<ArrayQueue<Command>>,
+        &Arc<IoWaker<WakeFn>>,
+    ) {
+        (&self.config, &self.commands, &self.waker)
+    }
+
+    fn connect_lists(&mut self) -> (&mut PendingConnects, &mut RefusedConnects) {
+        (&mut self.pending, &mut self.refused)
+    }
+}
+
 impl Loop {
     fn run(&mut self) {
         let mut events = Events::with_capacity(256);
@@ -197,8 +259,7 @@ impl Loop {
                 break;
             }
             let now = Instant::now();
-            self.retry_refused(now);
-            self.give_up_overdue_connects(now);
+            super::connects_due(self, now);
             if self.accept_again_at.is_some_and(|at| now >= at) {
                 self.accept();
             }
@@ -284,19 +345,6 @@ impl Loop {
             .min(MAX_PARK)
     }
 
-    /// Tries again the connections refused earlier whose back-off ran out.
-    fn retry_refused(&mut self, now: Instant) {
-        while let Some(due) = self.refused.pop_due(now) {
-            self.connect_channel(
-                due.peer,
-                due.connection_index,
-                due.channel,
-                due.backoff,
-                now,
-            );
-        }
-    }
-
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
         while let Some(command) = self.commands.pop() {
@@ -325,7 +373,8 @@ impl Loop {
                 } => {
                     self.worked = true;
                     let backoff = self.config.request_backoff;
-                    self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
+                    let now = Instant::now();
+                    super::connect_channel(self, peer, connection_index, channel, backoff, now);
                 }
                 Command::Connected {
                     peer,
@@ -333,146 +382,11 @@ impl Loop {
                     result,
                 } => {
                     self.worked = true;
-                    self.on_connected(peer, connection_index, result, Instant::now());
+                    super::on_connected(self, peer, connection_index, result, Instant::now());
                 }
             }
         }
         true
-    }
-
-    fn connect_channel(
-        &mut self,
-        peer: SocketAddr,
-        index: usize,
-        channel: Arc<crate::gate::RemoteChannelShared>,
-        backoff: crate::gate::Backoff,
-        now: Instant,
-    ) {
-        if channel.is_released() {
-            return; // its gate closed before the connection was asked for
-        }
-        // A closing connection (its last channel left) takes no new channel: a new one opens.
-        let live = |token: &Token| {
-            self.connections
-                .get(token)
-                .is_some_and(|conn| !conn.connection.is_closing())
-        };
-        match self.peers.get(&(peer, index)) {
-            Some(token) if live(token) => {
-                let token = *token;
-                self.register(token, peer, channel);
-            }
-            _ => {
-                let timeout = self.config.connect_timeout;
-                if self
-                    .pending
-                    .wait(peer, index, channel, backoff, timeout, now)
-                {
-                    let started =
-                        start_connect(peer, index, &self.config, &self.commands, &self.waker);
-                    if let Err(error) = started {
-                        self.on_connected(peer, index, Err(error), now);
-                    }
-                }
-            }
-        }
-    }
-
-    /// A helper thread's connect to (`peer`, `index`) finished.
-    fn on_connected(
-        &mut self,
-        peer: SocketAddr,
-        index: usize,
-        result: io::Result<std::net::TcpStream>,
-        now: Instant,
-    ) {
-        let waiting = self.pending.take(peer, index);
-        self.finish_connect(peer, index, waiting, result, now);
-    }
-
-    /// Gives up the connects whose results are overdue (see `PendingConnects`).
-    fn give_up_overdue_connects(&mut self, now: Instant) {
-        while let Some((peer, index, waiting)) = self.pending.pop_overdue(now) {
-            self.finish_connect(peer, index, waiting, Err(super::overdue_connect()), now);
-        }
-    }
-
-    /// The channels that waited for a connect: registered on the new connection, or to the
-    /// refused list (tried again or failed, by the error). A connection no waiting channel
-    /// wants any more (all released, or given up as overdue) is not opened.
-    fn finish_connect(
-        &mut self,
-        peer: SocketAddr,
-        index: usize,
-        waiting: Vec<super::WaitingChannel>,
-        result: io::Result<std::net::TcpStream>,
-        now: Instant,
-    ) {
-        if waiting.iter().all(|(channel, _)| channel.is_released()) {
-            return; // a stream that came is closed by the drop
-        }
-        match result.and_then(|stream| self.open(stream, peer, index)) {
-            Ok(token) => {
-                for (channel, _) in waiting {
-                    if !channel.is_released() {
-                        self.register(token, peer, channel);
-                    }
-                }
-            }
-            Err(error) => {
-                for (channel, backoff) in waiting {
-                    self.refused
-                        .on_failure(peer, index, channel, backoff, &error, now);
-                }
-            }
-        }
-    }
-
-    fn register(
-        &mut self,
-        token: Token,
-        peer: SocketAddr,
-        channel: Arc<crate::gate::RemoteChannelShared>,
-    ) {
-        let conn = self.connections.get_mut(&token).expect("a live connection");
-        let Side::Client(client) = &mut conn.connection.side else {
-            unreachable!("peer map holds client connections only");
-        };
-        let attach = |listener| channel.attach(listener);
-        if let Err(error) = client.register(channel.clone(), attach) {
-            channel.fail(crate::gate::GateError::Transport {
-                channel: channel.channel(),
-                reason: format!("connection to {peer} has no room: {error}"),
-            });
-        }
-    }
-
-    fn open(
-        &mut self,
-        stream: std::net::TcpStream,
-        peer: SocketAddr,
-        index: usize,
-    ) -> io::Result<Token> {
-        let client = client_for(peer, &self.config)?;
-        stream.set_nonblocking(true)?;
-        let tls = match &self.config.tls {
-            Some(context) => Some(TlsLink::new(
-                context.client_session().map_err(|error| {
-                    io::Error::other(format!("starting a TLS session failed: {error}"))
-                })?,
-                Instant::now() + context.handshake_timeout(),
-            )),
-            None => None,
-        };
-        let token = self.add(
-            TcpStream::from_std(stream),
-            Side::Client(client),
-            Some((peer, index)),
-            tls,
-        )?;
-        self.peers.insert((peer, index), token);
-        tracing::debug!(%peer, index, "connection opened");
-        Ok(token)
     }
 
     fn accept(&mut self) {

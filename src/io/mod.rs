@@ -563,6 +563,142 @@ pub(crate) fn overdue_connect() -> io::Error {
     )
 }
 
+/// What the connection manager needs of a driver's loop, so that placing channels on
+/// connections, opening connections and retrying refused ones is written once for both
+/// drivers. `Handle` names a client connection of the loop (an epoll token, a ring slot).
+pub(crate) trait ClientConnections {
+    type Handle: Copy;
+
+    /// The client connection to (`peer`, `index`) that takes new channels: open and not
+    /// closing (one whose last channel left, or that failed, takes none: a new one opens).
+    fn open_connection(&self, peer: SocketAddr, index: usize) -> Option<Self::Handle>;
+    /// Makes a connected stream a client connection of the loop, reachable by
+    /// [`open_connection`](Self::open_connection).
+    fn add_client(
+        &mut self,
+        stream: std::net::TcpStream,
+        peer: SocketAddr,
+        index: usize,
+    ) -> io::Result<Self::Handle>;
+    /// The protocol state of a client connection.
+    fn client(&mut self, handle: Self::Handle) -> &mut ClientConnection;
+    /// What a connect needs: the loop's configuration, and its command queue and waker
+    /// for the result ([`start_connect`]).
+    fn connect_context(
+        &self,
+    ) -> (
+        &DriverConfig,
+        &Arc<ArrayQueue<Command>>,
+        &Arc<IoWaker<WakeFn>>,
+    );
+    /// The channels waiting for connects, and those waiting to try a refused one again.
+    fn connect_lists(&mut self) -> (&mut PendingConnects, &mut RefusedConnects);
+}
+
+/// Places `channel` on its connection to (`peer`, `index`), or queues it for a connect
+/// (starting one when none is under way). A released channel is dropped.
+pub(crate) fn connect_channel<L: ClientConnections>(
+    driver: &mut L,
+    peer: SocketAddr,
+    index: usize,
+    channel: Arc<RemoteChannelShared>,
+    backoff: crate::gate::Backoff,
+    now: Instant,
+) {
+    if channel.is_released() {
+        return; // its gate closed before the connection was asked for
+    }
+    if let Some(handle) = driver.open_connection(peer, index) {
+        register_channel(driver, handle, peer, &channel);
+        return;
+    }
+    let timeout = driver.connect_context().0.connect_timeout;
+    let (pending, _) = driver.connect_lists();
+    if pending.wait(peer, index, channel, backoff, timeout, now) {
+        let (config, commands, waker) = driver.connect_context();
+        if let Err(error) = start_connect(peer, index, config, commands, waker) {
+            on_connected(driver, peer, index, Err(error), now);
+        }
+    }
+}
+
+/// A helper thread's connect to (`peer`, `index`) finished with `result`.
+pub(crate) fn on_connected<L: ClientConnections>(
+    driver: &mut L,
+    peer: SocketAddr,
+    index: usize,
+    result: io::Result<std::net::TcpStream>,
+    now: Instant,
+) {
+    let waiting = driver.connect_lists().0.take(peer, index);
+    finish_connect(driver, peer, index, waiting, result, now);
+}
+
+/// The loop's turn: refused connects whose back-off ran out are tried again, and connects
+/// whose result is overdue (see [`PendingConnects`]) are given up.
+pub(crate) fn connects_due<L: ClientConnections>(driver: &mut L, now: Instant) {
+    // Bounded: an attempt that fails again is queued with a later due time.
+    while let Some(due) = driver.connect_lists().1.pop_due(now) {
+        connect_channel(
+            driver,
+            due.peer,
+            due.connection_index,
+            due.channel,
+            due.backoff,
+            now,
+        );
+    }
+    while let Some((peer, index, waiting)) = driver.connect_lists().0.pop_overdue(now) {
+        finish_connect(driver, peer, index, waiting, Err(overdue_connect()), now);
+    }
+}
+
+/// The channels that waited for a connect: registered on the new connection, or to the
+/// refused list (tried again or failed, by the error). A connection no waiting channel wants
+/// any more (all released, or given up as overdue) is not opened.
+fn finish_connect<L: ClientConnections>(
+    driver: &mut L,
+    peer: SocketAddr,
+    index: usize,
+    waiting: Vec<WaitingChannel>,
+    result: io::Result<std::net::TcpStream>,
+    now: Instant,
+) {
+    if waiting.iter().all(|(channel, _)| channel.is_released()) {
+        return; // a stream that came is closed by the drop
+    }
+    match result.and_then(|stream| driver.add_client(stream, peer, index)) {
+        Ok(handle) => {
+            for (channel, _) in waiting {
+                if !channel.is_released() {
+                    register_channel(driver, handle, peer, &channel);
+                }
+            }
+        }
+        Err(error) => {
+            let (_, refused) = driver.connect_lists();
+            for (channel, backoff) in waiting {
+                refused.on_failure(peer, index, channel, backoff, &error, now);
+            }
+        }
+    }
+}
+
+fn register_channel<L: ClientConnections>(
+    driver: &mut L,
+    handle: L::Handle,
+    peer: SocketAddr,
+    channel: &Arc<RemoteChannelShared>,
+) {
+    let attach = |listener| channel.attach(listener);
+    if let Err(error) = driver.client(handle).register(channel.clone(), attach) {
+        channel.fail(crate::gate::GateError::Transport {
+            channel: channel.channel(),
+            reason: format!("connection to {peer} has no room: {error}"),
+        });
+    }
+}
+
 /// Why the channels an ending I/O thread still held fail.
 pub(crate) const SHUTDOWN_REASON: &str = "the network environment shut down";
 

@@ -51,9 +51,8 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    client_for, refuse_connection, start_connect, BusyPoll, Command, DriverConfig, DriverHandle,
-    DriverStats, IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF,
-    SHUTDOWN_REASON,
+    client_for, refuse_connection, BusyPoll, Command, DriverConfig, DriverHandle, DriverStats,
+    IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
 };
 use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
@@ -503,6 +502,53 @@ impl Drop for Loop {
     }
 }
 
+impl super::ClientConnections for Loop {
+    type Handle = usize;
+
+    fn open_connection(&self, peer: SocketAddr, index: usize) -> Option<usize> {
+        let slot = *self.peers.get(&(peer, index))?;
+        self.live(slot)
+            .is_some_and(|conn| !conn.close_after_write && !conn.connection.is_closing())
+            .then_some(slot)
+    }
+
+    fn add_client(
+        &mut self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        index: usize,
+    ) -> io::Result<usize> {
+        // Blocking socket: io_uring polls it itself.
+        let client = client_for(peer, &self.config)?;
+        let slot = self.add(stream, Side::Client(client), Some((peer, index)));
+        self.peers.insert((peer, index), slot);
+        tracing::debug!(%peer, index, "connection opened");
+        Ok(slot)
+    }
+
+    fn client(&mut self, slot: usize) -> &mut crate::protocol::ClientConnection {
+        let conn = self.conns[slot].as_mut().expect("a live connection");
+        let Side::Client(client) = &mut conn.connection.side else {
+            unreachable!("peer map holds client connections only");
+        };
+        client
+    }
+
+    fn connect_context(
+        &self,
+    ) -> (
+        &super::DriverConfig,
+        &Arc<ArrayQueue<Command>>,
+        &Arc<IoWaker<WakeFn>>,
+    ) {
+        (&self.config, &self.commands, &self.waker)
+    }
+
+    fn connect_lists(&mut self) -> (&mut PendingConnects, &mut RefusedConnects) {
+        (&mut self.pending, &mut self.refused)
+    }
+}
+
 impl Loop {
     fn new(
         ring: IoUring,
@@ -670,8 +716,7 @@ impl Loop {
             if std::mem::take(&mut self.worked) {
                 busy_poll.worked(now);
             }
-            self.retry_refused(now);
-            self.give_up_overdue_connects(now);
+            super::connects_due(self, now);
             for slot in 0..self.conns.len() {
                 self.pump(slot, now);
             }
@@ -868,18 +913,6 @@ impl Loop {
     }
 
     /// Tries again the connections refused earlier whose back-off ran out.
-    fn retry_refused(&mut self, now: Instant) {
-        while let Some(due) = self.refused.pop_due(now) {
-            self.connect_channel(
-                due.peer,
-                due.connection_index,
-                due.channel,
-                due.backoff,
-                now,
-            );
-        }
-    }
-
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
         while let Some(command) = self.commands.pop() {
@@ -912,7 +945,8 @@ impl Loop {
                 } => {
                     self.worked = true;
                     let backoff = self.config.request_backoff;
-                    self.connect_channel(peer, connection_index, channel, backoff, Instant::now());
+                    let now = Instant::now();
+                    super::connect_channel(self, peer, connection_index, channel, backoff, now);
                 }
                 Command::Connected {
                     peer,
@@ -920,7 +954,7 @@ impl Loop {
                     result,
                 } => {
                     self.worked = true;
-                    self.on_connected(peer, connection_index, result, Instant::now());
+                    super::on_connected(self, peer, connection_index, result, Instant::now());
                 }
             }
         }
@@ -945,119 +979,6 @@ impl Loop {
             .get(slot)?
             .as_deref()
             .filter(|c| c.closing.is_none())
-    }
-
-    fn connect_channel(
-        &mut self,
-        peer: SocketAddr,
-        index: usize,
-        channel: Arc<crate::gate::RemoteChannelShared>,
-        backoff: crate::gate::Backoff,
-        now: Instant,
-    ) {
-        if channel.is_released() {
-            return; // its gate closed before the connection was asked for
-        }
-        // A closing connection (its last channel left, or a protocol error) takes no new
-        // channel: a new one opens.
-        let open = |slot: usize| {
-            self.live(slot)
-                .is_some_and(|conn| !conn.close_after_write && !conn.connection.is_closing())
-        };
-        match self.peers.get(&(peer, index)) {
-            Some(&slot) if open(slot) => self.register(slot, peer, channel),
-            _ => {
-                let timeout = self.config.connect_timeout;
-                if self
-                    .pending
-                    .wait(peer, index, channel, backoff, timeout, now)
-                {
-                    let started =
-                        start_connect(peer, index, &self.config, &self.commands, &self.waker);
-                    if let Err(error) = started {
-                        self.on_connected(peer, index, Err(error), now);
-                    }
-                }
-            }
-        }
-    }
-
-    /// A helper thread's connect to (`peer`, `index`) finished.
-    fn on_connected(
-        &mut self,
-        peer: SocketAddr,
-        index: usize,
-        result: io::Result<TcpStream>,
-        now: Instant,
-    ) {
-        let waiting = self.pending.take(peer, index);
-        self.finish_connect(peer, index, waiting, result, now);
-    }
-
-    /// Gives up the connects whose results are overdue (see `PendingConnects`).
-    fn give_up_overdue_connects(&mut self, now: Instant) {
-        while let Some((peer, index, waiting)) = self.pending.pop_overdue(now) {
-            self.finish_connect(peer, index, waiting, Err(super::overdue_connect()), now);
-        }
-    }
-
-    /// The channels that waited for a connect: registered on the new connection, or to the
-    /// refused list (tried again or failed, by the error). A connection no waiting channel
-    /// wants any more (all released, or given up as overdue) is not opened.
-    fn finish_connect(
-        &mut self,
-        peer: SocketAddr,
-        index: usize,
-        waiting: Vec<super::WaitingChannel>,
-        result: io::Result<TcpStream>,
-        now: Instant,
-    ) {
-        if waiting.iter().all(|(channel, _)| channel.is_released()) {
-            return; // a stream that came is closed by the drop
-        }
-        match result.and_then(|stream| self.open(stream, peer, index)) {
-            Ok(slot) => {
-                for (channel, _) in waiting {
-                    if !channel.is_released() {
-                        self.register(slot, peer, channel);
-                    }
-                }
-            }
-            Err(error) => {
-                for (channel, backoff) in waiting {
-                    self.refused
-                        .on_failure(peer, index, channel, backoff, &error, now);
-                }
-            }
-        }
-    }
-
-    fn register(
-        &mut self,
-        slot: usize,
-        peer: SocketAddr,
-        channel: Arc<crate::gate::RemoteChannelShared>,
-    ) {
-        let conn = self.conns[slot].as_mut().expect("a live connection");
-        let Side::Client(client) = &mut conn.connection.side else {
-            unreachable!("peer map holds client connections only");
-        };
-        let attach = |listener| channel.attach(listener);
-        if let Err(error) = client.register(channel.clone(), attach) {
-            channel.fail(crate::gate::GateError::Transport {
-                channel: channel.channel(),
-                reason: format!("connection to {peer} has no room: {error}"),
-            });
-        }
-    }
-
-    fn open(&mut self, stream: TcpStream, peer: SocketAddr, index: usize) -> io::Result<usize> {
-        // Blocking socket: io_uring polls it itself.
-        let client = client_for(peer, &self.config)?;
-        let slot = self.add(stream, Side::Client(client), Some((peer, index)));
-        self.peers.insert((peer, index), slot);
-        tracing::debug!(%peer, index, "connection opened");
-        Ok(slot)
     }
 
     fn add(&mut self, stream: TcpStream, side: Side, peer: Option<(SocketAddr, usize)>) -> usize {
