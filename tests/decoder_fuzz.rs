@@ -359,6 +359,18 @@ fn fresh_client(nets: &Networks, auth: bool) -> (ClientConnection, SingleInputGa
     (client, gate)
 }
 
+/// Feeds `bytes` to the client in one piece, as one read would bring them.
+fn client_reads(client: &mut ClientConnection, bytes: &[u8]) -> Result<(), ProtocolError> {
+    feed(
+        client,
+        bytes,
+        &[usize::MAX],
+        |c| c.read_buffer(),
+        |c, n| c.on_read(n),
+        |_| {},
+    )
+}
+
 /// Writes what the client queued; returns the bytes.
 fn client_writes(client: &mut ClientConnection) -> Vec<u8> {
     let mut written = Vec::new();
@@ -2217,14 +2229,7 @@ fn a_buffer_in_flight_for_a_closed_gate_is_discarded() {
             )
         };
         let input = cat(&[&handshake(), &in_flight]);
-        let result = feed(
-            &mut client,
-            &input,
-            &[usize::MAX],
-            |c| c.read_buffer(),
-            |c, n| c.on_read(n),
-            |_| {},
-        );
+        let result = client_reads(&mut client, &input);
         assert_eq!(result, Ok(()), "event {event}");
         assert!(matches!(healthy.poll_next(), Ok(None)), "event {event}");
         drop((client, closing, healthy));
@@ -2256,14 +2261,7 @@ fn an_event_without_memory_fails_its_channel_only() {
         &event_frame(starved_receiver, 0, &Event::EndOfPartition, false),
         &buffer_frame(healthy_receiver, 0, DataType::DataBuffer, b"credited"),
     ]);
-    let result = feed(
-        &mut client,
-        &input,
-        &[usize::MAX],
-        |c| c.read_buffer(),
-        |c, n| c.on_read(n),
-        |_| {},
-    );
+    let result = client_reads(&mut client, &input);
     assert_eq!(result, Ok(()), "the connection goes on");
     assert!(
         matches!(
@@ -2299,14 +2297,7 @@ fn a_channel_released_before_it_was_registered_is_cancelled() {
     gate.close();
     let mut client = ClientConnection::new(2, 4, SEGMENT);
     let receiver = register(&mut client, &gate);
-    let result = feed(
-        &mut client,
-        &handshake(),
-        &[usize::MAX],
-        |c| c.read_buffer(),
-        |c, n| c.on_read(n),
-        |_| {},
-    );
+    let result = client_reads(&mut client, &handshake());
     assert_eq!(result, Ok(()));
     client.poll_transmit(nets.start);
     let sent = split_frames(&client_writes(&mut client));
@@ -2342,14 +2333,7 @@ fn a_flood_of_frames_answered_with_cancellations_fails_at_the_control_limit() {
     for _ in 0..frames {
         input.extend_from_slice(&unknown);
     }
-    let result = feed(
-        &mut client,
-        &input,
-        &[usize::MAX],
-        |c| c.read_buffer(),
-        |c, n| c.on_read(n),
-        |_| {},
-    );
+    let result = client_reads(&mut client, &input);
     assert!(
         matches!(result, Err(ProtocolError::ControlBacklog { bytes }) if bytes > fluxgate::protocol::MAX_QUEUED_CONTROL),
         "{result:?}"
@@ -2386,17 +2370,7 @@ fn a_payload_for_a_channel_that_left_never_reaches_the_one_in_its_slot() {
     let in_flight = buffer_frame(closing_receiver, 0, DataType::DataBuffer, &[7u8; 600]);
     let input = cat(&[&handshake(), &in_flight]);
     let (first, rest) = input.split_at(input.len() - 300);
-    let fed = |client: &mut ClientConnection, bytes: &[u8]| {
-        feed(
-            client,
-            bytes,
-            &[usize::MAX],
-            |c| c.read_buffer(),
-            |c, n| c.on_read(n),
-            |_| {},
-        )
-    };
-    assert_eq!(fed(&mut client, first), Ok(()));
+    assert_eq!(client_reads(&mut client, first), Ok(()));
     // The gate closes mid-payload; the client's next turn lets the channel go.
     closing.close();
     client.poll_transmit(nets.start);
@@ -2412,7 +2386,7 @@ fn a_payload_for_a_channel_that_left_never_reaches_the_one_in_its_slot() {
         fresh_receiver.0 as u64, closing_receiver.0 as u64,
         "the new channel has the slot of the one that left"
     );
-    assert_eq!(fed(&mut client, rest), Ok(()));
+    assert_eq!(client_reads(&mut client, rest), Ok(()));
     assert!(
         matches!(fresh.poll_next(), Ok(None)),
         "the new channel got nothing"
