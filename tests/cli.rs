@@ -972,6 +972,46 @@ fn bench_pins_its_two_sides_to_the_cpus_asked_for() {
 }
 
 #[test]
+fn bench_and_cluster_refuse_durations_and_rates_they_cannot_run() {
+    let cases: [(&[&str], &str); 5] = [
+        (&["bench", "--latency-duration=-1"], "--latency-duration -1"),
+        (&["bench", "--duration", "NaN"], "--duration NaN"),
+        (&["bench", "--rate", "2000000000"], "--rate 2000000000"),
+        (
+            &["bench", "--rate", "0", "--hgrm", "never.hgrm"],
+            "--hgrm needs",
+        ),
+        (
+            &[
+                "cluster",
+                "examples/topologies/three-node.toml",
+                "--timeout",
+                "1e19",
+            ],
+            "--timeout 10000000000000000000",
+        ),
+    ];
+    for (args, message) in cases {
+        let run = fluxgate(args, LIMIT);
+        assert_clean_failure(&run, &[message]);
+    }
+}
+
+#[test]
+fn the_baseline_measures_records_longer_than_one_read() {
+    // 64 KiB records: each arrives in several reads of the baseline's 32 KiB buffer.
+    let run = short_bench(&["--record-size", "65536", "--format", "lines"]);
+    assert!(run.status.success(), "{}", run.all());
+    let p50 = run
+        .stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("baseline_latency_p50_us "))
+        .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("a baseline p50\n{}", run.all()));
+    assert!(p50 > 0.0, "measured, not an empty histogram\n{}", run.all());
+}
+
+#[test]
 fn bench_config_file_errors_are_clear() {
     let cases = [
         (

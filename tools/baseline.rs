@@ -175,6 +175,50 @@ pub fn throughput(
     })
 }
 
+/// The latency run's frames in a byte stream split anywhere: each frame is `[length | 8-byte
+/// send time | rest]` of one fixed length, and is reported (with its send time) when its
+/// last byte arrives, however many reads it took. (A record longer than a read was never
+/// measured when only records whole in one read were.)
+struct Stamps {
+    /// Where the send time starts in a frame (after the length prefix).
+    stamp_at: usize,
+    frame_len: usize,
+    /// Bytes of the current frame seen so far.
+    seen: usize,
+    stamp: [u8; 8],
+}
+
+impl Stamps {
+    fn new(stamp_at: usize, frame_len: usize) -> Self {
+        Self {
+            stamp_at,
+            frame_len,
+            seen: 0,
+            stamp: [0; 8],
+        }
+    }
+
+    fn feed(&mut self, mut bytes: &[u8], mut on_frame: impl FnMut(u64)) {
+        // Bounded by the input: every pass consumes at least one byte.
+        while !bytes.is_empty() {
+            let take = (self.frame_len - self.seen).min(bytes.len());
+            // The part of the send time inside this piece.
+            let from = self.stamp_at.max(self.seen);
+            let to = (self.stamp_at + 8).min(self.seen + take);
+            if from < to {
+                self.stamp[from - self.stamp_at..to - self.stamp_at]
+                    .copy_from_slice(&bytes[from - self.seen..to - self.seen]);
+            }
+            self.seen += take;
+            bytes = &bytes[take..];
+            if self.seen == self.frame_len {
+                self.seen = 0;
+                on_frame(u64::from_le_bytes(self.stamp));
+            }
+        }
+    }
+}
+
 /// Sends `rate` records/s of `record_size` (≥ 8) bytes for `duration`, one write each, and
 /// returns the one-way latency histogram (ns) measured from each record's scheduled send time.
 pub fn latency(
@@ -185,11 +229,17 @@ pub fn latency(
 ) -> std::io::Result<Histogram<u64>> {
     let (mut sender, mut receiver) = connected_pair()?;
     let epoch = Instant::now();
+    let size = record_size.max(8);
+    let total = (rate as f64 * duration.as_secs_f64()) as u64;
+    let mut frame = Vec::with_capacity(5 + size);
+    put_length(&mut frame, size);
+    let body = frame.len();
+    frame.resize(body + size, 0);
+    let mut stamps = Stamps::new(body, frame.len());
     let reader = thread::spawn(move || -> std::io::Result<Histogram<u64>> {
         as_reader(pinning)?;
         let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
             .map_err(|e| std::io::Error::other(e.to_string()))?;
-        let mut counter = Counter::default();
         let mut buffer = vec![0u8; BATCH];
         loop {
             let n = receiver.read(&mut buffer)?;
@@ -197,24 +247,14 @@ pub fn latency(
                 return Ok(histogram);
             }
             let now = epoch.elapsed().as_nanos() as u64;
-            counter.feed(&buffer[..n], |record| {
-                if record.len() >= 8 {
-                    let sent = u64::from_le_bytes(record[..8].try_into().expect("8 bytes"));
-                    histogram.saturating_record(now.saturating_sub(sent).max(1));
-                }
+            stamps.feed(&buffer[..n], |sent| {
+                histogram.saturating_record(now.saturating_sub(sent).max(1));
             });
         }
     });
-    let size = record_size.max(8);
-    let interval = Duration::from_secs_f64(1.0 / rate as f64);
-    let total = (rate as f64 * duration.as_secs_f64()) as u64;
-    let mut frame = Vec::with_capacity(5 + size);
-    put_length(&mut frame, size);
-    let body = frame.len();
-    frame.resize(body + size, 0);
     as_writer(pinning, || {
         for i in 0..total {
-            let scheduled = interval * i as u32;
+            let scheduled = super::bench::scheduled(i, rate);
             super::bench::pace(epoch, scheduled);
             frame[body..body + 8].copy_from_slice(&(scheduled.as_nanos() as u64).to_le_bytes());
             sender.write_all(&frame)?;
@@ -229,6 +269,26 @@ pub fn latency(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn latency_frames_split_anywhere_are_each_reported_once_with_their_stamp() {
+        // A 2-byte length prefix, then the stamp, then the rest of a 300-byte record.
+        let frame_len = 2 + 300;
+        let mut stream = Vec::new();
+        for stamp in [7u64, 1 << 40, u64::MAX] {
+            stream.extend_from_slice(&[0xAC, 0x02]);
+            stream.extend_from_slice(&stamp.to_le_bytes());
+            stream.resize(stream.len() + 292, 0xEE);
+        }
+        for chunk in [1, 3, 8, 9, 301, 302, 303, stream.len()] {
+            let mut stamps = Stamps::new(2, frame_len);
+            let mut seen = Vec::new();
+            for piece in stream.chunks(chunk) {
+                stamps.feed(piece, |stamp| seen.push(stamp));
+            }
+            assert_eq!(seen, vec![7, 1 << 40, u64::MAX], "chunk {chunk}");
+        }
+    }
 
     #[test]
     fn the_counter_reads_varint_framed_records_split_anywhere() {

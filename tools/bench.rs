@@ -163,6 +163,32 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     if args.plot.is_some() && args.rate == 0 {
         return Err("--plot needs the latency run (--rate above 0)".into());
     }
+    if args.hgrm.is_some() && args.rate == 0 {
+        return Err("--hgrm needs the latency run (--rate above 0)".into());
+    }
+    // Durations a `Duration` and a deadline can hold, checked before anything starts.
+    for (name, secs) in [
+        ("--duration", args.duration),
+        ("--latency-duration", args.latency_duration),
+    ] {
+        if !(secs > 0.0 && secs <= MAX_RUN_SECS) {
+            return Err(format!(
+                "{name} {secs}: a number of seconds above 0 and at most {MAX_RUN_SECS}"
+            ));
+        }
+    }
+    if args.rate > MAX_RATE {
+        return Err(format!(
+            "--rate {}: at most {MAX_RATE} records per second",
+            args.rate
+        ));
+    }
+    if args.rate > 0 && (args.rate as f64 * args.latency_duration) < 1.0 {
+        return Err(format!(
+            "--rate {} for --latency-duration {} sends no record",
+            args.rate, args.latency_duration
+        ));
+    }
     if args.pin_cpus.is_some() && args.local {
         return Err("--pin-cpus pins the two processes of a remote run; --local has one".into());
     }
@@ -238,6 +264,18 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         metrics,
     );
     Ok(())
+}
+
+/// Longest run a flag may ask for, in seconds (a day).
+const MAX_RUN_SECS: f64 = 86_400.0;
+
+/// Highest latency-run rate: one record per nanosecond is beyond any path.
+const MAX_RATE: u64 = 1_000_000_000;
+
+/// When record `i` of a run at `rate` records/s is due, after the run's start (exact for
+/// any count: no interval rounded to whole nanoseconds and multiplied up).
+pub(crate) fn scheduled(i: u64, rate: u64) -> Duration {
+    Duration::from_nanos((u128::from(i) * 1_000_000_000 / u128::from(rate.max(1))) as u64)
 }
 
 /// The network configuration of both processes: the `--config` file, then the flags.
@@ -943,10 +981,9 @@ fn produce_latency(
     start()?;
     let epoch = Instant::now();
     let epoch_wall = wall_nanos();
-    let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let total = (args.rate as f64 * args.latency_duration) as u64;
     for i in 0..total {
-        let scheduled = interval * i as u32;
+        let scheduled = scheduled(i, args.rate);
         pace(epoch, scheduled);
         let sent = epoch_wall + scheduled.as_nanos() as u64;
         record[..8].copy_from_slice(&sent.to_le_bytes());

@@ -165,7 +165,17 @@ fn verify_reports(topology: &Topology, args: &ClusterArgs) -> Result<(), String>
     verification.verdict()
 }
 
+/// Longest a duration flag of the tools may ask for, in seconds (a week): far beyond any run,
+/// and short enough that `Instant::now()` plus a few of it never overflows.
+const MAX_FLAG_SECS: f64 = 7.0 * 86_400.0;
+
+/// `--what`'s value in seconds as a duration: not negative, not NaN, at most a week.
 pub(crate) fn secs(what: &str, value: f64) -> Result<Duration, String> {
+    if !(0.0..=MAX_FLAG_SECS).contains(&value) {
+        return Err(format!(
+            "--{what} {value}: a number of seconds from 0 to {MAX_FLAG_SECS}"
+        ));
+    }
     Duration::try_from_secs_f64(value).map_err(|_| format!("--{what} {value}: not a duration"))
 }
 

@@ -456,11 +456,8 @@ pub fn run(args: &NodeArgs) -> Result<(), String> {
     Err(format!("node {}: {}", args.index, reasons.join("; ")))
 }
 
-fn secs(what: &str, value: f64) -> Result<Duration, String> {
-    Duration::try_from_secs_f64(value).map_err(|_| format!("--{what} {value}: not a duration"))
-}
-
 fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
+    let secs = crate::cluster::secs;
     let deadline = started + secs("timeout", args.timeout)?;
     let stall = secs("stall-timeout", args.stall_timeout)?;
     let rendezvous_timeout = secs("rendezvous-timeout", args.rendezvous_timeout)?;
