@@ -998,6 +998,87 @@ fn bench_and_cluster_refuse_durations_and_rates_they_cannot_run() {
 }
 
 #[test]
+fn an_interrupted_stress_run_stops_its_nodes_and_removes_its_directory() {
+    let _turn = HEAVY
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let child = Command::new(env!("CARGO_BIN_EXE_fluxgate"))
+        .args([
+            "stress",
+            "--nodes",
+            "2",
+            "--channels",
+            "2",
+            "--duration",
+            "60",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("fluxgate starts");
+    let mut child = child;
+    let pid = child.id();
+    let stdout = child.stdout.take().expect("piped");
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    // Ends with the child's stdout.
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines_tx.send(line);
+        }
+    });
+    // Its first per-second line: the nodes run and write into the run's directory.
+    let mut running = false;
+    for _ in 0..5 {
+        match lines.recv_timeout(LIMIT) {
+            Ok(line) if line.contains("records/s") => {
+                running = true;
+                break;
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    if !running {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the stress run never reported progress");
+    }
+    let prefix = format!("fluxgate-cluster-{pid}-");
+    let dirs = || {
+        std::fs::read_dir(std::env::temp_dir())
+            .expect("the temp dir")
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .filter(|name| name.starts_with(&prefix))
+            .count()
+    };
+    assert_eq!(dirs(), 1, "the run's directory exists while it runs");
+    let sent = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(sent.success());
+    let mut status = None;
+    // Bounded by count and LIMIT: the interrupted run ends within a second or two.
+    let deadline = std::time::Instant::now() + LIMIT;
+    while status.is_none() && std::time::Instant::now() < deadline {
+        status = child.try_wait().expect("the child can be waited for");
+        std::thread::yield_now();
+    }
+    let Some(status) = status else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the interrupted run did not end");
+    };
+    assert!(!status.success(), "an interrupted run fails");
+    assert_eq!(dirs(), 0, "the run's directory is removed");
+}
+
+#[test]
 fn the_baseline_measures_records_longer_than_one_read() {
     // 64 KiB records: each arrives in several reads of the baseline's 32 KiB buffer.
     let run = short_bench(&["--record-size", "65536", "--format", "lines"]);

@@ -69,6 +69,9 @@ pub fn run(args: &ClusterArgs) -> Result<(), String> {
     if !args.reports.is_empty() {
         return verify_reports(&topology, args);
     }
+    // Ctrl-C, SIGTERM or SIGHUP stop the run: its nodes are killed and its temporary
+    // directory removed, instead of both being left behind with the dead parent.
+    crate::netns::catch_interrupts()?;
     let dir = TempDir::new(args.keep)?;
     let launch = Launch {
         topology_path: &path,
@@ -79,7 +82,7 @@ pub fn run(args: &ClusterArgs) -> Result<(), String> {
         transport: args.transport,
         inject: args.inject,
         namespaces: None,
-        cancel: None,
+        cancel: Some(&crate::netns::INTERRUPTED),
         kills: &[],
     };
     println!(
@@ -298,6 +301,13 @@ pub struct Namespaced<'a> {
     pub nodes: &'a [NodeNamespace],
 }
 
+/// The timeout a node is given: shorter than the cluster's by a margin, so that a node
+/// stuck at the end reaches its own timeout (and reports its stuck subtasks and connections)
+/// before the cluster's deadline kills it. The node counts from its own, later start.
+fn node_timeout(cluster: Duration) -> Duration {
+    cluster.saturating_sub((cluster / 5).min(Duration::from_secs(5)))
+}
+
 /// After the first node fails, how long the others may go on before they are killed.
 const FAILURE_GRACE: Duration = Duration::from_secs(5);
 
@@ -469,7 +479,7 @@ impl Launch<'_> {
             .arg("--rendezvous")
             .arg(self.dir)
             .arg("--timeout")
-            .arg(format!("{:.3}", self.timeout.as_secs_f64()))
+            .arg(format!("{:.3}", node_timeout(self.timeout).as_secs_f64()))
             .arg("--stall-timeout")
             .arg(self.stall_timeout.to_string())
             .stdin(Stdio::null())

@@ -167,6 +167,9 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     }
     let kills = faults::parse_kills(&args.kill, args.nodes, duration)?;
     let fault_bound = secs("fault-bound", args.fault_bound)?;
+    // Ctrl-C, SIGTERM or SIGHUP stop the run cleanly: nodes killed, temporary directory
+    // (and namespaces, with --netns) removed.
+    netns::catch_interrupts()?;
     let timeout = match args.timeout {
         Some(t) => secs("timeout", t)?,
         None => duration + Duration::from_secs(60),
@@ -356,7 +359,7 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
             ip: lab.ip_program(),
             nodes: &lab.nodes,
         }),
-        cancel: lab.as_ref().map(|_| &netns::INTERRUPTED),
+        cancel: Some(&netns::INTERRUPTED),
         kills: &kills,
     };
     if !kills.is_empty() {
