@@ -773,7 +773,10 @@ fn produce_one(
             args,
             RecordWriter::new(
                 partition,
-                KeyHashSelector::new(record_key as fn(&[u8]) -> u64, 128),
+                KeyHashSelector::new(
+                    record_key as fn(&[u8]) -> u64,
+                    crate::topology::max_parallelism(args.consumers),
+                ),
                 timeout,
             ),
             started,
@@ -801,8 +804,11 @@ fn emit_for<S: ChannelSelector<[u8]>>(
     let duration = Duration::from_secs_f64(args.duration);
     let mut record = vec![0u8; args.record_size];
     let mut sequence = 0u64;
+    // The clock is read every 64 KiB of records or so (at least every record): often enough
+    // that large records do not run far past `--duration`, rarely enough to cost nothing.
+    let per_look = (65_536 / args.record_size.max(1)).clamp(1, 1024);
     while started.elapsed() < duration {
-        for _ in 0..1024 {
+        for _ in 0..per_look {
             // A fixed-size store when the record has room for the whole sequence number: no
             // `memcpy` call per record in the harness.
             if let Some(head) = record.first_chunk_mut::<8>() {
