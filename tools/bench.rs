@@ -167,10 +167,11 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         return Err("--hgrm needs the latency run (--rate above 0)".into());
     }
     // Durations a `Duration` and a deadline can hold, checked before anything starts.
-    for (name, secs) in [
-        ("--duration", args.duration),
-        ("--latency-duration", args.latency_duration),
-    ] {
+    let latency_run = (args.rate > 0).then_some(("--latency-duration", args.latency_duration));
+    for (name, secs) in [("--duration", args.duration)]
+        .into_iter()
+        .chain(latency_run)
+    {
         if !(secs > 0.0 && secs <= MAX_RUN_SECS) {
             return Err(format!(
                 "{name} {secs}: a number of seconds above 0 and at most {MAX_RUN_SECS}"

@@ -69,15 +69,18 @@ pub fn run(args: &ClusterArgs) -> Result<(), String> {
     if !args.reports.is_empty() {
         return verify_reports(&topology, args);
     }
-    // Ctrl-C, SIGTERM or SIGHUP stop the run: its nodes are killed and its temporary
-    // directory removed, instead of both being left behind with the dead parent.
-    crate::netns::catch_interrupts()?;
+    let timeout = secs("timeout", args.timeout)?;
+    // Checked here, once, rather than failing every node at its start.
+    secs("stall-timeout", args.stall_timeout)?;
+    // Ctrl-C or SIGTERM stop the run: its nodes are killed and its temporary directory
+    // removed, instead of both being left behind with the dead parent.
+    crate::netns::catch_interrupts(false)?;
     let dir = TempDir::new(args.keep)?;
     let launch = Launch {
         topology_path: &path,
         dir: dir.path(),
         nodes: topology.nodes,
-        timeout: secs("timeout", args.timeout)?,
+        timeout,
         stall_timeout: args.stall_timeout,
         transport: args.transport,
         inject: args.inject,
@@ -301,12 +304,10 @@ pub struct Namespaced<'a> {
     pub nodes: &'a [NodeNamespace],
 }
 
-/// The timeout a node is given: shorter than the cluster's by a margin, so that a node
-/// stuck at the end reaches its own timeout (and reports its stuck subtasks and connections)
-/// before the cluster's deadline kills it. The node counts from its own, later start.
-fn node_timeout(cluster: Duration) -> Duration {
-    cluster.saturating_sub((cluster / 5).min(Duration::from_secs(5)))
-}
+/// How long past its timeout the cluster waits before it kills the nodes: each node counts
+/// the same timeout from its own, later start, and a node stuck at the end reports its stuck
+/// subtasks and connections itself when that runs out, before the kill.
+const NODE_REPORT_GRACE: Duration = Duration::from_secs(5);
 
 /// After the first node fails, how long the others may go on before they are killed.
 const FAILURE_GRACE: Duration = Duration::from_secs(5);
@@ -318,7 +319,7 @@ impl Launch<'_> {
         let exe = std::env::current_exe()
             .map_err(|e| format!("cannot find the fluxgate executable: {e}"))?;
         let started = Instant::now();
-        let deadline = started + self.timeout;
+        let deadline = started + self.timeout + NODE_REPORT_GRACE;
         let mut children: Vec<Option<Child>> = Vec::with_capacity(self.nodes);
         for index in 0..self.nodes {
             match self.spawn(&exe, index) {
@@ -479,7 +480,7 @@ impl Launch<'_> {
             .arg("--rendezvous")
             .arg(self.dir)
             .arg("--timeout")
-            .arg(format!("{:.3}", node_timeout(self.timeout).as_secs_f64()))
+            .arg(format!("{:.3}", self.timeout.as_secs_f64()))
             .arg("--stall-timeout")
             .arg(self.stall_timeout.to_string())
             .stdin(Stdio::null())

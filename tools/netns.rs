@@ -42,11 +42,14 @@ const BRIDGE: &str = "br0";
 /// nodes and tears the namespaces down instead of dying with them in place.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// Turns SIGINT, SIGTERM and SIGHUP into [`INTERRUPTED`] (the default action would end the
-/// process before the namespaces are deleted).
-pub fn catch_interrupts() -> Result<(), String> {
+/// Turns SIGINT and SIGTERM, and SIGHUP when `hangup`, into [`INTERRUPTED`] (the default
+/// action would end the process before its nodes are stopped and its directory, or its
+/// namespaces, removed). SIGHUP only where leaving namespaces behind is worse than ending a
+/// run started with `nohup`: a caught signal is no longer ignored.
+pub fn catch_interrupts(hangup: bool) -> Result<(), String> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    for signal in [SIGINT, SIGTERM, SIGHUP] {
+    let hangup = hangup.then_some(SIGHUP);
+    for signal in [SIGINT, SIGTERM].into_iter().chain(hangup) {
         signal_hook::flag::register(signal, &INTERRUPTED)
             .map_err(|e| format!("cannot catch signal {signal}: {e}"))?;
     }

@@ -167,9 +167,9 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     }
     let kills = faults::parse_kills(&args.kill, args.nodes, duration)?;
     let fault_bound = secs("fault-bound", args.fault_bound)?;
-    // Ctrl-C, SIGTERM or SIGHUP stop the run cleanly: nodes killed, temporary directory
-    // (and namespaces, with --netns) removed.
-    netns::catch_interrupts()?;
+    // Ctrl-C or SIGTERM stop the run cleanly: nodes killed, temporary directory (and
+    // namespaces, with --netns, which catches SIGHUP too) removed.
+    netns::catch_interrupts(false)?;
     let timeout = match args.timeout {
         Some(t) => secs("timeout", t)?,
         None => duration + Duration::from_secs(60),
@@ -460,7 +460,7 @@ impl NetnsPlan {
     /// Builds the namespaces, impairs their links and says what it did (and, loudly on
     /// stderr, what it could not do).
     fn build(self, nodes: usize, secret: Option<&SecretFile>) -> Result<Lab, String> {
-        netns::catch_interrupts()?;
+        netns::catch_interrupts(true)?;
         let mut lab = Lab::build(self.tools, nodes, self.subnet)?;
         let applied = lab.impair(&self.impairments)?;
         let [a, b, c] = self.subnet;

@@ -912,7 +912,6 @@ impl Loop {
         }
     }
 
-    /// Tries again the connections refused earlier whose back-off ran out.
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
         while let Some(command) = self.commands.pop() {
