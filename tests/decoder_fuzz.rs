@@ -2254,11 +2254,35 @@ fn an_event_without_memory_fails_its_channel_only() {
     let starved_receiver = register(&mut client, &starved);
     let healthy_receiver = register(&mut client, &healthy);
     client_writes(&mut client);
-    let hoard: Vec<_> = std::iter::from_fn(|| nets.consumer.request_segment()).collect();
+    // A floating segment used once stays with the gate's pool (it holds its minimum).
+    let pool = starved.pool().expect("set up").clone();
+    drop(pool.request_segment().expect("the pool grows"));
+    assert!(
+        pool.available_segments() > 0,
+        "the gate holds a free segment"
+    );
+    let mut hoard: Vec<_> = std::iter::from_fn(|| nets.consumer.request_segment()).collect();
     assert_eq!(nets.consumer.available_segments(), 0);
-    let input = cat(&[
+    // The gate's own free segments serve an event while the network memory is used up.
+    let drain = Event::EndOfData(fluxgate::event::StopMode::Drain);
+    let first = cat(&[
         &handshake(),
-        &event_frame(starved_receiver, 0, &Event::EndOfPartition, false),
+        &event_frame(starved_receiver, 0, &drain, false),
+    ]);
+    assert_eq!(client_reads(&mut client, &first), Ok(()));
+    let read = starved
+        .poll_next()
+        .expect("the event was read")
+        .expect("an item");
+    assert!(
+        matches!(read.item, GateItem::Event { ref event, .. } if *event == drain),
+        "{:?}",
+        read.item
+    );
+    // With those taken too, the next event finds no memory at all.
+    hoard.extend(std::iter::from_fn(|| pool.request_segment()));
+    let input = cat(&[
+        &event_frame(starved_receiver, 1, &Event::EndOfPartition, false),
         &buffer_frame(healthy_receiver, 0, DataType::DataBuffer, b"credited"),
     ]);
     let result = client_reads(&mut client, &input);
@@ -2282,7 +2306,7 @@ fn an_event_without_memory_fails_its_channel_only() {
         })),
         "the producer is told to stop sending to the failed channel"
     );
-    drop((item, hoard, client, starved, healthy));
+    drop((item, read, hoard, pool, client, starved, healthy));
     nets.assert_all_back("event without memory");
 }
 

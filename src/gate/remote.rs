@@ -173,10 +173,14 @@ impl BufferManager {
 
     /// A segment for an incoming event: events need no credit, so it comes from outside the
     /// gate's quota (an overdraft segment of the global pool), as Flink reads events into
-    /// unpooled memory.
+    /// unpooled memory; with the whole network memory in use, from the gate's own free
+    /// segments (an event is read and dropped at once, and its segment goes back to the
+    /// channels waiting for floating ones).
     pub fn event_segment(&self) -> Option<PooledSegment> {
         // `None` once the gate closed (the pool is gone; the channel takes nothing more).
-        self.pool.upgrade()?.request_overdraft_segment()
+        let pool = self.pool.upgrade()?;
+        pool.request_overdraft_segment()
+            .or_else(|| pool.request_segment())
     }
 
     /// The sender has `backlog` buffers queued: ask the gate's pool for floating segments up to
