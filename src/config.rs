@@ -105,6 +105,11 @@ impl std::str::FromStr for ZeroCopySend {
     }
 }
 
+/// Most buffers any of the buffer-count options may name (per channel, per gate): 2 GiB of
+/// 32 KiB segments, far beyond a useful setting, and small enough that sizes computed from it
+/// cannot overflow.
+const MAX_BUFFER_COUNT: usize = 1 << 16;
+
 /// Network memory and exchange options of one process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetworkConfig {
@@ -449,6 +454,33 @@ impl NetworkConfig {
                 "taskmanager.network.memory.max-buffers-per-channel",
                 0,
                 "must be at least 1",
+            );
+        }
+        // Queues and free lists are sized from these counts: beyond any network memory, a
+        // value would only make them allocate what no pool can fill.
+        for (key, count) in [
+            (
+                "taskmanager.network.memory.buffers-per-channel",
+                self.buffers_per_channel,
+            ),
+            (
+                "taskmanager.network.memory.floating-buffers-per-gate",
+                self.floating_buffers_per_gate,
+            ),
+            (
+                "taskmanager.network.memory.max-buffers-per-channel",
+                self.max_buffers_per_channel,
+            ),
+        ] {
+            if count > MAX_BUFFER_COUNT {
+                return invalid(key, count, "must be at most 65536");
+            }
+        }
+        if self.buffer_request_timeout.is_zero() {
+            return invalid(
+                "taskmanager.network.memory.exclusive-buffers-request-timeout-ms",
+                0,
+                "must be at least 1 ms",
             );
         }
         if self.max_record_bytes == 0 || self.max_record_bytes > i32::MAX as usize {
@@ -852,5 +884,22 @@ mod tests {
             config.set("no.such.option", "1"),
             Err(ConfigError::UnknownOption(_))
         ));
+    }
+
+    #[test]
+    fn buffer_counts_are_bounded_and_the_request_timeout_is_not_zero() {
+        let mut config = NetworkConfig::default();
+        for key in [
+            "taskmanager.network.memory.buffers-per-channel",
+            "taskmanager.network.memory.floating-buffers-per-gate",
+            "taskmanager.network.memory.max-buffers-per-channel",
+        ] {
+            assert!(config.set(key, "65536").is_ok(), "{key}");
+            assert!(config.set(key, "65537").is_err(), "{key}");
+            assert!(config.set(key, "2147483647").is_err(), "{key}");
+        }
+        let timeout = "taskmanager.network.memory.exclusive-buffers-request-timeout-ms";
+        assert!(config.set(timeout, "0").is_err());
+        assert!(config.set(timeout, "1").is_ok());
     }
 }

@@ -504,3 +504,19 @@ fn an_event_waits_for_an_overdraft_segment_and_gets_the_one_that_comes_back() {
     drop(pool);
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+#[test]
+fn no_local_pool_may_hold_more_than_the_network_memory() {
+    let (network, config) = network(16);
+    let mut big = config.clone();
+    big.set(
+        "taskmanager.network.memory.floating-buffers-per-gate",
+        "65536",
+    )
+    .unwrap();
+    let pool = network
+        .create_local_pool(LocalPoolSpec::for_gate(2, &big))
+        .unwrap();
+    assert_eq!(pool.spec().max_segments, network.total_segments());
+    assert!(pool.spec().max_overdraft_segments <= network.total_segments());
+}

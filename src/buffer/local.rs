@@ -52,8 +52,10 @@ impl LocalPoolSpec {
     /// A result partition's pool, sized as Flink sizes a bounded pipelined partition:
     /// min = subpartitions + 1, max = subpartitions × buffers-per-channel + floating-per-gate.
     pub fn for_partition(subpartitions: usize, config: &NetworkConfig) -> Self {
-        let min = subpartitions + 1;
-        let max = (subpartitions * config.buffers_per_channel + config.floating_buffers_per_gate)
+        let min = subpartitions.saturating_add(1);
+        let max = subpartitions
+            .saturating_mul(config.buffers_per_channel)
+            .saturating_add(config.floating_buffers_per_gate)
             .max(min);
         Self {
             min_segments: min,
@@ -71,11 +73,13 @@ impl LocalPoolSpec {
     /// min = channels × buffers-per-channel + 1 (one floating buffer always exists),
     /// max = channels × buffers-per-channel + floating-per-gate.
     pub fn for_gate(channels: usize, config: &NetworkConfig) -> Self {
-        let exclusive = channels * config.buffers_per_channel;
-        let min = exclusive + 1;
+        let exclusive = channels.saturating_mul(config.buffers_per_channel);
+        let min = exclusive.saturating_add(1);
         Self {
             min_segments: min,
-            max_segments: (exclusive + config.floating_buffers_per_gate).max(min),
+            max_segments: exclusive
+                .saturating_add(config.floating_buffers_per_gate)
+                .max(min),
             subpartitions: 0,
             max_segments_per_channel: usize::MAX,
             max_listeners: channels.max(1),

@@ -160,6 +160,14 @@ impl NetworkBufferPool {
     /// Creates a local pool. Fails when the guaranteed minimums of all live local pools would
     /// exceed the global pool.
     pub fn create_local_pool(&self, spec: LocalPoolSpec) -> Result<LocalBufferPool, PoolError> {
+        // No pool holds more than the whole network memory: its free list and queues are
+        // sized from these counts.
+        let total = self.total_segments();
+        let spec = LocalPoolSpec {
+            max_segments: spec.max_segments.min(total.max(spec.min_segments)),
+            max_overdraft_segments: spec.max_overdraft_segments.min(total),
+            ..spec
+        };
         if spec.min_segments > spec.max_segments || spec.max_segments == 0 {
             return Err(PoolError::Config(format!(
                 "local pool needs 0 < min ({}) <= max ({})",

@@ -137,8 +137,10 @@ impl ResultPartition {
         network: &NetworkBufferPool,
         config: &NetworkConfig,
     ) -> Result<Self, PartitionError> {
-        let spec = LocalPoolSpec::for_partition(subpartitions, config);
-        let pool = network.create_local_pool(spec)?;
+        let pool =
+            network.create_local_pool(LocalPoolSpec::for_partition(subpartitions, config))?;
+        // As created: bounded by the network memory.
+        let spec = pool.spec();
         // Each lane item holds a distinct segment: one of the pool's (at most its maximum) or
         // an event's overdraft segment (at most `max_overdraft_segments`), so a lane of both
         // together never overflows.
