@@ -304,8 +304,43 @@ impl NetworkConfig {
         "fluxgate.network.io-thread.busy-poll-us",
     ];
 
-    /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes.
+    /// Sets one option by name. Sizes accept `k`, `kb`, `m`, `mb`, `g`, `gb` suffixes. The
+    /// whole configuration must be valid afterwards; to change options that depend on each
+    /// other (a back-off's initial and maximum), use [`set_all`](Self::set_all).
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        self.set_all([(key, value)])
+    }
+
+    /// Sets several options, then checks the relations between options once: a file's
+    /// options in any order (a back-off's initial above the old maximum, with the new
+    /// maximum later). Nothing changes when one of them is refused.
+    pub fn set_all<K: AsRef<str>, V: AsRef<str>>(
+        &mut self,
+        options: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<(), ConfigError> {
+        let mut next = self.clone();
+        let mut applied = Vec::new();
+        for (key, value) in options {
+            next.apply(key.as_ref(), value.as_ref())?;
+            applied.push((key.as_ref().to_owned(), value.as_ref().to_owned()));
+        }
+        next.validate().map_err(|e| match (e, applied.as_slice()) {
+            // One option set: a relation it broke is reported as its value's fault.
+            (ConfigError::InvalidValue { reason, .. }, [(key, value)]) => {
+                ConfigError::InvalidValue {
+                    key: key.clone(),
+                    value: value.clone(),
+                    reason,
+                }
+            }
+            (other, _) => other,
+        })?;
+        *self = next;
+        Ok(())
+    }
+
+    /// Parses one option into this configuration, checking only its own value.
+    fn apply(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
         let invalid = |reason: &str| ConfigError::InvalidValue {
             key: key.to_owned(),
             value: value.to_owned(),
@@ -403,10 +438,6 @@ impl NetworkConfig {
             }
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
-        next.validate().map_err(|e| match e {
-            ConfigError::InvalidValue { reason, .. } => invalid(&reason),
-            other => other,
-        })?;
         *self = next;
         Ok(())
     }
@@ -884,6 +915,26 @@ mod tests {
             config.set("no.such.option", "1"),
             Err(ConfigError::UnknownOption(_))
         ));
+    }
+
+    #[test]
+    fn options_that_depend_on_each_other_can_be_set_together_in_any_order() {
+        let initial = "taskmanager.network.request-backoff.initial";
+        let max = "taskmanager.network.request-backoff.max";
+        let mut config = NetworkConfig::default();
+        // Alone, an initial back-off above the maximum is refused, and names its key.
+        match config.set(initial, "20000") {
+            Err(ConfigError::InvalidValue { key, .. }) => assert_eq!(key, initial),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        config
+            .set_all([(initial, "20000"), (max, "60000")])
+            .unwrap();
+        assert_eq!(config.request_backoff_initial, Duration::from_secs(20));
+        assert_eq!(config.request_backoff_max, Duration::from_secs(60));
+        // A refused set changes nothing.
+        assert!(config.set_all([(max, "70000"), (initial, "-1")]).is_err());
+        assert_eq!(config.request_backoff_max, Duration::from_secs(60));
     }
 
     #[test]

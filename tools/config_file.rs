@@ -56,23 +56,23 @@ pub fn checked_options(path: &Path) -> Result<Vec<(String, String)>, String> {
     Ok(options)
 }
 
-/// Sets `options` (read from `path`) on `config`, in order.
+/// Sets `options` (read from `path`) on `config`, all at once: the relations between them
+/// are checked after every one is set, so their order in the file does not matter.
 fn apply(
     path: &Path,
     options: &[(String, String)],
     config: &mut NetworkConfig,
 ) -> Result<(), String> {
-    for (key, value) in options {
-        config.set(key, value).map_err(|e| match e {
+    config
+        .set_all(options.iter().map(|(k, v)| (k, v)))
+        .map_err(|e| match e {
             ConfigError::UnknownOption(_) => format!(
                 "config file `{}`: {e} (known options: {})",
                 path.display(),
                 NetworkConfig::OPTIONS.join(", ")
             ),
             _ => format!("config file `{}`: {e}", path.display()),
-        })?;
-    }
-    Ok(())
+        })
 }
 
 /// The leaves of `table` as (dotted key, value).

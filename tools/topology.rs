@@ -372,6 +372,7 @@ impl Topology {
         };
 
         let mut network = NetworkConfig::default();
+        let mut options = Vec::with_capacity(file.network.len());
         for (key, value) in &file.network {
             let text = match value {
                 toml::Value::String(s) => s.clone(),
@@ -383,14 +384,16 @@ impl Topology {
                     ))
                 }
             };
-            network.set(key, &text).map_err(|e| match e {
-                ConfigError::UnknownOption(_) => format!(
-                    "[network] {e} (known options: {})",
-                    NetworkConfig::OPTIONS.join(", ")
-                ),
-                _ => format!("[network] {e}"),
-            })?;
+            options.push((key.clone(), text));
         }
+        // All at once: the relations between options are checked after every one is set.
+        network.set_all(options).map_err(|e| match e {
+            ConfigError::UnknownOption(_) => format!(
+                "[network] {e} (known options: {})",
+                NetworkConfig::OPTIONS.join(", ")
+            ),
+            _ => format!("[network] {e}"),
+        })?;
         let network_memory_given = file.network.contains_key("taskmanager.memory.network.max");
 
         let checkpoints = match &file.checkpoints {
