@@ -66,7 +66,7 @@ impl std::str::FromStr for AuthMode {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim() {
+        match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(AuthMode::Auto),
             "on" | "true" => Ok(AuthMode::On),
             "off" | "false" => Ok(AuthMode::Off),
@@ -405,7 +405,8 @@ impl NetworkConfig {
             "fluxgate.network.partition-request-rate" => next.partition_request_rate = count32()?,
             "fluxgate.network.partition-request-burst" => next.partition_request_burst = count32()?,
             "security.ssl.internal.enabled" | "fluxgate.security.ssl.enabled" => {
-                next.ssl_enabled = match value.trim() {
+                // Any case, as Flink's configuration reads booleans.
+                next.ssl_enabled = match value.trim().to_ascii_lowercase().as_str() {
                     "true" | "on" => true,
                     "false" | "off" => false,
                     _ => return Err(invalid("expected true or false")),
@@ -952,5 +953,17 @@ mod tests {
         let timeout = "taskmanager.network.memory.exclusive-buffers-request-timeout-ms";
         assert!(config.set(timeout, "0").is_err());
         assert!(config.set(timeout, "1").is_ok());
+    }
+
+    #[test]
+    fn booleans_and_modes_read_in_any_case() {
+        let mut config = NetworkConfig::default();
+        config.set("security.ssl.internal.enabled", "True").unwrap();
+        assert!(config.ssl_enabled);
+        config
+            .set("security.ssl.internal.enabled", "FALSE")
+            .unwrap();
+        assert!(!config.ssl_enabled);
+        assert_eq!(" On ".parse::<AuthMode>(), Ok(AuthMode::On));
     }
 }

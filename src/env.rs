@@ -45,7 +45,19 @@ pub enum EnvError {
     /// TLS is on (`security.ssl.internal.enabled`) and its certificates cannot be used.
     #[error(transparent)]
     Tls(#[from] TlsError),
+    /// An `EnvConfig` field the environment cannot work with.
+    #[error("EnvConfig::{field}: {reason}")]
+    Config {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
 }
+
+/// Longest `partition_request_timeout` and `connect_timeout` (a day): deadlines are computed
+/// from them on the I/O thread, which must not overflow.
+const MAX_ENV_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 /// Settings of one process's network.
 #[derive(Clone, Debug)]
@@ -150,6 +162,28 @@ impl ShuffleEnvironment {
     /// is on (`security.ssl.internal.enabled`) and its files cannot be used, and when TLS is
     /// on with `transport = uring` (TLS runs on the epoll driver only).
     pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
+        for (field, value, zero_allowed) in [
+            (
+                "partition_request_timeout",
+                config.partition_request_timeout,
+                true,
+            ),
+            ("connect_timeout", config.connect_timeout, false),
+        ] {
+            if value > MAX_ENV_TIMEOUT || (value.is_zero() && !zero_allowed) {
+                return Err(EnvError::Config {
+                    field,
+                    reason: format!(
+                        "{value:?}: must be {}",
+                        if zero_allowed {
+                            "at most a day"
+                        } else {
+                            "above zero and at most a day"
+                        }
+                    ),
+                });
+            }
+        }
         let secret = config.network.resolve_secret(config.bind)?.map(Arc::new);
         if secret.is_some() {
             tracing::info!(bind = %config.bind, "connections authenticate with the cluster secret");

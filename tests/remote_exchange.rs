@@ -1001,3 +1001,28 @@ on_both_drivers!(
     a_connection_closes_when_its_last_channel_leaves_epoll,
     a_connection_closes_when_its_last_channel_leaves_uring
 );
+
+#[test]
+fn an_environment_refuses_timeouts_it_cannot_work_with() {
+    for (adjust, field) in [
+        (
+            (|c: &mut EnvConfig| c.connect_timeout = Duration::ZERO) as fn(&mut EnvConfig),
+            "connect_timeout",
+        ),
+        (
+            |c: &mut EnvConfig| c.partition_request_timeout = Duration::MAX,
+            "partition_request_timeout",
+        ),
+    ] {
+        let mut config = EnvConfig {
+            transport: Transport::Epoll,
+            ..EnvConfig::default()
+        };
+        adjust(&mut config);
+        match ShuffleEnvironment::start(config) {
+            Err(fluxgate::env::EnvError::Config { field: named, .. }) => assert_eq!(named, field),
+            Err(other) => panic!("{field}: expected a config error, got {other}"),
+            Ok(_) => panic!("{field}: expected a config error, got an environment"),
+        }
+    }
+}
