@@ -212,7 +212,8 @@ pub struct NetworkConfig {
     /// per-address names.
     pub ssl_server_name: String,
     /// `security.ssl.internal.handshake-timeout` (ms): longest a TLS handshake may take; a
-    /// peer that has not completed it by then is closed (default 10 s, as Flink).
+    /// peer that has not completed it by then is closed (default 10 s; Flink's default -1,
+    /// the TLS library's own timeout, reads as that).
     pub ssl_handshake_timeout: Duration,
     /// `fluxgate.network.zero-copy-send`: `auto` sends writes of at least 16 KiB of segment
     /// bytes to non-loopback peers with io_uring zero-copy sends (segments held until the
@@ -416,7 +417,12 @@ impl NetworkConfig {
             "security.ssl.internal.key-file" => next.ssl_key_file = path(),
             "security.ssl.internal.ca-file" => next.ssl_ca_file = path(),
             "security.ssl.internal.handshake-timeout" => {
-                next.ssl_handshake_timeout = Duration::from_millis(count()? as u64)
+                // Flink's default, -1, means the TLS library's own timeout: 10 s here.
+                next.ssl_handshake_timeout = if value.trim() == "-1" {
+                    NetworkConfig::default().ssl_handshake_timeout
+                } else {
+                    Duration::from_millis(count()? as u64)
+                }
             }
             "security.ssl.internal.server-name" => {
                 let name = value.trim();
@@ -953,6 +959,19 @@ mod tests {
         let timeout = "taskmanager.network.memory.exclusive-buffers-request-timeout-ms";
         assert!(config.set(timeout, "0").is_err());
         assert!(config.set(timeout, "1").is_ok());
+    }
+
+    #[test]
+    fn a_tls_handshake_timeout_of_minus_one_is_flink_s_default() {
+        let mut config = NetworkConfig::default();
+        let key = "security.ssl.internal.handshake-timeout";
+        config.set(key, "250").unwrap();
+        config.set(key, "-1").unwrap();
+        assert_eq!(
+            config.ssl_handshake_timeout,
+            NetworkConfig::default().ssl_handshake_timeout
+        );
+        assert!(config.set(key, "-2").is_err());
     }
 
     #[test]
