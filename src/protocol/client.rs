@@ -130,6 +130,9 @@ pub struct ClientConnection {
     request_backoff: Backoff,
     /// Channels waiting to re-send their request.
     retrying: usize,
+    /// A channel left since `poll_transmit` last looked whether any is left: the look
+    /// scans every slot, so it is made only then, not on every turn.
+    channel_left: bool,
     /// The producer's address, named in the channels' error when the socket breaks.
     peer: Option<std::net::SocketAddr>,
 }
@@ -199,6 +202,7 @@ impl ClientConnection {
             generation: 0,
             request_backoff: Backoff::flink_default(),
             retrying: 0,
+            channel_left: false,
             peer: None,
         }
     }
@@ -311,7 +315,7 @@ impl ClientConnection {
                     self.retrying -= 1;
                     if channel.shared.is_released() {
                         // The producer holds nothing for it: leave without a cancel.
-                        self.channels[slot] = None;
+                        self.remove_channel(slot);
                         continue;
                     }
                     tracing::debug!(partition = ?channel.partition, "re-requesting a partition");
@@ -454,7 +458,10 @@ impl ClientConnection {
         // when the last channel goes: else every consumer that ever read from a producer
         // would keep a socket there, and descriptors and the producer's `max-connections`
         // would run out. The driver opens a new connection for a channel that comes later.
-        if !self.closed && self.channels.iter().all(Option::is_none) {
+        if std::mem::take(&mut self.channel_left)
+            && !self.closed
+            && self.channels.iter().all(Option::is_none)
+        {
             self.close();
         }
     }
@@ -862,6 +869,7 @@ impl ClientConnection {
         if channel.retry != Retry::No {
             self.retrying -= 1;
         }
+        self.channel_left = true;
         Some(channel)
     }
 
