@@ -320,19 +320,19 @@ impl NetworkConfig {
         options: impl IntoIterator<Item = (K, V)>,
     ) -> Result<(), ConfigError> {
         let mut next = self.clone();
-        let mut applied = Vec::new();
+        let mut first = None;
+        let mut count = 0;
         for (key, value) in options {
             next.apply(key.as_ref(), value.as_ref())?;
-            applied.push((key.as_ref().to_owned(), value.as_ref().to_owned()));
+            count += 1;
+            if first.is_none() {
+                first = Some((key.as_ref().to_owned(), value.as_ref().to_owned()));
+            }
         }
-        next.validate().map_err(|e| match (e, applied.as_slice()) {
+        next.validate().map_err(|e| match (e, first) {
             // One option set: a relation it broke is reported as its value's fault.
-            (ConfigError::InvalidValue { reason, .. }, [(key, value)]) => {
-                ConfigError::InvalidValue {
-                    key: key.clone(),
-                    value: value.clone(),
-                    reason,
-                }
+            (ConfigError::InvalidValue { reason, .. }, Some((key, value))) if count == 1 => {
+                ConfigError::InvalidValue { key, value, reason }
             }
             (other, _) => other,
         })?;
@@ -359,66 +359,65 @@ impl NetworkConfig {
                 .map_err(|_| invalid("expected an integer from 0 to 4294967295"))
         };
         let path = || (!value.trim().is_empty()).then(|| PathBuf::from(value.trim()));
-        let mut next = self.clone();
         match key {
-            "taskmanager.memory.segment-size" => next.segment_size = size()?,
-            "taskmanager.memory.network.max" => next.network_memory_bytes = size()?,
-            "fluxgate.memory.arena-size" => next.arena_bytes = size()?,
-            "taskmanager.network.memory.buffers-per-channel" => next.buffers_per_channel = count()?,
+            "taskmanager.memory.segment-size" => self.segment_size = size()?,
+            "taskmanager.memory.network.max" => self.network_memory_bytes = size()?,
+            "fluxgate.memory.arena-size" => self.arena_bytes = size()?,
+            "taskmanager.network.memory.buffers-per-channel" => self.buffers_per_channel = count()?,
             "taskmanager.network.memory.floating-buffers-per-gate" => {
-                next.floating_buffers_per_gate = count()?
+                self.floating_buffers_per_gate = count()?
             }
             "taskmanager.network.memory.max-buffers-per-channel" => {
-                next.max_buffers_per_channel = count()?
+                self.max_buffers_per_channel = count()?
             }
             "taskmanager.network.memory.exclusive-buffers-request-timeout-ms" => {
-                next.buffer_request_timeout = Duration::from_millis(count()? as u64)
+                self.buffer_request_timeout = Duration::from_millis(count()? as u64)
             }
-            "fluxgate.record.max-size" => next.max_record_bytes = size()?,
+            "fluxgate.record.max-size" => self.max_record_bytes = size()?,
             "taskmanager.network.request-backoff.initial" => {
-                next.request_backoff_initial = Duration::from_millis(count()? as u64)
+                self.request_backoff_initial = Duration::from_millis(count()? as u64)
             }
             "taskmanager.network.request-backoff.max" => {
-                next.request_backoff_max = Duration::from_millis(count()? as u64)
+                self.request_backoff_max = Duration::from_millis(count()? as u64)
             }
             "taskmanager.network.netty.client.tcp.keepIdleSec" => {
-                next.keepalive_idle = Duration::from_secs(count()? as u64)
+                self.keepalive_idle = Duration::from_secs(count()? as u64)
             }
             "taskmanager.network.netty.client.tcp.keepIntervalSec" => {
-                next.keepalive_interval = Duration::from_secs(count()? as u64)
+                self.keepalive_interval = Duration::from_secs(count()? as u64)
             }
-            "taskmanager.network.netty.client.tcp.keepCount" => next.keepalive_count = count32()?,
+            "taskmanager.network.netty.client.tcp.keepCount" => self.keepalive_count = count32()?,
             "fluxgate.network.tcp.user-timeout-ms" => {
-                next.tcp_user_timeout = Duration::from_millis(count()? as u64)
+                self.tcp_user_timeout = Duration::from_millis(count()? as u64)
             }
             "fluxgate.security.auth" => {
-                next.auth = value.parse().map_err(|reason: String| invalid(&reason))?
+                self.auth = value.parse().map_err(|reason: String| invalid(&reason))?
             }
-            "fluxgate.security.secret-file" => next.secret_file = path(),
+            "fluxgate.security.secret-file" => self.secret_file = path(),
             "fluxgate.network.handshake-timeout" => {
-                next.handshake_timeout = Duration::from_millis(count()? as u64)
+                self.handshake_timeout = Duration::from_millis(count()? as u64)
             }
-            "fluxgate.network.max-connections" => next.max_connections = count()?,
+            "fluxgate.network.max-connections" => self.max_connections = count()?,
             "fluxgate.network.max-channels-per-connection" => {
-                next.max_channels_per_connection = count()?
+                self.max_channels_per_connection = count()?
             }
-            "fluxgate.network.max-frame-size" => next.max_frame_size = Some(size()?),
-            "fluxgate.network.partition-request-rate" => next.partition_request_rate = count32()?,
-            "fluxgate.network.partition-request-burst" => next.partition_request_burst = count32()?,
+            "fluxgate.network.max-frame-size" => self.max_frame_size = Some(size()?),
+            "fluxgate.network.partition-request-rate" => self.partition_request_rate = count32()?,
+            "fluxgate.network.partition-request-burst" => self.partition_request_burst = count32()?,
             "security.ssl.internal.enabled" | "fluxgate.security.ssl.enabled" => {
                 // Any case, as Flink's configuration reads booleans.
-                next.ssl_enabled = match value.trim().to_ascii_lowercase().as_str() {
+                self.ssl_enabled = match value.trim().to_ascii_lowercase().as_str() {
                     "true" | "on" => true,
                     "false" | "off" => false,
                     _ => return Err(invalid("expected true or false")),
                 }
             }
-            "security.ssl.internal.cert-file" => next.ssl_cert_file = path(),
-            "security.ssl.internal.key-file" => next.ssl_key_file = path(),
-            "security.ssl.internal.ca-file" => next.ssl_ca_file = path(),
+            "security.ssl.internal.cert-file" => self.ssl_cert_file = path(),
+            "security.ssl.internal.key-file" => self.ssl_key_file = path(),
+            "security.ssl.internal.ca-file" => self.ssl_ca_file = path(),
             "security.ssl.internal.handshake-timeout" => {
                 // Flink's default, -1, means the TLS library's own timeout: 10 s here.
-                next.ssl_handshake_timeout = if value.trim() == "-1" {
+                self.ssl_handshake_timeout = if value.trim() == "-1" {
                     NetworkConfig::default().ssl_handshake_timeout
                 } else {
                     Duration::from_millis(count()? as u64)
@@ -429,10 +428,10 @@ impl NetworkConfig {
                 if rustls::pki_types::DnsName::try_from(name).is_err() {
                     return Err(invalid("expected a DNS name like fluxgate-node"));
                 }
-                next.ssl_server_name = name.to_owned();
+                self.ssl_server_name = name.to_owned();
             }
             "fluxgate.network.zero-copy-send" => {
-                next.zero_copy_send = value.parse().map_err(|reason: String| invalid(&reason))?
+                self.zero_copy_send = value.parse().map_err(|reason: String| invalid(&reason))?
             }
             "fluxgate.network.io-thread.busy-poll-us" => {
                 let micros = count()?;
@@ -441,11 +440,10 @@ impl NetworkConfig {
                         "must be at most {MAX_BUSY_POLL_US} (1 s)"
                     )));
                 }
-                next.io_thread_busy_poll = Duration::from_micros(micros as u64)
+                self.io_thread_busy_poll = Duration::from_micros(micros as u64)
             }
             _ => return Err(ConfigError::UnknownOption(key.to_owned())),
         }
-        *self = next;
         Ok(())
     }
 

@@ -181,8 +181,13 @@ impl LocalBufferPool {
 
     /// A free segment not counted against any subpartition, if one is at hand now.
     pub fn request_segment(&self) -> Option<PooledSegment> {
-        let segment = self.shared.take(NO_CHANNEL).ok()??;
-        Some(PooledSegment::new(self.shared.clone(), segment))
+        self.try_segment().ok().flatten()
+    }
+
+    /// [`request_segment`](Self::request_segment), telling a destroyed pool apart.
+    fn try_segment(&self) -> Result<Option<PooledSegment>, PoolError> {
+        let segment = self.shared.take(NO_CHANNEL)?;
+        Ok(segment.map(|segment| PooledSegment::new(self.shared.clone(), segment)))
     }
 
     /// A builder for `subpartition`, if a segment is at hand now and the subpartition is under
@@ -209,11 +214,9 @@ impl LocalBufferPool {
         timeout: Duration,
     ) -> Result<PooledSegment, PoolError> {
         self.wait_for(timeout, || {
-            let shared = &self.shared;
-            Ok(match shared.take(NO_CHANNEL)? {
-                Some(segment) => Some(PooledSegment::new(shared.clone(), segment)),
-                None => self.request_overdraft_segment(),
-            })
+            Ok(self
+                .try_segment()?
+                .or_else(|| self.request_overdraft_segment()))
         })
     }
 
@@ -682,7 +685,6 @@ impl Recycler for LocalPoolShared {
             // Counted down before the give-back, which may wake a starved pool's waiter at
             // once, and before the wake-up of this pool's (an event waiting for overdraft).
             self.overdraft.fetch_sub(1, Ordering::SeqCst);
-            self.network.memory().set_tag(&segment, NO_CHANNEL);
             self.network.give_back(segment);
             self.wake_waiters();
             return;

@@ -397,19 +397,11 @@ impl ResultPartition {
         } else {
             DataType::EventBuffer
         };
-        // Bounded by the pool's destruction (the partition's release): like a record's, the
-        // wait lasts as long as the back pressure does.
-        loop {
-            match self
-                .pool
+        let segment = until_available(|| {
+            self.pool
                 .request_event_segment_blocking(self.request_timeout)
-            {
-                Ok(segment) => return Ok(segment.into_builder(data_type)),
-                Err(PoolError::Timeout(_)) => continue,
-                Err(PoolError::Destroyed) => return Err(PartitionError::Released),
-                Err(other) => return Err(other.into()),
-            }
-        }
+        })?;
+        Ok(segment.into_builder(data_type))
     }
 
     fn finish_unicast_builder(&mut self, target: usize) {
@@ -501,9 +493,18 @@ fn request_blocking(
     channel: usize,
     recheck: Duration,
 ) -> Result<BufferBuilder, PartitionError> {
+    until_available(|| pool.request_buffer_builder_blocking(channel, recheck))
+}
+
+/// Repeats a blocking `request` through its timeouts (each a recheck, not a failure) until it
+/// yields; the pool's destruction is the partition's release.
+fn until_available<T>(
+    mut request: impl FnMut() -> Result<T, PoolError>,
+) -> Result<T, PartitionError> {
+    // Bounded by the back pressure: the pool's destruction ends it.
     loop {
-        match pool.request_buffer_builder_blocking(channel, recheck) {
-            Ok(builder) => return Ok(builder),
+        match request() {
+            Ok(found) => return Ok(found),
             Err(PoolError::Timeout(_)) => continue,
             Err(PoolError::Destroyed) => return Err(PartitionError::Released),
             Err(other) => return Err(other.into()),

@@ -682,10 +682,10 @@ impl ClientConnection {
                     // gone. Neither is the connection's fault, so its other channels go on.
                     None => {
                         let receiver = channel.receiver;
-                        let channel = self
-                            .remove_channel(slot.expect("a channel was found in it"))
+                        let channel = slot
+                            .take()
+                            .and_then(|s| self.remove_channel(s))
                             .expect("a channel was found in it");
-                        slot = None;
                         if !channel.shared.is_released() {
                             tracing::warn!(
                                 ?receiver,
