@@ -235,18 +235,14 @@ impl super::ClientConnections for Loop {
         client
     }
 
-    fn connect_context(
-        &self,
-    ) -> (
-        &super::DriverConfig,
-        &Arc<ArrayQueue<Command>>,
-        &Arc<IoWaker<WakeFn>>,
-    ) {
-        (&self.config, &self.commands, &self.waker)
-    }
-
-    fn connect_lists(&mut self) -> (&mut PendingConnects, &mut RefusedConnects) {
-        (&mut self.pending, &mut self.refused)
+    fn connects(&mut self) -> super::Connects<'_> {
+        super::Connects {
+            config: &self.config,
+            commands: &self.commands,
+            waker: &self.waker,
+            pending: &mut self.pending,
+            refused: &mut self.refused,
+        }
     }
 }
 

@@ -582,17 +582,21 @@ pub(crate) trait ClientConnections {
     ) -> io::Result<Self::Handle>;
     /// The protocol state of a client connection.
     fn client(&mut self, handle: Self::Handle) -> &mut ClientConnection;
-    /// What a connect needs: the loop's configuration, and its command queue and waker
-    /// for the result ([`start_connect`]).
-    fn connect_context(
-        &self,
-    ) -> (
-        &DriverConfig,
-        &Arc<ArrayQueue<Command>>,
-        &Arc<IoWaker<WakeFn>>,
-    );
-    /// The channels waiting for connects, and those waiting to try a refused one again.
-    fn connect_lists(&mut self) -> (&mut PendingConnects, &mut RefusedConnects);
+    /// The loop's state that connects use.
+    fn connects(&mut self) -> Connects<'_>;
+}
+
+/// What connects use of a driver's loop, borrowed together.
+pub(crate) struct Connects<'a> {
+    /// The loop's configuration (`connect_timeout`, socket options).
+    pub(crate) config: &'a DriverConfig,
+    /// Where a connect's result comes back ([`start_connect`]), and the waker to tell.
+    pub(crate) commands: &'a Arc<ArrayQueue<Command>>,
+    pub(crate) waker: &'a Arc<IoWaker<WakeFn>>,
+    /// The channels waiting for connects.
+    pub(crate) pending: &'a mut PendingConnects,
+    /// The channels waiting to try a refused connect again.
+    pub(crate) refused: &'a mut RefusedConnects,
 }
 
 /// Places `channel` on its connection to (`peer`, `index`), or queues it for a connect
@@ -612,11 +616,10 @@ pub(crate) fn connect_channel<L: ClientConnections>(
         register_channel(driver, handle, peer, &channel);
         return;
     }
-    let timeout = driver.connect_context().0.connect_timeout;
-    let (pending, _) = driver.connect_lists();
-    if pending.wait(peer, index, channel, backoff, timeout, now) {
-        let (config, commands, waker) = driver.connect_context();
-        if let Err(error) = start_connect(peer, index, config, commands, waker) {
+    let c = driver.connects();
+    let timeout = c.config.connect_timeout;
+    if c.pending.wait(peer, index, channel, backoff, timeout, now) {
+        if let Err(error) = start_connect(peer, index, c.config, c.commands, c.waker) {
             on_connected(driver, peer, index, Err(error), now);
         }
     }
@@ -630,7 +633,7 @@ pub(crate) fn on_connected<L: ClientConnections>(
     result: io::Result<std::net::TcpStream>,
     now: Instant,
 ) {
-    let waiting = driver.connect_lists().0.take(peer, index);
+    let waiting = driver.connects().pending.take(peer, index);
     finish_connect(driver, peer, index, waiting, result, now);
 }
 
@@ -638,7 +641,7 @@ pub(crate) fn on_connected<L: ClientConnections>(
 /// whose result is overdue (see [`PendingConnects`]) are given up.
 pub(crate) fn connects_due<L: ClientConnections>(driver: &mut L, now: Instant) {
     // Bounded: an attempt that fails again is queued with a later due time.
-    while let Some(due) = driver.connect_lists().1.pop_due(now) {
+    while let Some(due) = driver.connects().refused.pop_due(now) {
         connect_channel(
             driver,
             due.peer,
@@ -648,7 +651,7 @@ pub(crate) fn connects_due<L: ClientConnections>(driver: &mut L, now: Instant) {
             now,
         );
     }
-    while let Some((peer, index, waiting)) = driver.connect_lists().0.pop_overdue(now) {
+    while let Some((peer, index, waiting)) = driver.connects().pending.pop_overdue(now) {
         finish_connect(driver, peer, index, waiting, Err(overdue_connect()), now);
     }
 }
@@ -676,7 +679,7 @@ fn finish_connect<L: ClientConnections>(
             }
         }
         Err(error) => {
-            let (_, refused) = driver.connect_lists();
+            let refused = driver.connects().refused;
             for (channel, backoff) in waiting {
                 refused.on_failure(peer, index, channel, backoff, &error, now);
             }
