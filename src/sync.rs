@@ -93,6 +93,10 @@ mod model {
         pub fn is_empty(&self) -> bool {
             self.items.lock().unwrap().is_empty()
         }
+
+        pub fn is_full(&self) -> bool {
+            self.len() == self.capacity
+        }
     }
 
     /// `atomic_waker::AtomicWaker` as loom sees it: `wake` takes the last registered waker and

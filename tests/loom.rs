@@ -905,7 +905,17 @@ fn one_subpartition_with_view(
     ResultPartition,
     fluxgate::partition::SubpartitionView,
 ) {
-    let config = config(segments);
+    subpartition_with_view(config(segments))
+}
+
+/// [`one_subpartition_with_view`] with `config`.
+fn subpartition_with_view(
+    config: NetworkConfig,
+) -> (
+    NetworkBufferPool,
+    ResultPartition,
+    fluxgate::partition::SubpartitionView,
+) {
     let pool = NetworkBufferPool::new(&config).unwrap();
     let id = ResultPartitionId {
         partition: 1,
@@ -1187,6 +1197,57 @@ fn a_subpartition_never_hands_out_data_written_after_a_barrier_before_it() {
             }
         }
         assert_eq!(read, [true, false], "the barrier, then the record after it");
+        drop((view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p7) The writer finds the subpartition's priority lane full (its reader has not taken the
+/// two events there) and waits for room, while the reader takes one. The writer is always
+/// woken (the reader's take clears `room_wanted` and wakes the pool's waiters; a lost wake-up
+/// is a deadlock under loom), the third event is read after the first two, and every segment
+/// is back at the end.
+#[test]
+fn a_writer_waiting_for_room_in_a_lane_is_woken_by_the_reader_s_take() {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+
+    fn barrier(id: u64) -> Event {
+        Event::CheckpointBarrier(CheckpointBarrier {
+            id,
+            timestamp: 0,
+            kind: CheckpointKind::Checkpoint,
+            alignment: Alignment::Unaligned,
+        })
+    }
+
+    bounded_model(|| {
+        // One buffer per channel: lanes of two items.
+        let mut config = config(8);
+        config
+            .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+            .unwrap();
+        config
+            .set("taskmanager.network.memory.buffers-per-channel", "1")
+            .unwrap();
+        let (pool, mut partition, mut view) = subpartition_with_view(config);
+        partition.broadcast_event(&barrier(1), true).unwrap();
+        partition.broadcast_event(&barrier(2), true).unwrap();
+
+        let producer = thread::spawn(move || {
+            partition.broadcast_event(&barrier(3), true).unwrap();
+            partition
+        });
+        let first = view.poll_next().expect("a queued barrier");
+        let partition = producer.join().unwrap();
+        let mut read = vec![Event::decode(first.buffer.as_slice()).unwrap()];
+        drop(first);
+        // Bounded: two more items.
+        for _ in 0..2 {
+            if let Some(item) = view.poll_next() {
+                read.push(Event::decode(item.buffer.as_slice()).unwrap());
+            }
+        }
+        assert_eq!(read, [barrier(1), barrier(2), barrier(3)]);
         drop((view, partition));
         assert_eq!(pool.available_segments(), pool.total_segments());
     });

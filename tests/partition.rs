@@ -1,6 +1,7 @@
 //! The producer side: what a subpartition view returns, when its listener hears of it, and
 //! where every segment goes.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread;
@@ -91,6 +92,33 @@ fn records_of(item: &BufferAndBacklog) -> Vec<Vec<u8>> {
         out.push(r.to_vec());
     }
     out
+}
+
+/// Records read across buffers (a record may span several), each summarised as its length and
+/// first byte so that a failed comparison prints a short line.
+struct SpanningReader {
+    reader: RecordDeserializer,
+    records: Vec<(usize, u8)>,
+}
+
+impl SpanningReader {
+    fn new() -> Self {
+        Self {
+            reader: RecordDeserializer::new(1 << 20),
+            records: Vec::new(),
+        }
+    }
+
+    fn read(&mut self, item: &BufferAndBacklog) {
+        self.reader.set_next_buffer(item.buffer.clone()).unwrap();
+        while let Some(record) = self.reader.next_record().unwrap() {
+            assert!(
+                record.iter().all(|&b| b == record[0]),
+                "a record of mixed bytes"
+            );
+            self.records.push((record.len(), record[0]));
+        }
+    }
 }
 
 #[test]
@@ -773,6 +801,130 @@ fn priority_events_for_a_reader_that_stopped_wait_for_memory_past_the_overdraft(
     let (partition, peak_overdraft) = writer.join().expect("the producer does not panic").unwrap();
     assert!(peak_overdraft <= spec.max_overdraft_segments);
     drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// Counts its wake-ups.
+#[derive(Default)]
+struct CountingWaker(AtomicUsize);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn an_async_record_waits_for_room_in_a_full_lane_without_blocking_and_the_reader_wakes_it() {
+    // A subpartition's queue holds twice `max-buffers-per-channel` items: its own buffers,
+    // which the pool bounds by that option, and as many broadcast buffers and events.
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    // Two broadcast buffers, one finished, one open (the second record spans into it): the
+    // two items the lane holds.
+    let big = vec![7u8; 4000];
+    partition.broadcast_record(&big[..]).unwrap();
+    partition.broadcast_record(&big[..]).unwrap();
+
+    let waker = Arc::new(CountingWaker::default());
+    let waker_handle = std::task::Waker::from(waker.clone());
+    let mut context = std::task::Context::from_waker(&waker_handle);
+    let mut reader = SpanningReader::new();
+    {
+        let mut emit = std::pin::pin!(partition.emit_record_async(&[9u8; 7][..], 0));
+        assert!(
+            emit.as_mut().poll(&mut context).is_pending(),
+            "the lane is full: the record waits, without blocking the thread"
+        );
+        let first = view.poll_next().expect("the finished broadcast buffer");
+        assert!(
+            waker.0.load(Ordering::SeqCst) > 0,
+            "the reader's take woke the waiting writer"
+        );
+        match emit.as_mut().poll(&mut context) {
+            std::task::Poll::Ready(result) => result.unwrap(),
+            std::task::Poll::Pending => panic!("the take made room, yet the record still waits"),
+        }
+        reader.read(&first);
+    }
+    partition.finish().unwrap();
+    for _ in 0..8 {
+        let Some(item) = view.poll_next() else { break };
+        if item.buffer.data_type().is_buffer() {
+            reader.read(&item);
+        }
+    }
+    assert_eq!(reader.records, [(4000, 7), (4000, 7), (7, 9)]);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn broadcasts_and_events_for_readers_that_stopped_wait_for_room_and_arrive_whole() {
+    // Six subpartitions whose readers take nothing until the writer has queued all their
+    // lanes hold (two items each, at one buffer per channel), then read everything: the
+    // writer waits for them and goes on, and each reader gets every record and event in
+    // order.
+    const SUBPARTITIONS: usize = 6;
+    const RECORDS: usize = 8;
+    const MARKERS: u64 = 5;
+    let (network, mut config) = setup(128);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, SUBPARTITIONS, &network, &config).unwrap();
+    let views: Vec<_> = (0..SUBPARTITIONS).map(|i| view(&partition, i)).collect();
+    let writer = thread::spawn(move || {
+        for i in 0..RECORDS {
+            // About a buffer each.
+            partition.broadcast_record(&vec![i as u8; 3000][..])?;
+        }
+        for id in 0..MARKERS {
+            partition.broadcast_event(&Event::CancelCheckpointMarker(id), false)?;
+        }
+        partition.finish()?;
+        Ok::<_, PartitionError>(partition)
+    });
+    // Every lane full (or the writer done) before anything is read.
+    for (_, signal) in &views {
+        assert!(signal.wait_beyond(0), "the writer queued nothing");
+    }
+    let readers: Vec<_> = views
+        .into_iter()
+        .map(|(mut view, signal)| {
+            thread::spawn(move || {
+                let (mut reader, mut markers) = (SpanningReader::new(), Vec::new());
+                let mut seen = signal.notifications();
+                for _ in 0..10 * (RECORDS + MARKERS as usize + 1) {
+                    match view.poll_next() {
+                        Some(item) if item.buffer.data_type().is_buffer() => reader.read(&item),
+                        Some(item) => match Event::decode(item.buffer.as_slice()).unwrap() {
+                            Event::EndOfPartition => return (reader.records, markers),
+                            event => markers.push(event),
+                        },
+                        None => {
+                            assert!(signal.wait_beyond(seen), "the writer stayed blocked");
+                            seen = signal.notifications();
+                        }
+                    }
+                }
+                panic!("no EndOfPartition");
+            })
+        })
+        .collect();
+    let expected_records: Vec<(usize, u8)> = (0..RECORDS).map(|i| (3000, i as u8)).collect();
+    let expected_markers: Vec<Event> = (0..MARKERS).map(Event::CancelCheckpointMarker).collect();
+    for reader in readers {
+        let (records, markers) = reader.join().expect("a reader failed");
+        assert_eq!(records, expected_records);
+        assert_eq!(markers, expected_markers);
+    }
+    let partition = writer.join().expect("the writer does not panic").unwrap();
+    drop(partition);
     assert_eq!(network.available_segments(), network.total_segments());
 }
 

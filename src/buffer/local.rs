@@ -263,10 +263,45 @@ impl LocalBufferPool {
     /// pending future per pool at a time (the partition's single writer).
     pub fn request_builder(&self, subpartition: usize) -> RequestBuilder<'_> {
         RequestBuilder {
-            pool: self,
+            wait: AsyncWait::new(self),
             subpartition,
-            registered: false,
         }
+    }
+
+    /// Waits up to `timeout` until `ready` holds. Woken by whatever wakes a blocked request,
+    /// and by [`PoolWaiters::wake`] for state the pool does not own (a partition's writer
+    /// waiting for room in a subpartition's queue). Fails when the pool is destroyed or the
+    /// time is up.
+    pub(crate) fn wait_until(
+        &self,
+        timeout: Duration,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), PoolError> {
+        self.wait_for(timeout, || self.ready_unless_destroyed(&mut ready))
+    }
+
+    /// [`wait_until`](Self::wait_until) as a future (no timeout; the partition's single
+    /// writer's, like [`request_builder`](Self::request_builder)).
+    pub(crate) fn until_ready<F: FnMut() -> bool + Unpin>(&self, ready: F) -> UntilReady<'_, F> {
+        UntilReady {
+            wait: AsyncWait::new(self),
+            ready,
+        }
+    }
+
+    fn ready_unless_destroyed(
+        &self,
+        ready: &mut impl FnMut() -> bool,
+    ) -> Result<Option<()>, PoolError> {
+        if self.is_destroyed() {
+            return Err(PoolError::Destroyed);
+        }
+        Ok(ready().then_some(()))
+    }
+
+    /// What wakes this pool's waiters, for a holder of state they wait on besides the pool's.
+    pub(crate) fn waiters(&self) -> PoolWaiters {
+        PoolWaiters(self.shared.clone())
     }
 
     /// A segment now (`Some`, the listener is *not* registered), or else (`None`) `listener`
@@ -432,11 +467,68 @@ impl Drop for WaitingGuard<'_> {
     }
 }
 
+/// Wakes the waiters of one pool (see [`LocalBufferPool::waiters`]).
+#[derive(Clone)]
+pub(crate) struct PoolWaiters(Arc<LocalPoolShared>);
+
+impl PoolWaiters {
+    /// Wakes every blocked waiter and the pending future, which then look again.
+    pub(crate) fn wake(&self) {
+        self.0.wake_waiters();
+    }
+}
+
+/// The registration of a pending future of a pool: its waker is the pool's, and it counts
+/// among the pool's waiters (so recyclers wake it) until it is dropped.
+struct AsyncWait<'a> {
+    pool: &'a LocalBufferPool,
+    registered: bool,
+}
+
+impl<'a> AsyncWait<'a> {
+    fn new(pool: &'a LocalBufferPool) -> Self {
+        Self {
+            pool,
+            registered: false,
+        }
+    }
+
+    /// `attempt`, else registers the task's waker and attempts once more: a recycle or wake-up
+    /// in between either saw the waker or left what the second attempt finds.
+    fn poll<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut attempt: impl FnMut(&LocalBufferPool) -> Result<Option<T>, PoolError>,
+    ) -> Poll<Result<T, PoolError>> {
+        if let Some(found) = attempt(self.pool)? {
+            return Poll::Ready(Ok(found));
+        }
+        let shared = &self.pool.shared;
+        shared.waker.register(cx.waker());
+        shared.notified.store(false, Ordering::SeqCst);
+        if !self.registered {
+            self.registered = true;
+            shared.waiting.fetch_add(1, Ordering::SeqCst);
+        }
+        match attempt(self.pool)? {
+            Some(found) => Poll::Ready(Ok(found)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for AsyncWait<'_> {
+    fn drop(&mut self) {
+        if self.registered {
+            self.pool.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
 /// Future of [`LocalBufferPool::request_builder`].
 pub struct RequestBuilder<'a> {
-    pool: &'a LocalBufferPool,
+    wait: AsyncWait<'a>,
     subpartition: usize,
-    registered: bool,
 }
 
 impl fmt::Debug for RequestBuilder<'_> {
@@ -451,29 +543,25 @@ impl Future for RequestBuilder<'_> {
     type Output = Result<BufferBuilder, PoolError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        if let Some(builder) = self.pool.try_builder(self.subpartition)? {
-            return Poll::Ready(Ok(builder));
-        }
-        let shared = &self.pool.shared;
-        shared.waker.register(cx.waker());
-        shared.notified.store(false, Ordering::SeqCst);
-        if !self.registered {
-            self.registered = true;
-            shared.waiting.fetch_add(1, Ordering::SeqCst);
-        }
-        // Re-check after registering: a recycle in between saw the waker or left the segment.
-        match self.pool.try_builder(self.subpartition)? {
-            Some(builder) => Poll::Ready(Ok(builder)),
-            None => Poll::Pending,
-        }
+        let subpartition = self.subpartition;
+        self.wait.poll(cx, |pool| pool.try_builder(subpartition))
     }
 }
 
-impl Drop for RequestBuilder<'_> {
-    fn drop(&mut self) {
-        if self.registered {
-            self.pool.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-        }
+/// Future of [`LocalBufferPool::until_ready`].
+pub(crate) struct UntilReady<'a, F> {
+    wait: AsyncWait<'a>,
+    ready: F,
+}
+
+impl<F: FnMut() -> bool + Unpin> Future for UntilReady<'_, F> {
+    type Output = Result<(), PoolError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let ready = &mut this.ready;
+        this.wait
+            .poll(cx, |pool| pool.ready_unless_destroyed(ready))
     }
 }
 

@@ -12,6 +12,7 @@ mod local;
 mod network;
 mod segment;
 
+pub(crate) use local::PoolWaiters;
 pub use local::{BufferListener, LocalBufferPool, LocalPoolSpec, RequestBuilder};
 #[cfg(not(loom))]
 pub(crate) use network::mark_io_thread;

@@ -141,15 +141,20 @@ impl ResultPartition {
             network.create_local_pool(LocalPoolSpec::for_partition(subpartitions, config))?;
         // As created: bounded by the network memory.
         let spec = pool.spec();
-        // Each lane item holds a distinct segment: one of the pool's (at most its maximum) or
-        // an event's overdraft segment (at most `max_overdraft_segments`), so a lane of both
-        // together never overflows.
-        let lane = spec.max_segments + spec.max_overdraft_segments;
+        // Room for the subpartition's own buffers (the pool holds them to
+        // `max-buffers-per-channel`) and as many broadcast buffers and events besides; a writer
+        // that finds the lane full waits for the reader. Never more than the items there can
+        // be: each holds a distinct segment, of the pool or an event's overdraft.
+        let lane = config
+            .max_buffers_per_channel
+            .saturating_mul(2)
+            .min(spec.max_segments + spec.max_overdraft_segments);
+        let room_waiters = pool.waiters();
         let shared = Arc::new(PartitionShared {
             id,
             kind: PartitionType::Pipelined,
             subpartitions: (0..subpartitions)
-                .map(|i| Arc::new(PipelinedSubpartition::new(i, lane)))
+                .map(|i| Arc::new(PipelinedSubpartition::new(i, lane, room_waiters.clone())))
                 .collect(),
             metrics: OutputMetrics::default(),
         });
@@ -265,6 +270,12 @@ impl ResultPartition {
             .is_none_or(|b| b.is_full());
         if needs_builder {
             self.finish_unicast_builder(target);
+            let subpartition = &self.handle.shared.subpartitions[target];
+            if !subpartition.has_room(false) {
+                self.pool
+                    .until_ready(|| subpartition.has_room_or_listen(false))
+                    .await?;
+            }
             let builder = self.pool.request_builder(target).await?;
             self.install_unicast(target, builder)?;
         }
@@ -297,6 +308,12 @@ impl ResultPartition {
         let consumer = builder.create_consumer_from_beginning();
         drop(builder);
         queue_in_open_subpartitions(&self.handle.shared, |subpartition| {
+            wait_for_room(
+                &self.pool,
+                std::slice::from_ref(subpartition),
+                priority,
+                self.request_timeout,
+            )?;
             subpartition.add_event(consumer.copy(), priority)
         })
     }
@@ -459,7 +476,7 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
 /// Fails only when every subpartition was released.
 fn queue_in_open_subpartitions(
     shared: &PartitionShared,
-    mut queue: impl FnMut(&PipelinedSubpartition) -> Result<(), PartitionError>,
+    mut queue: impl FnMut(&Arc<PipelinedSubpartition>) -> Result<(), PartitionError>,
 ) -> Result<(), PartitionError> {
     let mut queued = false;
     for subpartition in shared.subpartitions.iter() {
@@ -484,6 +501,27 @@ fn released_or(error: RecordError) -> PartitionError {
         RecordError::Released => PartitionError::Released,
         other => other.into(),
     }
+}
+
+/// Waits, as long as it takes, until each of `subpartitions` has room in its data or
+/// `priority` lane (or was released). A lane fills only while its reader takes nothing and the
+/// writer queues broadcast buffers or events past `max-buffers-per-channel`: back pressure
+/// like the pool's, and booked as the writer's back-pressured time too. Returns early when
+/// the pool is destroyed (partition released).
+fn wait_for_room(
+    pool: &LocalBufferPool,
+    subpartitions: &[Arc<PipelinedSubpartition>],
+    priority: bool,
+    recheck: Duration,
+) -> Result<(), PartitionError> {
+    if subpartitions.iter().all(|s| s.has_room(priority)) {
+        return Ok(());
+    }
+    until_available(|| {
+        pool.wait_until(recheck, || {
+            subpartitions.iter().all(|s| s.has_room_or_listen(priority))
+        })
+    })
 }
 
 /// Waits for a builder as long as it takes (Flink's writer blocks on back pressure too);
@@ -538,13 +576,16 @@ impl SegmentSink for PartitionSink<'_> {
                 Target::Unicast(index) => index,
                 Target::Broadcast => UNACCOUNTED,
             };
-            // `request_blocking` fails only as Released or with the pool's own error.
-            let builder =
-                request_blocking(self.pool, channel, self.request_timeout).map_err(|error| {
-                    match error {
-                        PartitionError::Pool(pool) => RecordError::Pool(pool),
-                        _ => RecordError::Released,
-                    }
+            let readers = match self.target {
+                Target::Unicast(index) => &self.shared.subpartitions[index..=index],
+                Target::Broadcast => &self.shared.subpartitions[..],
+            };
+            // Both fail only as Released or with the pool's own error.
+            let builder = wait_for_room(self.pool, readers, false, self.request_timeout)
+                .and_then(|()| request_blocking(self.pool, channel, self.request_timeout))
+                .map_err(|error| match error {
+                    PartitionError::Pool(pool) => RecordError::Pool(pool),
+                    _ => RecordError::Released,
                 })?;
             let consumer = builder.create_consumer_from_beginning();
             let queued = match self.target {

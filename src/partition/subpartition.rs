@@ -10,6 +10,14 @@
 //! (Dekker's pattern) either the reader sees the data or the producer sees the flag, so no
 //! wake-up is lost, and only the side that clears the flag notifies: exactly one notification
 //! per nothing-to-read → something-to-read transition.
+//!
+//! The lanes are bounded by `max-buffers-per-channel`, not by the partition's pool: the pool
+//! bounds a subpartition's own buffers by that option already, and sized by the pool (about
+//! two segments per subpartition) the lanes of all subpartitions together grew with the
+//! square of their count. The rest of a lane is room for items the option does not count,
+//! broadcast buffers and events, and a writer that finds a lane full waits for its reader as
+//! it waits for memory: it sets `room_wanted`, looks again, and sleeps on the pool; the
+//! reader's next take clears the flag and wakes it (the same fence pairing as above).
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,7 +25,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwapOption;
 
 use super::{AvailabilityListener, BufferAndBacklog, PartitionError};
-use crate::buffer::{BufferConsumer, DataType};
+use crate::buffer::{BufferConsumer, DataType, PoolWaiters};
 use crate::sync::{fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// A priority item and how many data-lane items had been enqueued when it was added.
@@ -44,6 +52,10 @@ pub(crate) struct PipelinedSubpartition {
     reader_waiting: AtomicBool,
     view_taken: AtomicBool,
     listener: ArcSwapOption<ListenerSlot>,
+    /// Set by the writer when it found the lane it queues to full, before it looks again and
+    /// sleeps; cleared by the reader's next take, which wakes it through the pool.
+    room_wanted: AtomicBool,
+    room_waiters: PoolWaiters,
 }
 
 struct ListenerSlot(Arc<dyn AvailabilityListener>);
@@ -60,9 +72,9 @@ impl fmt::Debug for PipelinedSubpartition {
 }
 
 impl PipelinedSubpartition {
-    /// A subpartition whose lanes hold up to `capacity` items each. Every item holds a distinct
-    /// segment of the partition's pool, so the pool's maximum is a bound no push can exceed.
-    pub(crate) fn new(index: usize, capacity: usize) -> Self {
+    /// A subpartition whose lanes hold up to `capacity` items each; a writer that finds one
+    /// full waits on the pool `room_waiters` wakes.
+    pub(crate) fn new(index: usize, capacity: usize, room_waiters: PoolWaiters) -> Self {
         Self {
             index,
             data: ArrayQueue::new(capacity.max(1)),
@@ -76,6 +88,8 @@ impl PipelinedSubpartition {
             reader_waiting: AtomicBool::new(false),
             view_taken: AtomicBool::new(false),
             listener: ArcSwapOption::empty(),
+            room_wanted: AtomicBool::new(false),
+            room_waiters,
         }
     }
 
@@ -110,7 +124,7 @@ impl PipelinedSubpartition {
                 data_enqueued: self.data_enqueued.load(Ordering::Relaxed),
             };
             if self.priority.push(item).is_err() {
-                unreachable!("lanes are sized to the pool: a push cannot find them full");
+                unreachable!("the writer queues only after it saw room, and only it queues");
             }
             if self.released.load(Ordering::SeqCst) {
                 self.drain();
@@ -158,7 +172,7 @@ impl PipelinedSubpartition {
 
     fn push_data(&self, consumer: BufferConsumer) -> Result<(), PartitionError> {
         if self.data.push(consumer).is_err() {
-            unreachable!("lanes are sized to the pool: a push cannot find them full");
+            unreachable!("the writer queues only after it saw room, and only it queues");
         }
         self.data_enqueued.fetch_add(1, Ordering::Relaxed);
         // A release that drained before the push landed: drain again, nothing may stay.
@@ -172,6 +186,44 @@ impl PipelinedSubpartition {
     fn drain(&self) {
         while self.data.pop().is_some() {}
         while self.priority.pop().is_some() {}
+        self.room_made();
+    }
+
+    /// True when an item can be queued in the data or the `priority` lane now: the lane has a
+    /// free slot, or the subpartition was released (the push then fails as `Released` and
+    /// queues nothing). Only the partition's writer queues, so room it saw stays until it
+    /// queues.
+    pub(crate) fn has_room(&self, priority: bool) -> bool {
+        let full = if priority {
+            self.priority.is_full()
+        } else {
+            self.data.is_full()
+        };
+        !full || self.is_released()
+    }
+
+    /// [`has_room`](Self::has_room), asking the reader's next take (or a release) to wake
+    /// the pool's waiters when there is none.
+    pub(crate) fn has_room_or_listen(&self, priority: bool) -> bool {
+        if self.has_room(priority) {
+            return true;
+        }
+        self.room_wanted.store(true, Ordering::Relaxed);
+        // Pairs with the fence in `room_made`: either the reader sees the flag, or this look
+        // sees the item it took.
+        fence(Ordering::SeqCst);
+        self.has_room(priority)
+    }
+
+    /// An item left a lane: wakes a writer waiting for room.
+    fn room_made(&self) {
+        // Pairs with the fence in `has_room_or_listen`.
+        fence(Ordering::SeqCst);
+        if self.room_wanted.load(Ordering::Relaxed)
+            && self.room_wanted.swap(false, Ordering::AcqRel)
+        {
+            self.room_waiters.wake();
+        }
     }
 
     fn notify_if_waiting(&self) {
@@ -378,6 +430,7 @@ impl SubpartitionView {
             data_enqueued,
         }) = self.subpartition.priority.pop()
         {
+            self.subpartition.room_made();
             // The producer finished every builder before queueing the event, so a head already
             // read to its end is done: it is not among the overtaken.
             if self
@@ -461,7 +514,10 @@ impl SubpartitionView {
         loop {
             if self.head.is_none() {
                 match self.subpartition.data.pop() {
-                    Some(consumer) => self.head = Some(consumer),
+                    Some(consumer) => {
+                        self.subpartition.room_made();
+                        self.head = Some(consumer);
+                    }
                     None => return DataType::None,
                 }
             }
