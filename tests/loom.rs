@@ -682,6 +682,42 @@ fn waiter_races_give_back(on_io_thread: bool) {
     });
 }
 
+/// (p2c) An event waits for a segment while its pool is at its maximum and the global pool is
+/// empty, so neither the pool nor its overdraft has one; another thread gives a global segment
+/// back. The event gets it as an overdraft segment: the failed overdraft take registered the
+/// pool as starved, so the give-back wakes it (before, only a recycle in this pool or the
+/// wait's 50 ms re-check did; under loom, where waits never time out, a deadlock).
+#[test]
+fn an_event_waiting_for_an_overdraft_segment_is_woken_by_a_global_give_back() {
+    bounded_model(|| {
+        let pool = network(2);
+        let local = pool
+            .create_local_pool(LocalPoolSpec {
+                min_segments: 1,
+                max_segments: 1,
+                subpartitions: 1,
+                max_segments_per_channel: 1,
+                max_listeners: 1,
+                max_overdraft_segments: 1,
+            })
+            .unwrap();
+        let held = local.request_buffer_builder(0).unwrap();
+        let elsewhere = pool.request_segment().unwrap();
+        assert_eq!(pool.available_segments(), 0);
+
+        let giver = loom::thread::spawn(move || drop(elsewhere));
+        let event = local
+            .request_event_segment_blocking(FOREVER)
+            .expect("the segment given back");
+        giver.join().unwrap();
+
+        assert_eq!(local.overdraft_segments(), 1);
+        drop((held, event));
+        drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
 /// A buffer listener (a remote channel waiting for a floating buffer) that keeps what it gets.
 #[derive(Default)]
 struct KeepingListener {

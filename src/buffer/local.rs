@@ -410,7 +410,13 @@ impl LocalBufferPool {
                 Err(current) => held = current,
             }
         }
-        let Some(segment) = shared.network.take() else {
+        // With the global pool empty, an event waiting for this overdraft is woken when the
+        // global pool refills, not only by a recycle here or its wait's periodic re-check.
+        let Some(segment) = shared
+            .network
+            .take()
+            .or_else(|| shared.listen_for_global_then_take())
+        else {
             shared.overdraft.fetch_sub(1, Ordering::Relaxed);
             return None;
         };
@@ -597,14 +603,7 @@ impl LocalPoolShared {
             return Some(segment);
         }
         self.requested.fetch_sub(1, Ordering::Relaxed);
-        // Ask to be told when the global pool refills, then look once more: a segment given
-        // back between the failed take and the registration would otherwise wake no one.
-        if !self.starved.swap(true, Ordering::SeqCst)
-            && !self.network.register_starved(self.me.clone())
-        {
-            self.starved.store(false, Ordering::SeqCst);
-        }
-        let segment = self.network.take()?;
+        let segment = self.listen_for_global_then_take()?;
         // Counted against the maximum again: another thread may have grown the pool to it
         // since the count was given back above.
         if self.reserve_one() {
@@ -613,6 +612,18 @@ impl LocalPoolShared {
             self.network.give_back(segment);
             None
         }
+    }
+
+    /// After a take from the empty global pool: asks to be told when it refills (this pool's
+    /// waiters are woken then), then looks once more, since a segment given back between the
+    /// failed take and the registration would otherwise wake no one.
+    fn listen_for_global_then_take(&self) -> Option<Segment> {
+        if !self.starved.swap(true, Ordering::SeqCst)
+            && !self.network.register_starved(self.me.clone())
+        {
+            self.starved.store(false, Ordering::SeqCst);
+        }
+        self.network.take()
     }
 
     /// Counts one more segment taken from the global pool, unless the pool is at its maximum.
