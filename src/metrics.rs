@@ -110,8 +110,9 @@ pub struct InputMetricsSnapshot {
     /// `numBuffersIn`: buffers and events read.
     #[serde(rename = "numBuffersIn")]
     pub num_buffers_in: u64,
-    /// `inPoolUsage`: leased segments of the gate's pool over its maximum, 0 to 1 (0 for a gate
-    /// of local channels only, which has no pool).
+    /// `inPoolUsage`: segments of the gate's pool holding data (not free in a channel as
+    /// credit) over the pool's maximum, 0 to 1 (0 for a gate of local channels only, which has
+    /// no pool).
     #[serde(rename = "inPoolUsage")]
     pub in_pool_usage: f64,
     /// `accumulatedIdleTimeMs`: total time the reader waited for data.

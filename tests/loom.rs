@@ -1238,53 +1238,68 @@ fn a_subpartition_never_hands_out_data_written_after_a_barrier_before_it() {
     });
 }
 
-/// (p7) The writer finds the subpartition's priority lane full (its reader has not taken the
-/// two events there) and waits for room, while the reader takes one. The writer is always
-/// woken (the reader's take clears `room_wanted` and wakes the pool's waiters; a lost wake-up
-/// is a deadlock under loom), the third event is read after the first two, and every segment
-/// is back at the end.
+/// A partition of one subpartition whose data lane has room for two buffers (one buffer per
+/// channel), with two broadcast buffers queued in it: the first finished, the second open
+/// (the second record spans into it). The lane has no room for a third buffer.
+fn subpartition_with_a_full_lane() -> (
+    NetworkBufferPool,
+    ResultPartition,
+    fluxgate::partition::SubpartitionView,
+) {
+    let mut config = config(8);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    config
+        .set("taskmanager.network.memory.buffers-per-channel", "1")
+        .unwrap();
+    let (pool, mut partition, view) = subpartition_with_view(config);
+    partition.broadcast_record(&[1u8; 4000][..]).unwrap();
+    partition.broadcast_record(&[2u8; 4000][..]).unwrap();
+    (pool, partition, view)
+}
+
+/// (p7) The writer finds the subpartition's data lane without room for a buffer (its reader has
+/// not taken the two there) and waits, while the reader takes. The writer is always woken
+/// (the reader's take clears `room_wanted` and wakes the pool's waiters; a lost wake-up is a
+/// deadlock under loom), and every segment is back at the end.
 #[test]
 fn a_writer_waiting_for_room_in_a_lane_is_woken_by_the_reader_s_take() {
-    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
-
-    fn barrier(id: u64) -> Event {
-        Event::CheckpointBarrier(CheckpointBarrier {
-            id,
-            timestamp: 0,
-            kind: CheckpointKind::Checkpoint,
-            alignment: Alignment::Unaligned,
-        })
-    }
-
     bounded_model(|| {
-        // One buffer per channel: lanes of two items.
-        let mut config = config(8);
-        config
-            .set("taskmanager.network.memory.max-buffers-per-channel", "1")
-            .unwrap();
-        config
-            .set("taskmanager.network.memory.buffers-per-channel", "1")
-            .unwrap();
-        let (pool, mut partition, mut view) = subpartition_with_view(config);
-        partition.broadcast_event(&barrier(1), true).unwrap();
-        partition.broadcast_event(&barrier(2), true).unwrap();
-
+        let (pool, mut partition, mut view) = subpartition_with_a_full_lane();
         let producer = thread::spawn(move || {
-            partition.broadcast_event(&barrier(3), true).unwrap();
+            partition.emit_record(&[3u8; 8][..], 0).unwrap();
+            partition.flush(0);
             partition
         });
-        let first = view.poll_next().expect("a queued barrier");
+        let first = view.poll_next().expect("the finished broadcast buffer");
         let partition = producer.join().unwrap();
-        let mut read = vec![Event::decode(first.buffer.as_slice()).unwrap()];
-        drop(first);
-        // Bounded: two more items.
-        for _ in 0..2 {
-            if let Some(item) = view.poll_next() {
-                read.push(Event::decode(item.buffer.as_slice()).unwrap());
-            }
-        }
-        assert_eq!(read, [barrier(1), barrier(2), barrier(3)]);
-        drop((view, partition));
+        assert!(first.buffer.data_type().is_buffer());
+        drop((first, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p8) The writer waits for room in the lane while the reader goes away (its view dropped,
+/// which releases the subpartition from the reader's thread). Whichever way the release's
+/// mark and drain interleave with the writer's looks, the writer is woken (by the drain, or
+/// by the segments it returned), its record is refused as `Released`, and every segment is
+/// back at the end.
+#[test]
+fn a_writer_waiting_for_room_sees_a_release_that_drained_the_lane() {
+    bounded_model(|| {
+        let (pool, mut partition, view) = subpartition_with_a_full_lane();
+        let producer = thread::spawn(move || {
+            let emitted = partition.emit_record(&[3u8; 8][..], 0);
+            (partition, emitted)
+        });
+        drop(view);
+        let (partition, emitted) = producer.join().unwrap();
+        assert!(
+            matches!(emitted, Err(fluxgate::partition::PartitionError::Released)),
+            "{emitted:?}"
+        );
+        drop(partition);
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }

@@ -189,6 +189,24 @@ fn full_buffers_are_readable_with_backlog_and_consecutive_sequence_numbers() {
     assert_eq!(metrics.metrics().num_records_out.get(), 13);
 }
 
+#[test]
+fn a_broadcast_buffer_counts_once_per_subpartition_in_the_output_metrics() {
+    // Flink's `numBuffersOut` and `numBytesOut` count a broadcast buffer once per subpartition:
+    // each consumer receives its own copy.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 3, &network, &config).unwrap();
+    let record = [5u8; 1022]; // 1024 bytes with its 2-byte prefix: 4 per segment
+    for _ in 0..4 {
+        partition.broadcast_record(&record[..]).unwrap();
+    }
+    partition.emit_record(&record[..], 1).unwrap(); // finishes the full broadcast buffer
+    partition.finish().unwrap(); // finishes the unicast one
+    let metrics = partition.metrics_snapshot();
+    assert_eq!(metrics.num_buffers_out, 3 + 1);
+    assert_eq!(metrics.num_bytes_out, 3 * 4096 + 1024);
+    assert_eq!(metrics.num_records_out, 5);
+}
+
 fn barrier(id: u64, alignment: Alignment) -> Event {
     Event::CheckpointBarrier(CheckpointBarrier {
         id,
@@ -925,6 +943,71 @@ fn broadcasts_and_events_for_readers_that_stopped_wait_for_room_and_arrive_whole
     }
     let partition = writer.join().expect("the writer does not panic").unwrap();
     drop(partition);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// Reads `view` until `wanted` returns true for an event, waiting for notifications; the
+/// events read, in order. Panics when nothing new comes for `LONG`.
+fn read_events_until(
+    view: &mut SubpartitionView,
+    signal: &Signal,
+    mut wanted: impl FnMut(&Event) -> bool,
+) -> Vec<Event> {
+    let mut events = Vec::new();
+    let mut seen = signal.notifications();
+    for _ in 0..1000 {
+        match view.poll_next() {
+            Some(item) => {
+                let event = Event::decode(item.buffer.as_slice()).unwrap();
+                let done = wanted(&event);
+                events.push(event);
+                if done {
+                    return events;
+                }
+            }
+            None => {
+                assert!(signal.wait_beyond(seen), "nothing more came: {events:?}");
+                seen = signal.notifications();
+            }
+        }
+    }
+    panic!("too many events: {events:?}");
+}
+
+#[test]
+fn a_broadcast_event_reaches_readers_with_room_while_a_stopped_one_holds_its_copy() {
+    // Subpartition 0's reader takes nothing until subpartition 1's has the event that finds
+    // subpartition 0's data lane full (ten items at one buffer per channel: two for buffers,
+    // eight more for events). That event goes to subpartition 1 first; queued in order, it
+    // would wait for reader 0, which waits for it.
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (mut view0, signal0) = view(&partition, 0);
+    let (mut view1, signal1) = view(&partition, 1);
+    const MARKERS: u64 = 12;
+    let writer = thread::spawn(move || {
+        for id in 0..MARKERS {
+            partition.broadcast_event(&Event::CancelCheckpointMarker(id), false)?;
+        }
+        partition.finish()?;
+        Ok::<_, PartitionError>(partition)
+    });
+    let marker = Event::CancelCheckpointMarker;
+    let early = read_events_until(&mut view1, &signal1, |e| *e == marker(10));
+    assert_eq!(early, (0..=10).map(marker).collect::<Vec<_>>());
+    let all: Vec<Event> = (0..MARKERS)
+        .map(marker)
+        .chain([Event::EndOfPartition])
+        .collect();
+    let read0 = read_events_until(&mut view0, &signal0, |e| *e == Event::EndOfPartition);
+    assert_eq!(read0, all);
+    let rest1 = read_events_until(&mut view1, &signal1, |e| *e == Event::EndOfPartition);
+    assert_eq!(rest1, all[11..]);
+    drop(writer.join().expect("the writer does not panic").unwrap());
+    drop((view0, view1));
     assert_eq!(network.available_segments(), network.total_segments());
 }
 

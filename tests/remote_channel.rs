@@ -13,7 +13,7 @@ use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     ChannelLocation, ChannelSpec, ConsumedSubpartition, CreditListener, GateError, GateItem,
-    InputGate, RemoteChannelShared, SingleInputGate, UNCREDITED_EVENTS,
+    InputGate, RemoteChannelShared, SingleInputGate, UnionInputGate, UNCREDITED_EVENTS,
 };
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
@@ -1014,6 +1014,95 @@ fn a_transport_thread_sends_only_on_credit_and_everything_arrives_in_order() {
     assert!(gate.is_finished());
     let waits = transport.join().unwrap();
     assert!(waits > 0, "the sender ran out of credit at least once");
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn in_pool_usage_counts_segments_holding_data_not_free_credit() {
+    // Flink's inPoolUsage leaves out the segments a channel holds free as credit: a gate whose
+    // channels wait for data is not using its pool.
+    let f = fixture();
+    let mut gate = f.remote_gate(2);
+    let (shared, _) = attach(&gate, 0);
+    let max = (2 * EXCLUSIVE + FLOATING) as f64;
+    assert_eq!(gate.metrics_snapshot().in_pool_usage, 0.0);
+
+    let mut sender = Sender::new(&shared);
+    sender.send(b"zero", DataType::DataBuffer, 0).unwrap();
+    sender.send(b"one", DataType::DataBuffer, 0).unwrap();
+    assert_eq!(gate.pool_usage(), 2.0 / max, "two received, not yet read");
+    let first = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(
+        gate.pool_usage(),
+        2.0 / max,
+        "one read and held, one queued"
+    );
+    drop(first);
+    assert_eq!(gate.pool_usage(), 1.0 / max);
+    let second = gate.next_timeout(LONG).unwrap().unwrap();
+    drop(second);
+    assert_eq!(gate.metrics_snapshot().in_pool_usage, 0.0);
+
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn a_union_reports_its_members_input_and_its_own_idle_time() {
+    let f = fixture();
+    let members = vec![f.remote_gate(1), f.remote_gate(1)];
+    let (shared, _) = attach(&members[1], 0);
+    let mut union = UnionInputGate::new(members);
+    // Nothing comes: the read waits its whole timeout, and that wait is idle time.
+    assert!(matches!(
+        union.next_timeout(Duration::from_millis(20)),
+        Err(GateError::TimedOut)
+    ));
+    assert!(
+        union.metrics_snapshot().idle_time_ms > 0,
+        "the union's wait was booked"
+    );
+
+    let mut sender = Sender::new(&shared);
+    sender.send(b"data", DataType::DataBuffer, 0).unwrap();
+    let max = (2 * (EXCLUSIVE + FLOATING)) as f64;
+    assert_eq!(union.metrics_snapshot().in_pool_usage, 1.0 / max);
+    let item = union.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(item.channel, 1);
+    drop(item);
+    let metrics = union.metrics_snapshot();
+    assert_eq!((metrics.num_bytes_in, metrics.num_buffers_in), (4, 1));
+    assert_eq!(metrics.in_pool_usage, 0.0);
+
+    union.close();
+    drop(union);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+#[test]
+fn an_async_read_that_waited_books_idle_time() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _) = attach(&gate, 0);
+    let waker = std::task::Waker::noop();
+    let mut context = std::task::Context::from_waker(waker);
+    let mut sender = Sender::new(&shared);
+    {
+        let mut read = std::pin::pin!(gate.next_async());
+        assert!(std::future::Future::poll(read.as_mut(), &mut context).is_pending());
+        sender.send(b"data", DataType::DataBuffer, 0).unwrap();
+        match std::future::Future::poll(read.as_mut(), &mut context) {
+            std::task::Poll::Ready(item) => drop(item.unwrap().unwrap()),
+            std::task::Poll::Pending => panic!("the buffer arrived, yet the read still waits"),
+        }
+    }
+    assert!(
+        gate.metrics().idle_nanos.get() > 0,
+        "the wait from Pending to the item was booked"
+    );
     gate.close();
     drop(gate);
     assert_eq!(f.network.available_segments(), f.network.total_segments());

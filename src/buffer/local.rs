@@ -63,8 +63,8 @@ impl LocalPoolSpec {
             subpartitions,
             max_segments_per_channel: config.max_buffers_per_channel,
             max_listeners: 1,
-            // As many events as the pool has segments: a subpartition's lanes then hold at
-            // most twice the pool's maximum (see `ResultPartition::new`).
+            // As many events at once as the pool has segments: events for readers that
+            // stopped taking cannot take the whole network memory.
             max_overdraft_segments: max,
         }
     }
@@ -124,7 +124,7 @@ pub(crate) struct LocalPoolShared {
     waiting: AtomicUsize,
     /// A wake-up was sent and no waiter has looked since.
     notified: AtomicBool,
-    /// Total nanoseconds blocking requests waited (the writer's back-pressured time).
+    /// Total nanoseconds waits of this pool took, blocking or async (the writer's back-pressured time).
     blocked_nanos: AtomicU64,
     /// Overdraft segments handed out and not yet recycled.
     overdraft: AtomicUsize,
@@ -381,7 +381,9 @@ impl LocalBufferPool {
         self.in_use_segments() as f64 / self.shared.spec.max_segments as f64
     }
 
-    /// Total nanoseconds blocking requests have waited for a segment (back pressure).
+    /// Total nanoseconds requests have waited for a segment, or the partition's writer for room
+    /// in a subpartition's queue, blocking or as futures (back pressure). A wait is booked when
+    /// it ends.
     pub fn blocked_nanos(&self) -> u64 {
         self.shared.blocked_nanos.load(Ordering::Relaxed)
     }
@@ -485,17 +487,19 @@ impl PoolWaiters {
 }
 
 /// The registration of a pending future of a pool: its waker is the pool's, and it counts
-/// among the pool's waiters (so recyclers wake it) until it is dropped.
+/// among the pool's waiters (so recyclers wake it) until it is dropped; the time from its first
+/// `Pending` to then is booked as back-pressured time, as a blocking wait's is.
 struct AsyncWait<'a> {
     pool: &'a LocalBufferPool,
-    registered: bool,
+    /// When the future first registered (it then counts in `waiting`).
+    registered: Option<Instant>,
 }
 
 impl<'a> AsyncWait<'a> {
     fn new(pool: &'a LocalBufferPool) -> Self {
         Self {
             pool,
-            registered: false,
+            registered: None,
         }
     }
 
@@ -512,8 +516,8 @@ impl<'a> AsyncWait<'a> {
         let shared = &self.pool.shared;
         shared.waker.register(cx.waker());
         shared.notified.store(false, Ordering::SeqCst);
-        if !self.registered {
-            self.registered = true;
+        if self.registered.is_none() {
+            self.registered = Some(Instant::now());
             shared.waiting.fetch_add(1, Ordering::SeqCst);
         }
         match attempt(self.pool)? {
@@ -525,8 +529,11 @@ impl<'a> AsyncWait<'a> {
 
 impl Drop for AsyncWait<'_> {
     fn drop(&mut self) {
-        if self.registered {
-            self.pool.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        if let Some(started) = self.registered {
+            let shared = &self.pool.shared;
+            shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            let waited = started.elapsed().as_nanos() as u64;
+            shared.blocked_nanos.fetch_add(waited, Ordering::Relaxed);
         }
     }
 }

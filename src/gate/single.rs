@@ -298,9 +298,36 @@ impl SingleInputGate {
         self.channels.get(index)
     }
 
-    /// `inPoolUsage`: leased segments of the gate's pool over its maximum.
+    /// `inPoolUsage` as Flink computes it: segments of the gate's pool that hold data, over the
+    /// pool's maximum. Segments a remote channel holds free, as credit for data to come, are
+    /// not in use (Flink's exclusive and floating usage gauges leave them out too), so a gate
+    /// whose channels wait for data reads 0, not `buffers-per-channel` per channel.
     pub fn pool_usage(&self) -> f64 {
-        self.pool.as_ref().map_or(0.0, |p| p.usage())
+        let (in_use, max) = self.pool_segments_in_use();
+        if max == 0 {
+            return 0.0;
+        }
+        in_use as f64 / max as f64
+    }
+
+    /// The two sides of [`pool_usage`](Self::pool_usage): segments holding data, and the pool's
+    /// maximum (both 0 without a pool).
+    pub(crate) fn pool_segments_in_use(&self) -> (usize, usize) {
+        let Some(pool) = &self.pool else {
+            return (0, 0);
+        };
+        let credit: usize = self
+            .channels
+            .iter()
+            .filter_map(|channel| match channel {
+                InputChannel::Remote(remote) => Some(remote.shared().buffers().available()),
+                _ => None,
+            })
+            .sum();
+        (
+            pool.in_use_segments().saturating_sub(credit),
+            pool.spec().max_segments,
+        )
     }
 
     /// The gate's pool, if it has remote channels.
@@ -316,22 +343,26 @@ impl SingleInputGate {
     /// The gate's metrics now, with Flink's names: `numBytesIn` and `numBuffersIn` summed over
     /// the channels, `inPoolUsage` and the idle time.
     pub fn metrics_snapshot(&self) -> InputMetricsSnapshot {
-        let (num_bytes_in, num_buffers_in) = self
-            .channels
-            .iter()
-            .filter_map(InputChannel::metrics)
-            .fold((0, 0), |(bytes, buffers), m| {
-                (
-                    bytes + m.num_bytes_in.get(),
-                    buffers + m.num_buffers_in.get(),
-                )
-            });
+        let (num_bytes_in, num_buffers_in) = self.bytes_and_buffers_in();
         InputMetricsSnapshot {
             num_bytes_in,
             num_buffers_in,
             in_pool_usage: self.pool_usage(),
             idle_time_ms: self.metrics.idle_nanos.get() / 1_000_000,
         }
+    }
+
+    /// `numBytesIn` and `numBuffersIn`, summed over the channels.
+    pub(crate) fn bytes_and_buffers_in(&self) -> (u64, u64) {
+        self.channels.iter().filter_map(InputChannel::metrics).fold(
+            (0, 0),
+            |(bytes, buffers), m| {
+                (
+                    bytes + m.num_bytes_in.get(),
+                    buffers + m.num_buffers_in.get(),
+                )
+            },
+        )
     }
 
     /// True after `close`.
@@ -341,17 +372,26 @@ impl SingleInputGate {
 
     /// Waits for the next item without blocking the thread (any executor).
     pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        // From the first `Pending` to the item: idle time, as a blocking read books it.
+        let mut idle_since: Option<Instant> = None;
         poll_fn(|cx| {
             // Bounded: each round either returns or registers and finds nothing queued.
             for _ in 0..2 {
                 match self.poll_next() {
                     Ok(None) if !self.is_finished() => {}
-                    other => return Poll::Ready(other),
+                    other => {
+                        if let Some(since) = idle_since {
+                            let idle = since.elapsed().as_nanos() as u64;
+                            self.metrics.idle_nanos.add(idle);
+                        }
+                        return Poll::Ready(other);
+                    }
                 }
                 if !self.queue.register_waker(cx.waker()) {
-                    return Poll::Pending;
+                    break;
                 }
             }
+            idle_since.get_or_insert_with(Instant::now);
             Poll::Pending
         })
         .await

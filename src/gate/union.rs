@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::queue::ChannelQueue;
-use super::single::{GateCloser, SingleInputGate};
+use super::single::{GateCloser, GateMetrics, SingleInputGate};
 use super::{BufferOrEvent, GateError, InputGate};
+use crate::metrics::InputMetricsSnapshot;
 
 /// Gates behind one reader: gate 0's channels are `0..n0`, gate 1's `n0..n0+n1`, and so on.
 /// A gate with data waits in a FIFO of gates, so each gate gets its turn.
@@ -17,6 +18,8 @@ pub struct UnionInputGate {
     offsets: Vec<usize>,
     /// Queue of gates with data (entries are gate indexes).
     queue: Arc<ChannelQueue>,
+    /// The union's idle time (its reader waits for all members at once).
+    metrics: GateMetrics,
 }
 
 impl fmt::Debug for UnionInputGate {
@@ -47,6 +50,37 @@ impl UnionInputGate {
             gates,
             offsets,
             queue,
+            metrics: GateMetrics::default(),
+        }
+    }
+
+    /// The union's idle time (the member gates' own stay 0 while read through the union).
+    pub fn metrics(&self) -> &GateMetrics {
+        &self.metrics
+    }
+
+    /// The input metrics of the union, as Flink reports a task's input: bytes and buffers
+    /// summed over the member gates, `inPoolUsage` over their pools together (segments holding
+    /// data over the sum of the pools' maxima), and the union reader's idle time.
+    pub fn metrics_snapshot(&self) -> InputMetricsSnapshot {
+        let (mut num_bytes_in, mut num_buffers_in, mut in_use, mut max) = (0, 0, 0, 0);
+        for gate in &self.gates {
+            let (bytes, buffers) = gate.bytes_and_buffers_in();
+            let (gate_in_use, gate_max) = gate.pool_segments_in_use();
+            num_bytes_in += bytes;
+            num_buffers_in += buffers;
+            in_use += gate_in_use;
+            max += gate_max;
+        }
+        InputMetricsSnapshot {
+            num_bytes_in,
+            num_buffers_in,
+            in_pool_usage: if max == 0 {
+                0.0
+            } else {
+                in_use as f64 / max as f64
+            },
+            idle_time_ms: self.metrics.idle_nanos.get() / 1_000_000,
         }
     }
 
@@ -129,7 +163,7 @@ impl InputGate for UnionInputGate {
             deadline,
             |union| union.gates.iter().filter_map(|g| g.poll_timeout()).min(),
             |union, sleep| union.queue.wait(sleep),
-            |_, _| {},
+            |union, idle| union.metrics.idle_nanos.add(idle.as_nanos() as u64),
         )
     }
 

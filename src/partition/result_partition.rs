@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::subpartition::{PipelinedSubpartition, SubpartitionView};
+use super::subpartition::{PipelinedSubpartition, Queued, SubpartitionView, EVENT_RESERVE};
 use super::{AvailabilityListener, PartitionError, PartitionType, ResultPartitionId};
 use crate::buffer::{
     BufferBuilder, DataType, LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError,
@@ -142,19 +142,26 @@ impl ResultPartition {
         // As created: bounded by the network memory.
         let spec = pool.spec();
         // Room for the subpartition's own buffers (the pool holds them to
-        // `max-buffers-per-channel`) and as many broadcast buffers and events besides; a writer
-        // that finds the lane full waits for the reader. Never more than the items there can
-        // be: each holds a distinct segment, of the pool or an event's overdraft.
-        let lane = config
-            .max_buffers_per_channel
-            .saturating_mul(2)
+        // `max-buffers-per-channel`), as many broadcast buffers besides, and a reserve for
+        // events; a writer that finds no room waits for the reader. Never more than the items
+        // there can be: each holds a distinct segment, of the pool or an event's overdraft.
+        let buffer_room = config.max_buffers_per_channel.saturating_mul(2);
+        let lane = buffer_room
+            .saturating_add(EVENT_RESERVE)
             .min(spec.max_segments + spec.max_overdraft_segments);
         let room_waiters = pool.waiters();
         let shared = Arc::new(PartitionShared {
             id,
             kind: PartitionType::Pipelined,
             subpartitions: (0..subpartitions)
-                .map(|i| Arc::new(PipelinedSubpartition::new(i, lane, room_waiters.clone())))
+                .map(|i| {
+                    Arc::new(PipelinedSubpartition::new(
+                        i,
+                        buffer_room,
+                        lane,
+                        room_waiters.clone(),
+                    ))
+                })
                 .collect(),
             metrics: OutputMetrics::default(),
         });
@@ -271,9 +278,9 @@ impl ResultPartition {
         if needs_builder {
             self.finish_unicast_builder(target);
             let subpartition = &self.handle.shared.subpartitions[target];
-            if !subpartition.has_room(false) {
+            if !subpartition.has_room(Queued::Buffer) {
                 self.pool
-                    .until_ready(|| subpartition.has_room_or_listen(false))
+                    .until_ready(|| subpartition.has_room_or_listen(Queued::Buffer))
                     .await?;
             }
             let builder = self.pool.request_builder(target).await?;
@@ -307,15 +314,50 @@ impl ResultPartition {
         event.write_to(&mut builder)?;
         let consumer = builder.create_consumer_from_beginning();
         drop(builder);
-        queue_in_open_subpartitions(&self.handle.shared, |subpartition| {
-            wait_for_room(
-                &self.pool,
-                std::slice::from_ref(subpartition),
-                priority,
-                self.request_timeout,
-            )?;
-            subpartition.add_event(consumer.copy(), priority)
-        })
+        let queued = if priority {
+            Queued::PriorityEvent
+        } else {
+            Queued::Event
+        };
+        // Every subpartition with room first, then those without, each as soon as its reader
+        // makes room: a reader that stopped taking delays only its own copy, not the others'.
+        // The list is made only when some lane is full.
+        let mut full = Vec::new();
+        let mut any_queued = false;
+        let mut queue = |subpartition: &Arc<PipelinedSubpartition>| {
+            skip_released(
+                subpartition.add_event(consumer.copy(), priority),
+                &mut any_queued,
+            )
+        };
+        for subpartition in self.handle.shared.subpartitions.iter() {
+            if subpartition.has_room(queued) {
+                queue(subpartition)?;
+            } else {
+                full.push(subpartition.clone());
+            }
+        }
+        // Bounded: each round queues in at least one more subpartition.
+        while !full.is_empty() {
+            until_available(|| {
+                self.pool.wait_until(self.request_timeout, || {
+                    full.iter().any(|s| s.has_room_or_listen(queued))
+                })
+            })?;
+            let mut index = 0;
+            while index < full.len() {
+                if full[index].has_room(queued) {
+                    queue(&full.swap_remove(index))?;
+                } else {
+                    index += 1;
+                }
+            }
+        }
+        if any_queued {
+            Ok(())
+        } else {
+            Err(PartitionError::Released)
+        }
     }
 
     /// Makes the committed bytes of subpartition `target` readable now.
@@ -465,8 +507,11 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
     readers.iter().for_each(|s| s.count_finishing_buffer());
     let bytes = builder.finish();
     drop(builder);
-    shared.metrics.num_buffers_out.add(1);
-    shared.metrics.num_bytes_out.add(bytes as u64);
+    // A broadcast buffer counts once per subpartition, as Flink counts it: these are what the
+    // partition sends, and each consumer receives its own copy.
+    let copies = readers.len() as u64;
+    shared.metrics.num_buffers_out.add(copies);
+    shared.metrics.num_bytes_out.add(bytes as u64 * copies);
     readers.iter().for_each(|s| s.on_data_finished());
 }
 
@@ -480,17 +525,27 @@ fn queue_in_open_subpartitions(
 ) -> Result<(), PartitionError> {
     let mut queued = false;
     for subpartition in shared.subpartitions.iter() {
-        match queue(subpartition) {
-            Ok(()) => queued = true,
-            Err(PartitionError::Released) => {}
-            Err(other) => return Err(other),
-        }
+        skip_released(queue(subpartition), &mut queued)?;
     }
     if queued {
         Ok(())
     } else {
         Err(PartitionError::Released)
     }
+}
+
+/// The outcome of queueing one item of a broadcast in one subpartition: a released one is
+/// skipped, any other error is the broadcast's; `queued` notes that one took it.
+fn skip_released(
+    outcome: Result<(), PartitionError>,
+    queued: &mut bool,
+) -> Result<(), PartitionError> {
+    match outcome {
+        Ok(()) => *queued = true,
+        Err(PartitionError::Released) => {}
+        Err(other) => return Err(other),
+    }
+    Ok(())
 }
 
 /// A serializer error as the writer reports it: the sink's [`RecordError::Released`] means
@@ -503,23 +558,23 @@ fn released_or(error: RecordError) -> PartitionError {
     }
 }
 
-/// Waits, as long as it takes, until each of `subpartitions` has room in its data or
-/// `priority` lane (or was released). A lane fills only while its reader takes nothing and the
-/// writer queues broadcast buffers or events past `max-buffers-per-channel`: back pressure
-/// like the pool's, and booked as the writer's back-pressured time too. Returns early when
-/// the pool is destroyed (partition released).
+/// Waits, as long as it takes, until each of `subpartitions` has room for an item of kind
+/// `queued` (a released one has, once its release drained it). A lane fills only while its
+/// reader takes nothing and the writer queues broadcast buffers or events past
+/// `max-buffers-per-channel`: back pressure like the pool's, and booked as the writer's
+/// back-pressured time too. Returns early when the pool is destroyed (partition released).
 fn wait_for_room(
     pool: &LocalBufferPool,
     subpartitions: &[Arc<PipelinedSubpartition>],
-    priority: bool,
+    queued: Queued,
     recheck: Duration,
 ) -> Result<(), PartitionError> {
-    if subpartitions.iter().all(|s| s.has_room(priority)) {
+    if subpartitions.iter().all(|s| s.has_room(queued)) {
         return Ok(());
     }
     until_available(|| {
         pool.wait_until(recheck, || {
-            subpartitions.iter().all(|s| s.has_room_or_listen(priority))
+            subpartitions.iter().all(|s| s.has_room_or_listen(queued))
         })
     })
 }
@@ -581,7 +636,7 @@ impl SegmentSink for PartitionSink<'_> {
                 Target::Broadcast => &self.shared.subpartitions[..],
             };
             // Both fail only as Released or with the pool's own error.
-            let builder = wait_for_room(self.pool, readers, false, self.request_timeout)
+            let builder = wait_for_room(self.pool, readers, Queued::Buffer, self.request_timeout)
                 .and_then(|()| request_blocking(self.pool, channel, self.request_timeout))
                 .map_err(|error| match error {
                     PartitionError::Pool(pool) => RecordError::Pool(pool),

@@ -14,10 +14,12 @@
 //! The lanes are bounded by `max-buffers-per-channel`, not by the partition's pool: the pool
 //! bounds a subpartition's own buffers by that option already, and sized by the pool (about
 //! two segments per subpartition) the lanes of all subpartitions together grew with the
-//! square of their count. The rest of a lane is room for items the option does not count,
-//! broadcast buffers and events, and a writer that finds a lane full waits for its reader as
-//! it waits for memory: it sets `room_wanted`, looks again, and sleeps on the pool; the
-//! reader's next take clears the flag and wakes it (the same fence pairing as above).
+//! square of their count. Buffers may fill the data lane to twice the option, the rest being
+//! room for broadcast buffers, which the option does not count; events may use
+//! [`EVENT_RESERVE`] slots more, so that a barrier or EndOfPartition still gets in behind
+//! buffers its reader has not taken. A writer that finds no room waits for the reader as it
+//! waits for memory: it sets `room_wanted`, looks again, and sleeps on the pool; the reader's
+//! next take clears the flag and wakes it (the same fence pairing as above).
 
 use std::fmt;
 use std::sync::Arc;
@@ -27,6 +29,20 @@ use arc_swap::ArcSwapOption;
 use super::{AvailabilityListener, BufferAndBacklog, PartitionError};
 use crate::buffer::{BufferConsumer, DataType, PoolWaiters};
 use crate::sync::{fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+/// Lane slots only events may take: room for them behind a data lane full of buffers.
+pub(crate) const EVENT_RESERVE: usize = 8;
+
+/// What the writer is about to queue, for [`PipelinedSubpartition::has_room`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Queued {
+    /// A data buffer (unicast or broadcast): the data lane, short of its event reserve.
+    Buffer,
+    /// An event in line with the data: the data lane, reserve included.
+    Event,
+    /// A priority event: the priority lane.
+    PriorityEvent,
+}
 
 /// A priority item and how many data-lane items had been enqueued when it was added.
 struct PriorityItem {
@@ -38,6 +54,8 @@ struct PriorityItem {
 pub(crate) struct PipelinedSubpartition {
     index: usize,
     data: ArrayQueue<BufferConsumer>,
+    /// Data-lane items buffers may fill it to (the rest is the event reserve).
+    buffer_room: usize,
     priority: ArrayQueue<PriorityItem>,
     /// Items pushed to the data lane so far (written by the producer only).
     data_enqueued: AtomicU64,
@@ -72,13 +90,21 @@ impl fmt::Debug for PipelinedSubpartition {
 }
 
 impl PipelinedSubpartition {
-    /// A subpartition whose lanes hold up to `capacity` items each; a writer that finds one
-    /// full waits on the pool `room_waiters` wakes.
-    pub(crate) fn new(index: usize, capacity: usize, room_waiters: PoolWaiters) -> Self {
+    /// A subpartition whose data lane takes buffers up to `buffer_room` items and events up to
+    /// `capacity`, and whose priority lane takes `capacity` events; a writer that finds no
+    /// room waits on the pool `room_waiters` wakes.
+    pub(crate) fn new(
+        index: usize,
+        buffer_room: usize,
+        capacity: usize,
+        room_waiters: PoolWaiters,
+    ) -> Self {
+        let capacity = capacity.max(1);
         Self {
             index,
-            data: ArrayQueue::new(capacity.max(1)),
-            priority: ArrayQueue::new(capacity.max(1)),
+            data: ArrayQueue::new(capacity),
+            buffer_room: buffer_room.clamp(1, capacity),
+            priority: ArrayQueue::new(capacity),
             data_enqueued: AtomicU64::new(0),
             backlog: AtomicUsize::new(0),
             queued_events: AtomicUsize::new(0),
@@ -189,30 +215,29 @@ impl PipelinedSubpartition {
         self.room_made();
     }
 
-    /// True when an item can be queued in the data or the `priority` lane now: the lane has a
-    /// free slot, or the subpartition was released (the push then fails as `Released` and
-    /// queues nothing). Only the partition's writer queues, so room it saw stays until it
-    /// queues.
-    pub(crate) fn has_room(&self, priority: bool) -> bool {
-        let full = if priority {
-            self.priority.is_full()
-        } else {
-            self.data.is_full()
-        };
-        !full || self.is_released()
+    /// True when an item of kind `queued` can be queued now. Only the partition's writer
+    /// queues, so room it saw stays until it queues. A released subpartition has room once
+    /// its release has drained it (the push then fails as `Released`), not as soon as it is
+    /// marked released: a lane still full would refuse the push.
+    pub(crate) fn has_room(&self, queued: Queued) -> bool {
+        match queued {
+            Queued::Buffer => self.data.len() < self.buffer_room,
+            Queued::Event => !self.data.is_full(),
+            Queued::PriorityEvent => !self.priority.is_full(),
+        }
     }
 
     /// [`has_room`](Self::has_room), asking the reader's next take (or a release) to wake
     /// the pool's waiters when there is none.
-    pub(crate) fn has_room_or_listen(&self, priority: bool) -> bool {
-        if self.has_room(priority) {
+    pub(crate) fn has_room_or_listen(&self, queued: Queued) -> bool {
+        if self.has_room(queued) {
             return true;
         }
         self.room_wanted.store(true, Ordering::Relaxed);
         // Pairs with the fence in `room_made`: either the reader sees the flag, or this look
         // sees the item it took.
         fence(Ordering::SeqCst);
-        self.has_room(priority)
+        self.has_room(queued)
     }
 
     /// An item left a lane: wakes a writer waiting for room.
