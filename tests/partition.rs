@@ -207,6 +207,71 @@ fn a_broadcast_buffer_counts_once_per_subpartition_in_the_output_metrics() {
     assert_eq!(metrics.num_records_out, 5);
 }
 
+#[test]
+fn a_buffer_filled_to_its_end_is_finished_at_once() {
+    // Flink finishes a builder the moment it is full: with no flushes, a record ending
+    // exactly at the segment's end makes the buffer readable, without a later record.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let record = [3u8; 1022]; // 1024 bytes with its 2-byte prefix: 4 fill a 4 KiB segment
+    for _ in 0..4 {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    assert_eq!(signal.notifications(), 1, "the full buffer was announced");
+    let item = view.poll_next().expect("the full buffer is readable");
+    assert_eq!(records_of(&item).len(), 4);
+    assert_eq!(item.backlog, 0);
+    // The same through the general path: a spanning record that ends at a segment's end.
+    partition.emit_record(&[4u8; 4096 + 4094][..], 0).unwrap();
+    let first = view.poll_next().expect("the first segment of the record");
+    let second = view.poll_next().expect("the second, full, segment");
+    assert_eq!(first.buffer.len() + second.buffer.len(), 2 * 4096);
+    drop((item, first, second, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A user record whose encoding fails after writing part of it.
+struct FailingRecord {
+    declared: usize,
+    written: usize,
+}
+
+impl fluxgate::record::Record for FailingRecord {
+    fn encoded_len(&self) -> usize {
+        self.declared
+    }
+
+    fn encode<S: fluxgate::record::SegmentSink>(
+        &self,
+        out: &mut fluxgate::record::RecordOutput<'_, S>,
+    ) -> Result<(), fluxgate::record::RecordError> {
+        out.write(&vec![0xEE; self.written])?;
+        Err(fluxgate::record::RecordError::Truncated)
+    }
+}
+
+#[test]
+fn a_record_whose_encoding_fails_within_a_segment_sends_nothing() {
+    // Flink serializes into a separate buffer first, so a failed record sends nothing; here it
+    // is written straight into the segment and taken back while no part of it was published.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&b"before"[..], 0).unwrap();
+    let failed = FailingRecord {
+        declared: 100,
+        written: 40,
+    };
+    assert!(partition.emit_record(&failed, 0).is_err());
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    partition.flush(0);
+    let item = view.poll_next().expect("the flushed records");
+    assert_eq!(records_of(&item), [b"before".to_vec(), b"after".to_vec()]);
+    drop((item, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 fn barrier(id: u64, alignment: Alignment) -> Event {
     Event::CheckpointBarrier(CheckpointBarrier {
         id,

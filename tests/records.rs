@@ -199,6 +199,30 @@ fn a_length_over_the_maximum_is_refused_before_any_allocation() {
 }
 
 #[test]
+fn a_refused_length_split_across_buffers_stays_refused() {
+    // 200 (a two-byte prefix: 0xC8 0x01) over a maximum of 64, the prefix split across two
+    // buffers and followed by bytes that would read as small records. Every later call fails
+    // the same way; none reads the refused record's bytes as records.
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(64);
+    reader
+        .set_next_buffer(one_buffer(&network, &[0xC8]))
+        .unwrap();
+    assert_eq!(reader.next_record().unwrap(), None);
+    reader
+        .set_next_buffer(one_buffer(&network, &[0x01, 3, b'a', b'b', b'c', 1, b'z']))
+        .unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            reader.next_record().unwrap_err(),
+            RecordError::TooLarge { len: 200, max: 64 }
+        );
+    }
+    reader.clear();
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn a_length_no_u32_is_written_as_is_malformed() {
     let (network, _) = network();
     // Six bytes of continuation; a fifth byte with bits above the 32nd.

@@ -517,6 +517,14 @@ impl BufferBuilder {
         }
     }
 
+    /// Drops what was appended since the last [`commit`](Self::commit); consumers never saw
+    /// it. Returns whether anything was dropped.
+    pub fn discard_uncommitted(&mut self) -> bool {
+        let dropped = self.position != self.committed;
+        self.position = self.committed;
+        dropped
+    }
+
     /// Publishes and marks the buffer complete; consumers see it as finished. Idempotent.
     /// Returns the bytes written.
     pub fn finish(&mut self) -> usize {

@@ -225,7 +225,10 @@ impl ResultPartition {
                 // A unicast builder exists only while the partition is unfinished and not
                 // broadcasting (finish and broadcast close them all), so neither is looked at.
                 debug_assert!(!self.finished && self.broadcast.is_none());
-                if record::framed_len(bytes.len()) <= builder.remaining()
+                // Strictly less: a record that fills the buffer to its end takes the general
+                // path, which finishes the full buffer at once (as Flink does), so this path
+                // needs no check after the append.
+                if record::framed_len(bytes.len()) < builder.remaining()
                     && bytes.len() <= self.max_record_bytes
                     && !self.pool.is_destroyed()
                 {
@@ -253,6 +256,9 @@ impl ResultPartition {
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Unicast(target))?;
         record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
+        if self.unicast[target].as_ref().is_some_and(|b| b.is_full()) {
+            self.finish_unicast_builder(target);
+        }
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
     }
@@ -299,6 +305,9 @@ impl ResultPartition {
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Broadcast)?;
         record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
+        if self.broadcast.as_ref().is_some_and(|b| b.is_full()) {
+            self.finish_broadcast_builder();
+        }
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
     }
@@ -661,5 +670,12 @@ impl SegmentSink for PartitionSink<'_> {
         if let Some(builder) = self.slot.as_mut() {
             builder.commit();
         }
+    }
+
+    fn discard_uncommitted(&mut self) -> bool {
+        if let Some(builder) = self.slot.as_mut() {
+            builder.discard_uncommitted();
+        }
+        true
     }
 }

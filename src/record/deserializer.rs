@@ -3,13 +3,17 @@
 use super::{decode_prefix, Prefix, RecordError, MAX_LENGTH_PREFIX};
 use crate::buffer::Buffer;
 
+/// Scratch capacity a deserializer keeps between spanning records.
+const SCRATCH_KEPT: usize = 64 * 1024;
+
 /// Turns a channel's data buffers back into records (Flink's
 /// `SpillingAdaptiveSpanningRecordDeserializer`, without the spilling).
 ///
 /// A record that lies inside one buffer is returned as a slice of that buffer, without a copy.
 /// Only a record that spans buffers is assembled, into a scratch vector reused for the next
 /// one; it grows only as the record's bytes arrive, so a corrupt length cannot make it allocate
-/// more than what was received (and never more than `max_record_bytes`).
+/// more than what was received (and never more than `max_record_bytes`), and it shrinks back
+/// to 64 KiB when a smaller record follows a large one.
 #[derive(Debug)]
 pub struct RecordDeserializer {
     buffer: Option<Buffer>,
@@ -118,6 +122,12 @@ impl RecordDeserializer {
             }
             if let Some(len) = self.spanning {
                 let take = (len - self.scratch.len()).min(rest.len());
+                let needed = self.scratch.len() + take;
+                if needed > self.scratch.capacity() {
+                    // Doubling, as `extend` would, but never past the record's length.
+                    let grown = (self.scratch.capacity() * 2).clamp(needed, len);
+                    self.scratch.reserve_exact(grown - self.scratch.len());
+                }
                 self.scratch.extend_from_slice(&rest[..take]);
                 self.position += take;
                 if self.scratch.len() == len {
@@ -156,10 +166,13 @@ impl RecordDeserializer {
                 }
                 Prefix::Malformed => return Err(RecordError::MalformedLength),
                 Prefix::Complete { len, size } => {
+                    // Checked before the prefix is consumed: a refused length stays the error
+                    // of every later call, instead of its record's bytes being read as the
+                    // next prefixes.
+                    let len = self.checked_len(len)?;
                     // Only the bytes up to the prefix's end belong to it.
                     self.position += size - self.prefix_len;
                     self.prefix_len = 0;
-                    let len = self.checked_len(len)?;
                     self.begin_spanning(len);
                     if len == 0 {
                         self.spanning = None;
@@ -227,6 +240,11 @@ impl RecordDeserializer {
 
     fn begin_spanning(&mut self, len: usize) {
         self.scratch.clear();
+        // A channel that once carried a huge record does not keep its memory for good.
+        let keep = len.max(SCRATCH_KEPT);
+        if self.scratch.capacity() > keep {
+            self.scratch.shrink_to(keep);
+        }
         self.spanning = Some(len);
     }
 }

@@ -141,6 +141,14 @@ pub trait SegmentSink {
     fn current_with_room(&mut self, _bytes: usize) -> Option<&mut BufferBuilder> {
         None
     }
+
+    /// Drops the bytes written since the last [`commit`](Self::commit), when they all lie in
+    /// the current builder (a record whose `encode` failed before it crossed into another
+    /// segment); returns whether it did. A sink that cannot returns false, and the record is
+    /// then padded to its declared length instead, so the records after it stay readable.
+    fn discard_uncommitted(&mut self) -> bool {
+        false
+    }
 }
 
 /// A sink that is one builder known to have room for the whole record.
@@ -155,6 +163,11 @@ impl SegmentSink for RoomyBuilder<'_> {
     #[inline]
     fn commit(&mut self) {
         self.0.commit();
+    }
+
+    fn discard_uncommitted(&mut self) -> bool {
+        self.0.discard_uncommitted();
+        true
     }
 }
 
@@ -178,6 +191,9 @@ pub trait Record {
 pub struct RecordOutput<'a, S> {
     sink: &'a mut S,
     remaining: usize,
+    /// A builder filled up under this record: the next write finishes and publishes it, so
+    /// the record can no longer be taken back.
+    crossed: bool,
 }
 
 impl<S: SegmentSink> RecordOutput<'_, S> {
@@ -195,6 +211,7 @@ impl<S: SegmentSink> RecordOutput<'_, S> {
             let builder = self.sink.writable()?;
             let n = builder.append(bytes);
             bytes = &bytes[n..];
+            self.crossed |= !bytes.is_empty();
         }
         Ok(())
     }
@@ -242,10 +259,21 @@ where
     let mut out = RecordOutput {
         sink,
         remaining: prefix_bytes + len,
+        crossed: false,
     };
     out.write(&prefix[..prefix_bytes])?;
     let encoded = record.encode(&mut out);
     let short = out.remaining;
+    // A record that failed to encode is taken back while no part of it was published (as
+    // Flink, which serializes into a separate buffer first, sends nothing of it).
+    let failed = encoded.is_err() || short > 0;
+    if failed && !out.crossed && out.sink.discard_uncommitted() {
+        encoded?;
+        return Err(RecordError::LengthMismatch {
+            declared: len,
+            written: len - short,
+        });
+    }
     if short > 0 {
         // Keep the framing intact for the records after this one.
         const ZEROS: [u8; 256] = [0; 256];
