@@ -58,9 +58,12 @@ pub enum Alignment {
     Aligned,
     /// Overtakes in-flight data, which is persisted with the checkpoint.
     Unaligned,
-    /// Aligned, turning unaligned when alignment takes longer than the timeout.
+    /// Flink's aligned barrier with an alignment timeout, after which Flink turns it unaligned.
+    /// Carried on the wire (as `TimeoutableAlignedCheckpointBarrier`) and aligned as
+    /// [`Aligned`](Alignment::Aligned) is; the switch to unaligned on the timeout (the
+    /// announcement, the timer and the conversion on both sides) is not done here.
     AlignedWithTimeout {
-        /// Alignment time after which the barrier turns unaligned, in milliseconds.
+        /// Alignment time after which Flink turns the barrier unaligned, in milliseconds.
         timeout_ms: u64,
     },
     /// Unaligned requested but forced aligned (e.g. point-wise connections).

@@ -468,8 +468,16 @@ impl ChannelStateSink for PersistedRecords {
         }
     }
 
+    fn add_partial_record(&self, _checkpoint_id: u64, _channel: usize, _bytes: &[u8]) {
+        panic!("the test reads no records through a RecordReader");
+    }
+
     fn input_complete(&self, checkpoint_id: u64) {
         self.complete.lock().unwrap().push(checkpoint_id);
+    }
+
+    fn abort(&self, checkpoint_id: u64) {
+        panic!("checkpoint {checkpoint_id} aborted");
     }
 }
 

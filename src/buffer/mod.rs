@@ -45,7 +45,8 @@ pub enum DataType {
     PrioritizedEventBuffer = 3,
     /// An aligned barrier: the channel blocks until `resume_consumption`.
     AlignedCheckpointBarrier = 4,
-    /// An aligned barrier that may turn unaligned after a timeout; it needs an announcement.
+    /// An aligned barrier that Flink may turn unaligned after a timeout (here it blocks its
+    /// channel like an aligned one; the timeout's conversion is not done).
     TimeoutableAlignedCheckpointBarrier = 5,
     /// End of recovered channel state; blocks the channel like an aligned barrier.
     RecoveryCompletion = 6,

@@ -15,18 +15,31 @@ pub enum AlignmentMode {
     /// A channel that delivered barrier n is blocked until every channel did; then all resume
     /// and the barrier is handed to the task once.
     Aligned,
-    /// The first barrier n (through the priority lane) triggers the checkpoint at once; data
-    /// received before each channel's barrier goes to the channel-state sink, by reference.
+    /// The first barrier n of any kind triggers the checkpoint at once (Flink's unaligned
+    /// handler); data received before each channel's barrier goes to the channel-state sink,
+    /// by reference. A channel whose barrier is an aligned one (`ForcedAligned`, say, for a
+    /// point-wise input, or a savepoint's) blocks at it until the checkpoint completes: its
+    /// data before the barrier was persisted as it was read.
     Unaligned,
 }
 
-/// Receives the in-flight input data of unaligned checkpoints.
+/// Receives the in-flight input data of unaligned checkpoints (Flink's `ChannelStateWriter`,
+/// input side). For one channel and checkpoint, the calls come in stream order: a partial
+/// record first, then the buffers after it; restoring feeds them to a record reader in that
+/// order.
 pub trait ChannelStateSink: Send + Sync {
     /// A buffer of `channel` that precedes its barrier of checkpoint `checkpoint_id`; the
     /// buffer shares the segment (no copy).
     fn add_input_data(&self, checkpoint_id: u64, channel: usize, buffer: Buffer);
+    /// The bytes of a record of `channel` the task's reader had begun but not finished when
+    /// checkpoint `checkpoint_id` started (its length prefix and the part received; Flink's
+    /// `getUnconsumedBuffer`): the rest follows in the channel's in-flight buffers.
+    fn add_partial_record(&self, checkpoint_id: u64, channel: usize, bytes: &[u8]);
     /// Every channel's in-flight data of `checkpoint_id` was handed over.
     fn input_complete(&self, checkpoint_id: u64);
+    /// Checkpoint `checkpoint_id` was aborted (a newer one subsumed it, or a cancellation
+    /// marker came): what was handed over for it can go.
+    fn abort(&self, checkpoint_id: u64);
 }
 
 /// What an unaligned checkpoint still persists of one channel.
@@ -164,11 +177,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         {
             // A barrier's overtaken items are everything its channel's data lane held, events
             // included; only the buffers among them are channel state.
-            self.persist_if_in_flight(channel, None);
+            self.persist_if_in_flight(channel, None)?;
         }
         match &item.item {
             GateItem::Buffer(buffer) => {
-                self.persist_if_in_flight(channel, Some(buffer));
+                self.persist_if_in_flight(channel, Some(buffer))?;
                 Ok(Some(item))
             }
             GateItem::Event {
@@ -176,13 +189,15 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 ..
             } => {
                 let id = barrier.id;
-                let unaligned = self.mode == AlignmentMode::Unaligned
-                    && barrier.alignment == Alignment::Unaligned;
-                if unaligned {
-                    self.on_unaligned_barrier(id, channel, item.overtaken)
-                        .map(|surface| surface.then_some(item))
+                if self.mode == AlignmentMode::Unaligned {
+                    // An aligned barrier read in order blocked its channel behind it.
+                    let blocks = barrier.alignment != Alignment::Unaligned;
+                    let aborted = self.current.filter(|&current| id > current);
+                    let surface = self.on_unaligned_barrier(id, channel, item.overtaken, blocks)?;
+                    Ok(self.with_abort_notice(aborted, channel, surface.then_some(item)))
                 } else {
                     let barrier = *barrier;
+                    let aborted = self.current.filter(|&current| id > current);
                     let surface = self.on_aligned_barrier(id, channel)?;
                     // Held while this checkpoint aligns, for a completion by a channel's end.
                     // Only a barrier of the aligning checkpoint sets it: a late one of an
@@ -190,7 +205,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                     if !surface && self.current == Some(id) {
                         self.held_barrier = Some((channel, barrier));
                     }
-                    Ok(surface.then_some(item))
+                    Ok(self.with_abort_notice(aborted, channel, surface.then_some(item)))
                 }
             }
             GateItem::Event {
@@ -198,10 +213,14 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 ..
             } => {
                 let id = *id;
-                if self.last_done.is_some_and(|done| id <= done) {
+                // As Flink: a marker for a checkpoint already done, aborted or older than the
+                // one running is not news.
+                if self.last_done.is_some_and(|done| id <= done)
+                    || self.current.is_some_and(|current| id < current)
+                {
                     return Ok(None);
                 }
-                if self.current.is_some_and(|current| id >= current) {
+                if self.current.is_some() {
                     self.abort()?;
                 }
                 self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
@@ -259,16 +278,22 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         self.check_complete()
     }
 
-    /// Returns whether the barrier is handed to the task (the first one of a checkpoint).
+    /// In unaligned mode, a barrier of either kind; `blocks`: an aligned one, which blocked
+    /// its channel. Returns whether the barrier is handed to the task (the first one of a
+    /// checkpoint).
     fn on_unaligned_barrier(
         &mut self,
         id: u64,
         channel: usize,
         overtaken: usize,
+        blocks: bool,
     ) -> Result<bool, GateError> {
         if self.last_done.is_some_and(|done| id <= done)
             || self.current.is_some_and(|current| id < current)
         {
+            if blocks {
+                self.gate.resume_consumption(channel)?;
+            }
             return Ok(false);
         }
         if self.current.is_some_and(|current| id > current) {
@@ -285,8 +310,13 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 };
             }
         }
+        if blocks && !self.barrier_seen[channel] {
+            self.blocked.push(channel);
+        }
         self.barrier_seen[channel] = true;
-        self.persist[channel] = if overtaken > 0 {
+        // An aligned barrier came in order: what its channel sent before it was read, and
+        // persisted as read. An unaligned one overtook `overtaken` items still to be read.
+        self.persist[channel] = if overtaken > 0 && !blocks {
             Persist::Next(overtaken)
         } else {
             Persist::Done
@@ -295,14 +325,46 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         Ok(first)
     }
 
+    /// What the task sees when a barrier aborted checkpoint `aborted`: first a
+    /// CancelCheckpointMarker for it (Flink's handler tells the task, which declines the
+    /// checkpoint and sends the marker downstream), then `item`, if any, on the next read.
+    fn with_abort_notice(
+        &mut self,
+        aborted: Option<u64>,
+        channel: usize,
+        item: Option<BufferOrEvent>,
+    ) -> Option<BufferOrEvent> {
+        let Some(aborted) = aborted else {
+            return item;
+        };
+        debug_assert!(
+            self.deferred.is_none(),
+            "a barrier arrives with nothing deferred"
+        );
+        self.deferred = item;
+        Some(BufferOrEvent {
+            channel,
+            item: GateItem::Event {
+                event: Event::CancelCheckpointMarker(aborted),
+                priority: false,
+            },
+            more_available: true,
+            overtaken: 0,
+        })
+    }
+
     /// A data-lane item of `channel` was read: a `buffer` is persisted while the channel's
     /// in-flight data of the running checkpoint lasts; an event (`None`) only counts.
-    fn persist_if_in_flight(&mut self, channel: usize, buffer: Option<&Buffer>) {
+    fn persist_if_in_flight(
+        &mut self,
+        channel: usize,
+        buffer: Option<&Buffer>,
+    ) -> Result<(), GateError> {
         let Some(id) = self.current else {
-            return;
+            return Ok(());
         };
         match self.persist[channel] {
-            Persist::Done => return,
+            Persist::Done => return Ok(()),
             Persist::UntilBarrier => {}
             Persist::Next(n) => {
                 self.persist[channel] = if n > 1 {
@@ -317,8 +379,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             sink.add_input_data(id, channel, buffer.clone());
         }
         if self.persist[channel] == Persist::Done {
-            let _ = self.check_complete();
+            // Completing resumes the channels aligned barriers blocked, which can fail.
+            self.check_complete()?;
         }
+        Ok(())
     }
 
     fn start(&mut self, id: u64) {
@@ -351,6 +415,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     fn abort(&mut self) -> Result<(), GateError> {
         if let Some(id) = self.current {
+            if self.mode == AlignmentMode::Unaligned {
+                if let Some(sink) = &self.sink {
+                    sink.abort(id);
+                }
+            }
             self.finish_checkpoint(id)?;
         }
         Ok(())
@@ -361,12 +430,18 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         self.held_barrier = None;
         self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
         self.persist.iter_mut().for_each(|p| *p = Persist::Done);
+        // Every blocked channel is resumed, even after one fails: the first failure is the
+        // result.
+        let mut result = Ok(());
         for channel in std::mem::take(&mut self.blocked) {
             if !self.gate.is_channel_finished(channel) {
-                self.gate.resume_consumption(channel)?;
+                let resumed = self.gate.resume_consumption(channel);
+                if result.is_ok() {
+                    result = resumed;
+                }
             }
         }
-        Ok(())
+        result
     }
 }
 
@@ -402,5 +477,13 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
         self.gate.handle_timeout(now)
+    }
+
+    fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {
+        if self.mode == AlignmentMode::Unaligned {
+            self.sink.as_ref()
+        } else {
+            None
+        }
     }
 }

@@ -31,6 +31,7 @@ pub use remote::{
 pub use single::{ChannelSpec, GateCloser, GateMetrics, SingleInputGate};
 pub use union::UnionInputGate;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::buffer::{Buffer, PoolError};
@@ -189,10 +190,16 @@ pub trait InputGate {
     fn channel_count(&self) -> usize;
     /// True once every channel delivered EndOfPartition.
     fn is_finished(&self) -> bool;
-    /// Channels that have not delivered EndOfPartition.
+    /// True once `channel` delivered EndOfPartition.
     fn is_channel_finished(&self, channel: usize) -> bool;
     /// Retries due partition requests (`now` from the caller's clock).
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError>;
+    /// Where the in-flight data of unaligned checkpoints goes, for a gate that persists it
+    /// ([`CheckpointedInputGate`] in unaligned mode with a sink): a record reader on top hands
+    /// it the records it holds half-read when a barrier comes out.
+    fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {
+        None
+    }
 }
 
 fn partition_error(channel: usize, source: PartitionError) -> GateError {

@@ -112,6 +112,26 @@ impl<G: InputGate> RecordReader<G> {
         &mut self.gate
     }
 
+    /// A checkpoint barrier came out of the gate: for an unaligned checkpoint, the records
+    /// each channel's deserializer holds half-read are in flight too (their rest comes in the
+    /// buffers the gate persists from now on), so they go to the gate's channel-state sink
+    /// first, as Flink's `prepareSnapshot` writes each deserializer's unconsumed bytes. An
+    /// aligned barrier comes out with every channel at a barrier or ended, where no record is
+    /// half-read (a record never spans an event), so there is nothing then.
+    #[cold]
+    fn persist_unconsumed(&mut self, checkpoint_id: u64) {
+        let Some(sink) = self.gate.channel_state_sink() else {
+            return;
+        };
+        let mut bytes = Vec::new();
+        for (channel, deserializer) in self.deserializers.iter().enumerate() {
+            bytes.clear();
+            if deserializer.unconsumed_bytes(&mut bytes) {
+                sink.add_partial_record(checkpoint_id, channel, &bytes);
+            }
+        }
+    }
+
     /// Reads the next item; blocking as `wait` says.
     #[inline]
     fn read(&mut self, wait: Wait) -> Result<Option<ReaderItem<'_>>, ReaderError> {
@@ -166,6 +186,9 @@ impl<G: InputGate> RecordReader<G> {
                     self.current = Some(channel);
                 }
                 GateItem::Event { event, .. } => {
+                    if let Event::CheckpointBarrier(barrier) = &event {
+                        self.persist_unconsumed(barrier.id);
+                    }
                     if event == Event::EndOfPartition {
                         // A record begun and never ended means a truncated stream.
                         self.deserializers[channel]

@@ -1,6 +1,6 @@
 //! Reading records back out of a channel's buffers.
 
-use super::{decode_prefix, Prefix, RecordError, MAX_LENGTH_PREFIX};
+use super::{decode_prefix, encode_prefix, Prefix, RecordError, MAX_LENGTH_PREFIX};
 use crate::buffer::Buffer;
 
 /// Scratch capacity a deserializer keeps between spanning records.
@@ -206,6 +206,27 @@ impl RecordDeserializer {
                 .buffer
                 .as_ref()
                 .is_some_and(|b| b.len() > self.position)
+    }
+
+    /// Appends to `out` the bytes of the record begun and not finished, as they came on the
+    /// wire (its length prefix, then what arrived of it), and the unread rest of the current
+    /// buffer; false when there are none. What an unaligned checkpoint persists of the
+    /// channel's reader (Flink's `getUnconsumedBuffer`): fed to a fresh deserializer before the
+    /// channel's later buffers, they give the same records.
+    pub fn unconsumed_bytes(&self, out: &mut Vec<u8>) -> bool {
+        let start = out.len();
+        if let Some(len) = self.spanning {
+            let mut prefix = [0; MAX_LENGTH_PREFIX];
+            let prefix_bytes = encode_prefix(len as u32, &mut prefix);
+            out.extend_from_slice(&prefix[..prefix_bytes]);
+            out.extend_from_slice(&self.scratch);
+        } else {
+            out.extend_from_slice(&self.prefix[..self.prefix_len]);
+        }
+        if let Some(buffer) = &self.buffer {
+            out.extend_from_slice(&buffer.as_slice()[self.position..]);
+        }
+        out.len() > start
     }
 
     /// Fails with [`RecordError::Truncated`] if a record was begun and never finished.
