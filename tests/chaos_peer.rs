@@ -799,6 +799,17 @@ fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transpo
     });
     bad_magic[4] ^= 0xFF;
     peer.send(&bad_magic);
+    // Read only once the server has found the error with its socket still full: closed
+    // then, it lost the response (the epoll driver did, whenever it got there first).
+    let protocol_errors = || {
+        producer
+            .driver_stats()
+            .map_or(0, |stats| stats.protocol_errors)
+    };
+    assert!(
+        common::wait_until(LONG, || protocol_errors() > 0),
+        "the server found the bad frame"
+    );
     let messages = peer.read_until_closed();
     assert!(
         matches!(

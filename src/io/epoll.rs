@@ -92,6 +92,7 @@ impl EpollDriver {
             sleeps: 0,
             failed_accepts: 0,
             short_writes: 0,
+            protocol_errors: 0,
         };
         let thread = thread::Builder::new()
             .name("fluxgate-io-epoll".into())
@@ -121,7 +122,15 @@ struct Conn {
     peer: Option<(SocketAddr, usize)>,
     /// The TLS session between the socket and `connection`, when TLS is on.
     tls: Option<Box<TlsLink>>,
+    /// Set at a protocol error: input is discarded from then on, and the connection closes
+    /// once its queued writes (the ErrorResponse last) are out, or at this deadline.
+    close_by: Option<Instant>,
 }
+
+/// How long a connection closing after a protocol error may take to write the ErrorResponse
+/// it queued for its peer, behind what its socket already held (a peer that stopped reading
+/// fills it), before it is closed anyway.
+const ERROR_RESPONSE_LINGER: Duration = Duration::from_secs(5);
 
 /// What a TLS connection adds to a plain one.
 struct TlsLink {
@@ -186,6 +195,8 @@ struct Loop {
     failed_accepts: u64,
     /// `DriverStats::short_writes`: writes the send buffer took in part or not at all.
     short_writes: u64,
+    /// `DriverStats::protocol_errors`.
+    protocol_errors: u64,
 }
 
 impl super::ClientConnections for Loop {
@@ -333,6 +344,7 @@ impl Loop {
                     .values()
                     .filter_map(|c| c.tls.as_ref()?.deadline()),
             )
+            .chain(self.connections.values().filter_map(|c| c.close_by))
             .chain(self.refused.next_due())
             .chain(self.pending.next_overdue())
             .chain(self.accept_again_at)
@@ -352,6 +364,7 @@ impl Loop {
                         open_connections: self.connections.len() as u64,
                         failed_accepts: self.failed_accepts,
                         short_writes: self.short_writes,
+                        protocol_errors: self.protocol_errors,
                         ..super::DriverStats::default()
                     });
                 }
@@ -469,6 +482,7 @@ impl Loop {
                 connection: Connection::new(side, peer_addr),
                 peer,
                 tls,
+                close_by: None,
             },
         );
         Ok(token)
@@ -480,6 +494,12 @@ impl Loop {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
+        if conn.close_by.is_some() {
+            if !discard_input(&mut conn.stream) {
+                self.close(token);
+            }
+            return;
+        }
         if conn.tls.is_some() {
             self.read_tls(token, now);
             return;
@@ -503,9 +523,7 @@ impl Loop {
                             peer = ?conn.stream.peer_addr().ok(),
                             "protocol error; closing the connection"
                         );
-                        // Send the queued ErrorResponse if the socket takes it, then close.
-                        self.transmit(token, now);
-                        self.close(token);
+                        self.close_after_error(token, now);
                         return;
                     }
                     if n < asked && !closing {
@@ -536,6 +554,10 @@ impl Loop {
         let Some(conn) = self.connections.get_mut(&token) else {
             return;
         };
+        if conn.close_by.is_some_and(|by| now >= by) {
+            self.close_discarding_input(token);
+            return;
+        }
         if conn.tls.is_some() {
             self.transmit_tls(token, now);
             return;
@@ -586,9 +608,34 @@ impl Loop {
             return;
         }
         let conn = self.connections.get_mut(&token).expect("still present");
-        if conn.connection.is_closing() && !conn.connection.wants_write() {
+        if conn.close_by.is_some() && !conn.connection.wants_write() {
+            self.close_discarding_input(token);
+        } else if conn.connection.is_closing() && !conn.connection.wants_write() {
             self.close(token);
         }
+    }
+
+    /// A protocol error was found on `token`: the ErrorResponse its state machine queued must
+    /// still reach the peer, behind whatever the socket's send buffer holds, so the
+    /// connection stays until its writes are out (or [`ERROR_RESPONSE_LINGER`] passed),
+    /// reading and discarding what the peer sends meanwhile. Closed at once, it lost the
+    /// response whenever the socket was full.
+    fn close_after_error(&mut self, token: Token, now: Instant) {
+        self.protocol_errors += 1;
+        if let Some(conn) = self.connections.get_mut(&token) {
+            conn.close_by.get_or_insert(now + ERROR_RESPONSE_LINGER);
+        }
+        self.transmit(token, now);
+    }
+
+    /// Closes `token` after reading away what the socket still holds: a socket closed with
+    /// unread input sends a reset, and a reset can discard the ErrorResponse the peer has not
+    /// read yet.
+    fn close_discarding_input(&mut self, token: Token) {
+        if let Some(conn) = self.connections.get_mut(&token) {
+            discard_input(&mut conn.stream);
+        }
+        self.close(token);
     }
 
     /// Reads a TLS connection: ciphertext from the socket in large reads, into its session
@@ -660,8 +707,7 @@ impl Loop {
                         peer = ?stream.peer_addr().ok(),
                         "protocol error; closing the connection"
                     );
-                    self.transmit(token, now);
-                    self.close(token);
+                    self.close_after_error(token, now);
                     return;
                 }
                 // The peer's close_notify ends the stream as its EOF would: a peer that sends
@@ -756,12 +802,18 @@ impl Loop {
         }
         let conn = self.connections.get_mut(&token).expect("still present");
         let session = &mut conn.tls.as_mut().expect("a TLS connection").session;
-        if conn.connection.is_closing() && !conn.connection.wants_write() && !session.wants_write()
+        if (conn.connection.is_closing() || conn.close_by.is_some())
+            && !conn.connection.wants_write()
+            && !session.wants_write()
         {
             // Tells the peer the end is deliberate; best effort, as the close itself is.
             session.send_close_notify();
             let _ = session.write_tls(&mut conn.stream);
-            self.close(token);
+            if conn.close_by.is_some() {
+                self.close_discarding_input(token);
+            } else {
+                self.close(token);
+            }
         }
     }
 
@@ -806,6 +858,22 @@ impl Loop {
             conn.connection.on_lost("connection closed");
         }
     }
+}
+
+/// Reads and drops what `stream` holds now; false once the peer's end or an error came (the
+/// connection has nothing more to wait for). Bounded: at most 1 MiB per call.
+fn discard_input(stream: &mut TcpStream) -> bool {
+    let mut sink = [0u8; 16 * 1024];
+    for _ in 0..64 {
+        match stream.read(&mut sink) {
+            Ok(0) => return false,
+            Ok(_) => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    true
 }
 
 /// Hands the plaintext `session` decrypted to `connection`: straight into its read

@@ -190,6 +190,9 @@ pub struct DriverStats {
     /// Writes that completed with fewer bytes than asked for: the socket's send buffer was
     /// full (epoll counts a write refused with `WouldBlock` too).
     pub short_writes: u64,
+    /// Protocol errors found in what peers sent: each closes its connection once the
+    /// ErrorResponse queued for the peer is written.
+    pub protocol_errors: u64,
     /// Control bytes copied into a staging area before a write.
     pub copied_bytes: u64,
     /// Zero-copy sends submitted (`SendZc` / `SendMsgZc`).

@@ -1568,6 +1568,7 @@ impl Loop {
                     // Send the queued ErrorResponse if the socket takes it, then close.
                     conn.stop_reading = true;
                     conn.close_after_write = true;
+                    self.stats.protocol_errors += 1;
                 }
                 if full {
                     // `read_on` reads it again this turn (unless it stopped reading above).
