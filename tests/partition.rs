@@ -272,6 +272,41 @@ fn a_record_whose_encoding_fails_within_a_segment_sends_nothing() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+#[test]
+fn a_record_failing_after_its_prefix_filled_a_segment_keeps_the_stream_framed() {
+    // The prefix fills the segment exactly, so writing the record's body publishes it: the
+    // record can no longer be taken back. It is padded to its declared length instead, and
+    // the records around it stay readable.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    // 4094 bytes with its 2-byte prefix leave 0; 4092 leave 2: the next prefix's size.
+    partition.emit_record(&[1u8; 4092][..], 0).unwrap();
+    let failed = FailingRecord {
+        declared: 200,
+        written: 100,
+    };
+    assert!(partition.emit_record(&failed, 0).is_err());
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    partition.flush(0);
+    let mut reader = RecordDeserializer::new(1 << 20);
+    let mut lengths = Vec::new();
+    for _ in 0..3 {
+        let Some(item) = view.poll_next() else { break };
+        reader.set_next_buffer(item.buffer.clone()).unwrap();
+        while let Some(record) = reader.next_record().unwrap() {
+            lengths.push(record.len());
+        }
+    }
+    assert_eq!(
+        lengths,
+        [4092, 200, 5],
+        "every record whole, the failed one padded"
+    );
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 fn barrier(id: u64, alignment: Alignment) -> Event {
     Event::CheckpointBarrier(CheckpointBarrier {
         id,

@@ -211,7 +211,9 @@ impl<S: SegmentSink> RecordOutput<'_, S> {
             let builder = self.sink.writable()?;
             let n = builder.append(bytes);
             bytes = &bytes[n..];
-            self.crossed |= !bytes.is_empty();
+            // A full builder is finished (published, uncommitted bytes and all) by the next
+            // `writable`, which this record or its `encode` may ask for.
+            self.crossed |= builder.remaining() == 0;
         }
         Ok(())
     }
