@@ -929,9 +929,11 @@ fn a_late_barrier_does_not_drop_the_barrier_held_for_the_running_alignment() {
 }
 
 /// In unaligned mode a channel may bring an aligned barrier of the same checkpoint (Flink's
-/// forced-aligned barriers, of point-wise inputs): it counts as that channel's barrier, its
-/// channel blocks until the checkpoint completes, and the task sees the checkpoint's barrier
-/// once, at the first barrier of either kind. Both orders.
+/// forced-aligned barriers, of point-wise inputs). Unaligned barrier first: the checkpoint
+/// triggers at once, and the aligned barrier's channel blocks until it completes. Aligned
+/// barrier first: the checkpoint aligns, and turns unaligned (triggering, and resuming the
+/// blocked channel) at the unaligned barrier. Either way the task sees the checkpoint's
+/// barrier once.
 #[test]
 fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_order() {
     for aligned_first in [false, true] {
@@ -954,21 +956,23 @@ fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_ord
             b.emit_record(&b"after"[..], 0).unwrap();
             b.flush(0);
         };
-        let first = if aligned_first {
-            send_aligned(&mut b);
-            next_item(&mut checkpointed)
-        } else {
-            send_unaligned();
-            next_item(&mut checkpointed)
-        };
-        assert!(
-            matches!(event(&first.item), Event::CheckpointBarrier(b) if b.id == 7),
-            "the first barrier of either kind starts the checkpoint"
-        );
-        assert_eq!(checkpointed.pending_checkpoint(), Some(7));
         if aligned_first {
-            send_unaligned();
-        } else {
+            send_aligned(&mut b);
+            assert!(
+                checkpointed.poll_next().unwrap().is_none(),
+                "an aligned barrier aligns: nothing comes out yet"
+            );
+            assert_eq!(checkpointed.pending_checkpoint(), Some(7));
+        }
+        send_unaligned();
+        let first = next_item(&mut checkpointed);
+        assert_eq!(
+            event(&first.item),
+            &barrier(7, Alignment::Unaligned),
+            "the unaligned barrier triggers the checkpoint"
+        );
+        if !aligned_first {
+            assert_eq!(checkpointed.pending_checkpoint(), Some(7));
             send_aligned(&mut b);
         }
         let after = next_item(&mut checkpointed);
@@ -986,6 +990,44 @@ fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_ord
         drop((first, after, checkpointed, a, b));
         assert!(f.all_segments_back());
     }
+}
+
+/// With unaligned checkpoints on, a checkpoint whose barriers are all aligned ones (a
+/// savepoint, say) still aligns: its barrier comes out once every channel delivered it, and
+/// no channel state is persisted for it.
+#[test]
+fn an_all_aligned_checkpoint_aligns_in_unaligned_mode() {
+    let f = fixture();
+    let mut a = f.producer(46, 1);
+    let mut b = f.producer(47, 1);
+    let mut gate = f.gate(&[(46, 0), (47, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let sink = Arc::new(Sink::default());
+    let mut checkpointed =
+        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    a.broadcast_event(&barrier(8, Alignment::Aligned), false)
+        .unwrap();
+    a.emit_record(&b"a-after"[..], 0).unwrap();
+    a.flush(0);
+    b.emit_record(&b"b-before"[..], 0).unwrap();
+    b.flush(0);
+    let before = next_item(&mut checkpointed);
+    assert_eq!(
+        (before.channel, data(&before.item)),
+        (1, common::framed_record(b"b-before")),
+        "channel 0 is blocked at its barrier; channel 1's data before its barrier comes"
+    );
+    assert!(checkpointed.poll_next().unwrap().is_none());
+    b.broadcast_event(&barrier(8, Alignment::Aligned), false)
+        .unwrap();
+    let aligned = next_item(&mut checkpointed);
+    assert_eq!(event(&aligned.item), &barrier(8, Alignment::Aligned));
+    let after = next_item(&mut checkpointed);
+    assert_eq!(data(&after.item), common::framed_record(b"a-after"));
+    assert!(sink.data.lock().unwrap().is_empty(), "nothing persisted");
+    assert!(sink.complete.lock().unwrap().is_empty());
+    drop((before, aligned, after, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 /// A newer barrier aborts the checkpoint running: the task hears of it as a

@@ -15,11 +15,14 @@ pub enum AlignmentMode {
     /// A channel that delivered barrier n is blocked until every channel did; then all resume
     /// and the barrier is handed to the task once.
     Aligned,
-    /// The first barrier n of any kind triggers the checkpoint at once (Flink's unaligned
-    /// handler); data received before each channel's barrier goes to the channel-state sink,
-    /// by reference. A channel whose barrier is an aligned one (`ForcedAligned`, say, for a
-    /// point-wise input, or a savepoint's) blocks at it until the checkpoint completes: its
-    /// data before the barrier was persisted as it was read.
+    /// Unaligned checkpoints enabled (Flink's alternating handler, which its tasks use then):
+    /// a checkpoint whose barriers are aligned ones (a savepoint's, or `ForcedAligned` ones of
+    /// point-wise inputs) aligns as in [`Aligned`](AlignmentMode::Aligned); its first
+    /// unaligned barrier triggers it at once, or turns its alignment unaligned (the channels
+    /// blocked so far resume); from then on data received before each channel's barrier goes
+    /// to the channel-state sink, by reference, and a channel whose barrier is an aligned one
+    /// blocks at it until the checkpoint completes (its data before the barrier was persisted
+    /// as it was read).
     Unaligned,
 }
 
@@ -35,7 +38,8 @@ pub trait ChannelStateSink: Send + Sync {
     /// checkpoint `checkpoint_id` started (its length prefix and the part received; Flink's
     /// `getUnconsumedBuffer`): the rest follows in the channel's in-flight buffers.
     fn add_partial_record(&self, checkpoint_id: u64, channel: usize, bytes: &[u8]);
-    /// Every channel's in-flight data of `checkpoint_id` was handed over.
+    /// Every channel's in-flight data of the unaligned checkpoint `checkpoint_id` was handed
+    /// over (a checkpoint that stayed aligned has none, and is not reported).
     fn input_complete(&self, checkpoint_id: u64);
     /// Checkpoint `checkpoint_id` was aborted (a newer one subsumed it, or a cancellation
     /// marker came): what was handed over for it can go.
@@ -66,6 +70,8 @@ pub struct CheckpointedInputGate<G> {
     /// Channels blocked behind an aligned barrier.
     blocked: Vec<usize>,
     persist: Vec<Persist>,
+    /// The running checkpoint is unaligned: it persists in-flight data.
+    unaligned: bool,
     /// The barrier of the aligned checkpoint in progress (and a channel it came on): when the
     /// alignment completes because a channel ended rather than on a barrier, this is the
     /// barrier the task sees, so it still forwards it downstream.
@@ -98,6 +104,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             barrier_seen: vec![false; channels],
             blocked: Vec::new(),
             persist: vec![Persist::Done; channels],
+            unaligned: false,
             held_barrier: None,
             deferred: None,
         }
@@ -189,15 +196,18 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 ..
             } => {
                 let id = barrier.id;
-                if self.mode == AlignmentMode::Unaligned {
-                    // An aligned barrier read in order blocked its channel behind it.
-                    let blocks = barrier.alignment != Alignment::Unaligned;
-                    let aborted = self.current.filter(|&current| id > current);
+                let aborted = self.current.filter(|&current| id > current);
+                // An aligned barrier read in order blocked its channel behind it.
+                let blocks = barrier.alignment != Alignment::Unaligned;
+                // The unaligned path: an unaligned barrier, or an aligned one of the running
+                // unaligned checkpoint. Any other aligned barrier aligns.
+                let unaligned = self.mode == AlignmentMode::Unaligned
+                    && (!blocks || (self.unaligned && self.current == Some(id)));
+                if unaligned {
                     let surface = self.on_unaligned_barrier(id, channel, item.overtaken, blocks)?;
                     Ok(self.with_abort_notice(aborted, channel, surface.then_some(item)))
                 } else {
                     let barrier = *barrier;
-                    let aborted = self.current.filter(|&current| id > current);
                     let surface = self.on_aligned_barrier(id, channel)?;
                     // Held while this checkpoint aligns, for a completion by a channel's end.
                     // Only a barrier of the aligning checkpoint sets it: a late one of an
@@ -278,9 +288,9 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         self.check_complete()
     }
 
-    /// In unaligned mode, a barrier of either kind; `blocks`: an aligned one, which blocked
-    /// its channel. Returns whether the barrier is handed to the task (the first one of a
-    /// checkpoint).
+    /// In unaligned mode, an unaligned barrier, or (`blocks`) an aligned one of the running
+    /// unaligned checkpoint, which blocked its channel. Returns whether the barrier is handed
+    /// to the task: the one that triggers the checkpoint, or turns its alignment unaligned.
     fn on_unaligned_barrier(
         &mut self,
         id: u64,
@@ -299,16 +309,25 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if self.current.is_some_and(|current| id > current) {
             self.abort()?;
         }
-        let first = self.current.is_none();
+        let first = !self.unaligned;
         if first {
-            self.start(id);
-            for (c, persist) in self.persist.iter_mut().enumerate() {
-                *persist = if self.gate.is_channel_finished(c) {
+            if self.current.is_none() {
+                self.start(id);
+            }
+            // Triggered now: what each channel sends until its barrier is in flight. A channel
+            // whose aligned barrier came already has none; the alignment blocked it, and it
+            // resumes (its data after the barrier belongs after the checkpoint), as Flink's
+            // handler unblocks every channel when it turns unaligned.
+            self.unaligned = true;
+            self.held_barrier = None;
+            for c in 0..self.persist.len() {
+                self.persist[c] = if self.barrier_seen[c] || self.gate.is_channel_finished(c) {
                     Persist::Done
                 } else {
                     Persist::UntilBarrier
                 };
             }
+            self.resume_blocked()?;
         }
         if blocks && !self.barrier_seen[channel] {
             self.blocked.push(channel);
@@ -387,6 +406,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     fn start(&mut self, id: u64) {
         self.current = Some(id);
+        self.unaligned = false;
         self.barrier_seen.iter_mut().for_each(|seen| *seen = false);
     }
 
@@ -401,7 +421,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if !all_seen {
             return Ok(false);
         }
-        if self.mode == AlignmentMode::Unaligned {
+        if self.unaligned {
             if self.persist.iter().any(|p| *p != Persist::Done) {
                 return Ok(false);
             }
@@ -415,7 +435,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     fn abort(&mut self) -> Result<(), GateError> {
         if let Some(id) = self.current {
-            if self.mode == AlignmentMode::Unaligned {
+            if self.unaligned {
                 if let Some(sink) = &self.sink {
                     sink.abort(id);
                 }
@@ -427,11 +447,15 @@ impl<G: InputGate> CheckpointedInputGate<G> {
 
     fn finish_checkpoint(&mut self, id: u64) -> Result<(), GateError> {
         self.current = None;
+        self.unaligned = false;
         self.held_barrier = None;
         self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
         self.persist.iter_mut().for_each(|p| *p = Persist::Done);
-        // Every blocked channel is resumed, even after one fails: the first failure is the
-        // result.
+        self.resume_blocked()
+    }
+
+    /// Resumes every blocked channel, even after one fails: the first failure is the result.
+    fn resume_blocked(&mut self) -> Result<(), GateError> {
         let mut result = Ok(());
         for channel in std::mem::take(&mut self.blocked) {
             if !self.gate.is_channel_finished(channel) {

@@ -495,8 +495,19 @@ impl Loop {
             return;
         };
         if conn.close_by.is_some() {
-            if !discard_input(&mut conn.stream) {
-                self.close(token);
+            match discard_input(&mut conn.stream) {
+                // The peer's end: nothing more to read, but the ErrorResponse may still be
+                // on its way out (`transmit` or the deadline closes).
+                Discarded::Drained | Discarded::Ended => {}
+                Discarded::More => {
+                    // Edge-triggered: ask again for what is left.
+                    let _ = self.poll.registry().reregister(
+                        &mut conn.stream,
+                        token,
+                        Interest::READABLE | Interest::WRITABLE,
+                    );
+                }
+                Discarded::Failed => self.close(token),
             }
             return;
         }
@@ -860,20 +871,31 @@ impl Loop {
     }
 }
 
-/// Reads and drops what `stream` holds now; false once the peer's end or an error came (the
-/// connection has nothing more to wait for). Bounded: at most 1 MiB per call.
-fn discard_input(stream: &mut TcpStream) -> bool {
+/// What [`discard_input`] left.
+enum Discarded {
+    /// Everything the socket held.
+    Drained,
+    /// Its bound was reached with input left.
+    More,
+    /// The peer's end came.
+    Ended,
+    /// The socket failed.
+    Failed,
+}
+
+/// Reads and drops what `stream` holds now. Bounded: at most 1 MiB per call.
+fn discard_input(stream: &mut TcpStream) -> Discarded {
     let mut sink = [0u8; 16 * 1024];
     for _ in 0..64 {
         match stream.read(&mut sink) {
-            Ok(0) => return false,
+            Ok(0) => return Discarded::Ended,
             Ok(_) => {}
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => return Discarded::Drained,
             Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
+            Err(_) => return Discarded::Failed,
         }
     }
-    true
+    Discarded::More
 }
 
 /// Hands the plaintext `session` decrypted to `connection`: straight into its read
