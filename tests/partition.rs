@@ -307,6 +307,27 @@ fn a_record_failing_after_its_prefix_filled_a_segment_keeps_the_stream_framed() 
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+#[test]
+fn an_aligned_barrier_is_refused_as_a_priority_event() {
+    // It would not block its channel, so records after it would reach the consumer before the
+    // alignment ends.
+    let (network, config) = setup(16);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    for alignment in [Alignment::Aligned, Alignment::ForcedAligned] {
+        assert_eq!(
+            partition.broadcast_event(&barrier(1, alignment), true),
+            Err(PartitionError::PriorityAlignedBarrier)
+        );
+    }
+    assert!(view.poll_next().is_none(), "nothing was queued");
+    partition
+        .broadcast_event(&barrier(1, Alignment::Unaligned), true)
+        .unwrap();
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 fn barrier(id: u64, alignment: Alignment) -> Event {
     Event::CheckpointBarrier(CheckpointBarrier {
         id,

@@ -110,4 +110,10 @@ pub enum PartitionError {
     /// An event could not be written.
     #[error(transparent)]
     Event(#[from] EventError),
+    /// An aligned checkpoint barrier was to be broadcast as a priority event: it would not
+    /// block its channels, and records after it would reach the consumer before the alignment
+    /// ends. Only unaligned barriers overtake data (Flink derives the priority from the
+    /// barrier's options).
+    #[error("an aligned checkpoint barrier cannot be a priority event")]
+    PriorityAlignedBarrier,
 }

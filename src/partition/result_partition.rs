@@ -316,6 +316,12 @@ impl ResultPartition {
     /// overtakes queued data instead.
     pub fn broadcast_event(&mut self, event: &Event, priority: bool) -> Result<(), PartitionError> {
         self.check_writable()?;
+        if priority
+            && matches!(event, Event::CheckpointBarrier(barrier)
+                if barrier.alignment != crate::event::Alignment::Unaligned)
+        {
+            return Err(PartitionError::PriorityAlignedBarrier);
+        }
         self.finish_unicast_builders();
         self.finish_broadcast_builder();
         let mut builder = self.event_builder(priority)?;
