@@ -40,6 +40,16 @@ pub enum EventError {
     /// The event does not fit into one buffer.
     #[error("event of {0} bytes does not fit into a buffer")]
     TooLarge(usize),
+    /// The event came in a buffer of a type it is never sent as (an aligned barrier as a
+    /// priority event, or in an event buffer that does not block its channel; an unaligned one
+    /// in a blocking buffer): the channel's blocking would not match what the barrier says.
+    #[error("event {event} in a buffer of type {data_type:?}")]
+    WrongBufferType {
+        /// The event's tag.
+        event: &'static str,
+        /// The buffer's type.
+        data_type: crate::buffer::DataType,
+    },
 }
 
 /// Checkpoint or savepoint.
@@ -132,6 +142,35 @@ impl Event {
             },
             Event::EndOfChannelState => DataType::RecoveryCompletion,
             _ => DataType::EventBuffer,
+        }
+    }
+
+    /// Checks that the event came as the writer sends it, in a buffer of `data_type`: a barrier
+    /// that blocks its channel must say it is aligned, and one that overtook data that it is
+    /// unaligned, or a consumer's alignment would wait for a channel that never blocked, or
+    /// never resume one that did.
+    pub fn check_buffer_type(&self, data_type: crate::buffer::DataType) -> Result<(), EventError> {
+        let priority = data_type.has_priority();
+        let aligned_barrier =
+            matches!(self, Event::CheckpointBarrier(b) if b.alignment != Alignment::Unaligned);
+        if self.data_type(priority) != data_type || (priority && aligned_barrier) {
+            return Err(EventError::WrongBufferType {
+                event: self.name(),
+                data_type,
+            });
+        }
+        Ok(())
+    }
+
+    /// The event's name, for errors.
+    fn name(&self) -> &'static str {
+        match self {
+            Event::EndOfPartition => "EndOfPartition",
+            Event::CheckpointBarrier(_) => "CheckpointBarrier",
+            Event::CancelCheckpointMarker(_) => "CancelCheckpointMarker",
+            Event::EndOfData(_) => "EndOfData",
+            Event::EndOfChannelState => "EndOfChannelState",
+            Event::Task(_) => "Task",
         }
     }
 

@@ -1107,3 +1107,37 @@ fn an_async_read_that_waited_books_idle_time() {
     drop(gate);
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
+
+#[test]
+fn a_barrier_in_a_buffer_of_the_wrong_type_fails_the_read() {
+    // An unaligned barrier in a blocking buffer would block its channel with no alignment to
+    // resume it; an aligned one as a priority event would be aligned on a channel that never
+    // blocked. Either is the sender's fault: a typed error, and nothing leaks.
+    let aligned = Event::CheckpointBarrier(CheckpointBarrier {
+        id: 3,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Aligned,
+    });
+    for (event, data_type) in [
+        (barrier(3), DataType::AlignedCheckpointBarrier),
+        (aligned.clone(), DataType::PrioritizedEventBuffer),
+        (aligned, DataType::EventBuffer),
+    ] {
+        let f = fixture();
+        let mut gate = f.remote_gate(1);
+        let (shared, _) = attach(&gate, 0);
+        let mut sender = Sender::new(&shared);
+        sender.send(&encoded(&event), data_type, 0).unwrap();
+        match gate.next_timeout(LONG) {
+            Err(GateError::Event {
+                channel: 0,
+                source: fluxgate::event::EventError::WrongBufferType { .. },
+            }) => {}
+            other => panic!("{event:?} as {data_type:?}: {other:?}"),
+        }
+        gate.close();
+        drop(gate);
+        assert_eq!(f.network.available_segments(), f.network.total_segments());
+    }
+}

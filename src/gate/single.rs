@@ -450,10 +450,12 @@ impl SingleInputGate {
         let item = if data_type.is_buffer() {
             GateItem::Buffer(buffer)
         } else {
-            let event = Event::decode(buffer.as_slice()).map_err(|source| GateError::Event {
-                channel: index,
-                source,
-            })?;
+            let event = Event::decode(buffer.as_slice())
+                .and_then(|event| event.check_buffer_type(data_type).map(|()| event))
+                .map_err(|source| GateError::Event {
+                    channel: index,
+                    source,
+                })?;
             GateItem::Event {
                 event,
                 priority: data_type.has_priority(),
