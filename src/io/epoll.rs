@@ -21,8 +21,8 @@ use mio::{Events, Interest, Poll, Token};
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
-    client_for, refuse_connection, BusyPoll, Command, DriverHandle, IoWaker, PendingConnects,
-    RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
+    client_for, discard_input, refuse_connection, BusyPoll, Command, Discarded, DriverHandle,
+    IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -869,33 +869,6 @@ impl Loop {
             conn.connection.on_lost("connection closed");
         }
     }
-}
-
-/// What [`discard_input`] left.
-enum Discarded {
-    /// Everything the socket held.
-    Drained,
-    /// Its bound was reached with input left.
-    More,
-    /// The peer's end came.
-    Ended,
-    /// The socket failed.
-    Failed,
-}
-
-/// Reads and drops what `stream` holds now. Bounded: at most 1 MiB per call.
-fn discard_input(stream: &mut TcpStream) -> Discarded {
-    let mut sink = [0u8; 16 * 1024];
-    for _ in 0..64 {
-        match stream.read(&mut sink) {
-            Ok(0) => return Discarded::Ended,
-            Ok(_) => {}
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => return Discarded::Drained,
-            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return Discarded::Failed,
-        }
-    }
-    Discarded::More
 }
 
 /// Hands the plaintext `session` decrypted to `connection`: straight into its read

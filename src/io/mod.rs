@@ -91,6 +91,37 @@ impl DriverConfig {
     }
 }
 
+/// What [`discard_input`] left.
+pub(crate) enum Discarded {
+    /// Everything the socket held.
+    Drained,
+    /// Its bound was reached with input left.
+    More,
+    /// The peer's end came.
+    Ended,
+    /// The socket failed.
+    Failed,
+}
+
+/// Reads and drops what the socket holds now, without waiting (both drivers, for a connection
+/// closing after a protocol error: a socket closed with unread input sends a reset, and a
+/// reset can discard the ErrorResponse its peer has not read yet). Bounded: at most 1 MiB
+/// per call.
+pub(crate) fn discard_input(stream: &impl std::os::fd::AsFd) -> Discarded {
+    let socket = socket2::SockRef::from(stream);
+    let mut sink = [std::mem::MaybeUninit::<u8>::uninit(); 16 * 1024];
+    for _ in 0..64 {
+        match socket.recv_with_flags(&mut sink, libc::MSG_DONTWAIT) {
+            Ok(0) => return Discarded::Ended,
+            Ok(_) => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => return Discarded::Drained,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Discarded::Failed,
+        }
+    }
+    Discarded::More
+}
+
 /// Logs a connection refused because the server has `max_connections` open (both drivers).
 pub(crate) fn refuse_connection(peer: Option<SocketAddr>, open: usize, max_connections: usize) {
     tracing::warn!(

@@ -1679,6 +1679,11 @@ impl Loop {
             self.accepted -= 1;
         }
         let reason = conn.closing.take().unwrap_or_default();
+        if conn.close_after_write {
+            // A protocol error: its ErrorResponse is written; read away what the peer sent
+            // meanwhile, so the close is no reset that could drop the response unread.
+            super::discard_input(&conn.stream);
+        }
         conn.connection.on_lost(&reason);
         if !conn.zc_pending.is_empty() {
             // Zero-copy sends not notified yet may still read these segments (until the
