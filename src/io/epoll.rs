@@ -495,7 +495,7 @@ impl Loop {
             return;
         };
         if conn.close_by.is_some() {
-            match discard_input(&mut conn.stream) {
+            match discard_input(&conn.stream) {
                 // The peer's end: nothing more to read, but the ErrorResponse may still be
                 // on its way out (`transmit` or the deadline closes).
                 Discarded::Drained | Discarded::Ended => {}
@@ -644,7 +644,7 @@ impl Loop {
     /// read yet.
     fn close_discarding_input(&mut self, token: Token) {
         if let Some(conn) = self.connections.get_mut(&token) {
-            discard_input(&mut conn.stream);
+            discard_input(&conn.stream);
         }
         self.close(token);
     }
