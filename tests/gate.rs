@@ -992,6 +992,46 @@ fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_ord
     }
 }
 
+/// An alignment that turns unaligned keeps the channels it blocked blocked until the
+/// checkpoint completes, as Flink's handler does: resumed at the switch, such a channel could
+/// bring the next checkpoint's barrier and abort this one.
+#[test]
+fn an_alignment_turning_unaligned_keeps_its_blocked_channels_until_the_checkpoint_completes() {
+    let f = fixture();
+    let mut a = f.producer(48, 1);
+    let mut b = f.producer(49, 1);
+    let mut c = f.producer(50, 1);
+    let mut gate = f.gate(&[(48, 0), (49, 0), (50, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let sink = Arc::new(Sink::default());
+    let mut checkpointed =
+        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    a.broadcast_event(&barrier(5, Alignment::ForcedAligned), false)
+        .unwrap();
+    a.emit_record(&b"a-after"[..], 0).unwrap();
+    a.flush(0);
+    assert!(checkpointed.poll_next().unwrap().is_none(), "5 aligns");
+    b.broadcast_event(&barrier(5, Alignment::Unaligned), true)
+        .unwrap();
+    let triggered = next_item(&mut checkpointed);
+    assert_eq!(event(&triggered.item), &barrier(5, Alignment::Unaligned));
+    assert!(
+        checkpointed.poll_next().unwrap().is_none(),
+        "channel 0 stays blocked while channel 2's barrier is missing"
+    );
+    c.broadcast_event(&barrier(5, Alignment::Unaligned), true)
+        .unwrap();
+    let after = next_item(&mut checkpointed);
+    assert_eq!(
+        (after.channel, data(&after.item)),
+        (0, common::framed_record(b"a-after"))
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), vec![5]);
+    assert!(sink.aborted.lock().unwrap().is_empty());
+    drop((triggered, after, checkpointed, a, b, c));
+    assert!(f.all_segments_back());
+}
+
 /// With unaligned checkpoints on, a checkpoint whose barriers are all aligned ones (a
 /// savepoint, say) still aligns: its barrier comes out once every channel delivered it, and
 /// no channel state is persisted for it.

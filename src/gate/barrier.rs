@@ -19,10 +19,10 @@ pub enum AlignmentMode {
     /// a checkpoint whose barriers are aligned ones (a savepoint's, or `ForcedAligned` ones of
     /// point-wise inputs) aligns as in [`Aligned`](AlignmentMode::Aligned); its first
     /// unaligned barrier triggers it at once, or turns its alignment unaligned (the channels
-    /// blocked so far resume); from then on data received before each channel's barrier goes
-    /// to the channel-state sink, by reference, and a channel whose barrier is an aligned one
-    /// blocks at it until the checkpoint completes (its data before the barrier was persisted
-    /// as it was read).
+    /// blocked so far stay blocked until it completes); from then on data received before
+    /// each channel's barrier goes to the channel-state sink, by reference, and a channel
+    /// whose barrier is an aligned one blocks at it until the checkpoint completes (its data
+    /// before the barrier was persisted as it was read).
     Unaligned,
 }
 
@@ -315,9 +315,9 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 self.start(id);
             }
             // Triggered now: what each channel sends until its barrier is in flight. A channel
-            // whose aligned barrier came already has none; the alignment blocked it, and it
-            // resumes (its data after the barrier belongs after the checkpoint), as Flink's
-            // handler unblocks every channel when it turns unaligned.
+            // whose aligned barrier came already has none; it stays blocked until the
+            // checkpoint completes, as in Flink's handler, which keeps its channel state when
+            // it turns unaligned.
             self.unaligned = true;
             self.held_barrier = None;
             for c in 0..self.persist.len() {
@@ -327,9 +327,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                     Persist::UntilBarrier
                 };
             }
-            self.resume_blocked()?;
         }
-        if blocks && !self.barrier_seen[channel] {
+        // Not "barrier not seen yet": a peer that sends an aligned barrier after the channel's
+        // unaligned one blocks the channel too, and it must resume with the others.
+        if blocks && !self.blocked.contains(&channel) {
             self.blocked.push(channel);
         }
         self.barrier_seen[channel] = true;

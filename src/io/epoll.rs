@@ -644,7 +644,7 @@ impl Loop {
     /// read yet.
     fn close_discarding_input(&mut self, token: Token) {
         if let Some(conn) = self.connections.get_mut(&token) {
-            discard_input(&conn.stream);
+            super::discard_input_before_close(&conn.stream);
         }
         self.close(token);
     }

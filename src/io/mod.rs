@@ -122,6 +122,16 @@ pub(crate) fn discard_input(stream: &impl std::os::fd::AsFd) -> Discarded {
     Discarded::More
 }
 
+/// [`discard_input`] until the socket is drained, for a close: at most 8 MiB (a receive
+/// buffer's autotuned size is 6 MiB by default), so only a peer still flooding leaves input.
+pub(crate) fn discard_input_before_close(stream: &impl std::os::fd::AsFd) {
+    for _ in 0..8 {
+        if !matches!(discard_input(stream), Discarded::More) {
+            return;
+        }
+    }
+}
+
 /// Logs a connection refused because the server has `max_connections` open (both drivers).
 pub(crate) fn refuse_connection(peer: Option<SocketAddr>, open: usize, max_connections: usize) {
     tracing::warn!(

@@ -1682,7 +1682,7 @@ impl Loop {
         if conn.close_after_write {
             // A protocol error: its ErrorResponse is written; read away what the peer sent
             // meanwhile, so the close is no reset that could drop the response unread.
-            super::discard_input(&conn.stream);
+            super::discard_input_before_close(&conn.stream);
         }
         conn.connection.on_lost(&reason);
         if !conn.zc_pending.is_empty() {
