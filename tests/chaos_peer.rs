@@ -26,7 +26,7 @@ use std::time::Duration;
 use fluxgate::config::{SecretError, SECRET_ENV};
 use fluxgate::env::EnvError;
 use fluxgate::gate::{ConsumedSubpartition, GateError, ReaderError, ReaderItem, RecordReader};
-use fluxgate::io::Transport;
+use fluxgate::io::{DriverStats, Transport};
 use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
 use fluxgate::protocol::auth::{Nonce, Transcript};
 use fluxgate::protocol::frame::{
@@ -783,13 +783,9 @@ fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transpo
         receiver: ReceiverId(1),
         credit: 1 << 20,
     }));
-    let short_writes = || {
-        producer
-            .driver_stats()
-            .map_or(0, |stats| stats.short_writes)
-    };
+    let stat = |pick: fn(&DriverStats) -> u64| producer.driver_stats().map_or(0, |s| pick(&s));
     assert!(
-        common::wait_until(LONG, || short_writes() > 0),
+        common::wait_until(LONG, || stat(|s| s.short_writes) > 0),
         "the server's writes fill the socket"
     );
     // A frame with a bad magic: the server finds it while its write is stuck.
@@ -801,13 +797,8 @@ fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transpo
     peer.send(&bad_magic);
     // Read only once the server has found the error with its socket still full: closed
     // then, it lost the response (the epoll driver did, whenever it got there first).
-    let protocol_errors = || {
-        producer
-            .driver_stats()
-            .map_or(0, |stats| stats.protocol_errors)
-    };
     assert!(
-        common::wait_until(LONG, || protocol_errors() > 0),
+        common::wait_until(LONG, || stat(|s| s.protocol_errors) > 0),
         "the server found the bad frame"
     );
     let messages = peer.read_until_closed();

@@ -524,6 +524,26 @@ impl ChannelStateSink for Sink {
     }
 }
 
+/// `N` producers, partitions `first..first + N` of one subpartition each, and an unaligned
+/// checkpointed gate of one local channel per producer, requested, with its sink.
+fn unaligned_gate<const N: usize>(
+    f: &Fixture,
+    first: u64,
+) -> (
+    [ResultPartition; N],
+    CheckpointedInputGate<SingleInputGate>,
+    Arc<Sink>,
+) {
+    let producers = std::array::from_fn(|i| f.producer(first + i as u64, 1));
+    let consumed: Vec<(u64, usize)> = (0..N as u64).map(|i| (first + i, 0)).collect();
+    let mut gate = f.gate(&consumed, ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let sink = Arc::new(Sink::default());
+    let checkpointed =
+        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    (producers, checkpointed, sink)
+}
+
 impl Sink {
     /// The channel state of `channel` for `checkpoint`, as one byte stream in order.
     fn channel_state(&self, checkpoint: u64, channel: usize) -> Vec<u8> {
@@ -938,13 +958,7 @@ fn a_late_barrier_does_not_drop_the_barrier_held_for_the_running_alignment() {
 fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_order() {
     for aligned_first in [false, true] {
         let f = fixture();
-        let mut a = f.producer(40, 1);
-        let mut b = f.producer(41, 1);
-        let mut gate = f.gate(&[(40, 0), (41, 0)], ChannelLocation::Local);
-        gate.request_partitions(Instant::now()).unwrap();
-        let sink = Arc::new(Sink::default());
-        let mut checkpointed =
-            CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+        let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 40);
         let mut send_unaligned = || {
             a.broadcast_event(&barrier(7, Alignment::Unaligned), true)
                 .unwrap()
@@ -998,14 +1012,7 @@ fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_ord
 #[test]
 fn an_alignment_turning_unaligned_keeps_its_blocked_channels_until_the_checkpoint_completes() {
     let f = fixture();
-    let mut a = f.producer(48, 1);
-    let mut b = f.producer(49, 1);
-    let mut c = f.producer(50, 1);
-    let mut gate = f.gate(&[(48, 0), (49, 0), (50, 0)], ChannelLocation::Local);
-    gate.request_partitions(Instant::now()).unwrap();
-    let sink = Arc::new(Sink::default());
-    let mut checkpointed =
-        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    let ([mut a, mut b, mut c], mut checkpointed, sink) = unaligned_gate(&f, 48);
     a.broadcast_event(&barrier(5, Alignment::ForcedAligned), false)
         .unwrap();
     a.emit_record(&b"a-after"[..], 0).unwrap();
@@ -1038,13 +1045,7 @@ fn an_alignment_turning_unaligned_keeps_its_blocked_channels_until_the_checkpoin
 #[test]
 fn an_all_aligned_checkpoint_aligns_in_unaligned_mode() {
     let f = fixture();
-    let mut a = f.producer(46, 1);
-    let mut b = f.producer(47, 1);
-    let mut gate = f.gate(&[(46, 0), (47, 0)], ChannelLocation::Local);
-    gate.request_partitions(Instant::now()).unwrap();
-    let sink = Arc::new(Sink::default());
-    let mut checkpointed =
-        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 46);
     a.broadcast_event(&barrier(8, Alignment::Aligned), false)
         .unwrap();
     a.emit_record(&b"a-after"[..], 0).unwrap();
@@ -1076,13 +1077,7 @@ fn an_all_aligned_checkpoint_aligns_in_unaligned_mode() {
 #[test]
 fn a_checkpoint_a_newer_barrier_aborts_is_announced_to_the_task_and_the_sink() {
     let f = fixture();
-    let mut a = f.producer(42, 1);
-    let mut b = f.producer(43, 1);
-    let mut gate = f.gate(&[(42, 0), (43, 0)], ChannelLocation::Local);
-    gate.request_partitions(Instant::now()).unwrap();
-    let sink = Arc::new(Sink::default());
-    let mut checkpointed =
-        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 42);
     a.broadcast_event(&barrier(6, Alignment::Unaligned), true)
         .unwrap();
     let six = next_item(&mut checkpointed);
@@ -1109,13 +1104,7 @@ fn a_checkpoint_a_newer_barrier_aborts_is_announced_to_the_task_and_the_sink() {
 #[test]
 fn an_unaligned_checkpoint_persists_the_record_a_reader_holds_half_read() {
     let f = fixture();
-    let mut a = f.producer(44, 1);
-    let mut b = f.producer(45, 1);
-    let mut gate = f.gate(&[(44, 0), (45, 0)], ChannelLocation::Local);
-    gate.request_partitions(Instant::now()).unwrap();
-    let sink = Arc::new(Sink::default());
-    let checkpointed =
-        CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    let ([mut a, mut b], checkpointed, sink) = unaligned_gate(&f, 44);
     let mut reader = RecordReader::new(checkpointed, 1 << 20);
     // Spans two 4 KiB segments; only the first is finished (readable) before the barrier.
     let record: Vec<u8> = (0..6000u32).map(|i| (i % 251) as u8).collect();
