@@ -465,40 +465,154 @@ pub(crate) fn client_for(peer: SocketAddr, config: &DriverConfig) -> io::Result<
         .with_peer(peer))
 }
 
-/// Starts connecting to `peer` on a helper thread: a blocking connect, bounded by the
-/// environment's `connect_timeout`, then the socket options (TCP_NODELAY, keepalive, user timeout). Its result comes back to the
-/// I/O thread as [`Command::Connected`]. The I/O thread never waits for a peer: one that drops
-/// SYNs would stall every other connection of the thread for the whole timeout, once per
-/// channel wanting it. A thread per connection being opened, not per channel
-/// ([`PendingConnects`] keeps the channels).
+/// Starts connecting to `peer` on a helper thread of `helpers`: a connect bounded by the
+/// environment's `connect_timeout`, then the socket options (TCP_NODELAY, keepalive, user
+/// timeout). Its result comes back to the I/O thread as [`Command::Connected`]. The I/O thread
+/// never waits for a peer: one that drops SYNs would stall every other connection of the
+/// thread for the whole timeout, once per channel wanting it. A thread per connection being
+/// opened, not per channel ([`PendingConnects`] keeps the channels).
 pub(crate) fn start_connect(
     peer: SocketAddr,
     connection_index: usize,
     config: &DriverConfig,
     commands: &Arc<ArrayQueue<Command>>,
     waker: &Arc<IoWaker<WakeFn>>,
+    helpers: &mut ConnectHelpers,
 ) -> io::Result<()> {
+    helpers.join_finished();
     let timeout = config.connect_timeout;
     let liveness = config.liveness;
     let commands = commands.clone();
     let waker = waker.clone();
-    thread::Builder::new()
+    let cancelled = helpers.cancelled.clone();
+    // The helper waits on its own poll, which the I/O thread's end wakes through `cancel`.
+    let poll = mio::Poll::new()?;
+    let cancel = mio::Waker::new(poll.registry(), CONNECT_CANCELLED)?;
+    let thread = thread::Builder::new()
         .name("fluxgate-connect".into())
         .spawn(move || {
-            let result = std::net::TcpStream::connect_timeout(&peer, timeout).and_then(|stream| {
+            let result = connect_cancellable(peer, timeout, poll, &cancelled).and_then(|stream| {
                 liveness.apply(&stream)?;
                 Ok(stream)
             });
+            if cancelled.load(std::sync::atomic::Ordering::Acquire) {
+                return; // nobody reads the command queue any more
+            }
             let connected = Command::Connected {
                 peer,
                 connection_index,
                 result,
             };
-            // A full queue for about 10 s means a stuck I/O thread, and after a shutdown
-            // nobody reads it: either way the stream is closed with the dropped command.
+            // A full queue for about 10 s means a stuck I/O thread: the stream is closed with
+            // the dropped command.
             let _ = waker.submit(&commands, connected);
-        })
-        .map(drop)
+        })?;
+    helpers.running.push(ConnectHelper { cancel, thread });
+    Ok(())
+}
+
+const CONNECT_CANCELLED: mio::Token = mio::Token(0);
+const CONNECTING: mio::Token = mio::Token(1);
+
+/// Connects to `peer` without blocking in the kernel: a non-blocking connect whose socket is
+/// polled on `poll` with the cancellation waker, up to `timeout`. The stream it returns is in
+/// blocking mode, as `TcpStream::connect_timeout`'s is.
+fn connect_cancellable(
+    peer: SocketAddr,
+    timeout: Duration,
+    mut poll: mio::Poll,
+    cancelled: &std::sync::atomic::AtomicBool,
+) -> io::Result<std::net::TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = mio::net::TcpStream::connect(peer)?;
+    poll.registry()
+        .register(&mut stream, CONNECTING, mio::Interest::WRITABLE)?;
+    let mut events = mio::Events::with_capacity(4);
+    // Bounded by the deadline: each pass waits until it, or returns.
+    loop {
+        if cancelled.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(io::Error::new(
+                io::ErrorKind::Interrupted,
+                "the I/O thread ended before the connection was made",
+            ));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connection timed out",
+            ));
+        }
+        match poll.poll(&mut events, Some(deadline - now)) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+            Err(error) => return Err(error),
+        }
+        if !events.iter().any(|event| event.token() == CONNECTING) {
+            continue;
+        }
+        // Writable: connected, or failed (mio's way of telling them apart).
+        if let Some(error) = stream.take_error()? {
+            return Err(error);
+        }
+        match stream.peer_addr() {
+            Ok(_) => {
+                poll.registry().deregister(&mut stream)?;
+                let stream = std::net::TcpStream::from(std::os::fd::OwnedFd::from(stream));
+                stream.set_nonblocking(false)?;
+                return Ok(stream);
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotConnected => continue,
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// The helper threads opening connections for one I/O thread: the I/O thread's end cancels
+/// them (each waits on its own poll, which the cancellation wakes) and joins them, so none
+/// outlives its environment.
+#[derive(Default)]
+pub(crate) struct ConnectHelpers {
+    cancelled: Arc<std::sync::atomic::AtomicBool>,
+    running: Vec<ConnectHelper>,
+}
+
+struct ConnectHelper {
+    cancel: mio::Waker,
+    thread: thread::JoinHandle<()>,
+}
+
+impl Drop for ConnectHelpers {
+    fn drop(&mut self) {
+        // Also when the I/O thread unwinds: no helper outlives it.
+        self.stop();
+    }
+}
+
+impl ConnectHelpers {
+    /// Joins the helpers that are done (each ends soon after it submitted its result).
+    fn join_finished(&mut self) {
+        let mut index = 0;
+        while index < self.running.len() {
+            if self.running[index].thread.is_finished() {
+                let _ = self.running.swap_remove(index).thread.join();
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    /// Cancels every helper and waits for them.
+    fn stop(&mut self) {
+        self.cancelled
+            .store(true, std::sync::atomic::Ordering::Release);
+        for helper in &self.running {
+            let _ = helper.cancel.wake();
+        }
+        for helper in self.running.drain(..) {
+            let _ = helper.thread.join();
+        }
+    }
 }
 
 /// The channels waiting for a connection being opened, per (peer, connection index), with
@@ -507,6 +621,8 @@ pub(crate) fn start_connect(
 #[derive(Default)]
 pub(crate) struct PendingConnects {
     waiting: std::collections::HashMap<(SocketAddr, usize), PendingConnect>,
+    /// The threads making the connects.
+    helpers: ConnectHelpers,
 }
 
 /// One connection being opened.
@@ -584,8 +700,10 @@ impl PendingConnects {
         self.waiting.values().map(|pending| pending.overdue).min()
     }
 
-    /// The I/O thread ends: no connect will finish for the waiting channels.
+    /// The I/O thread ends: no connect will finish for the waiting channels, and the helper
+    /// threads making them are cancelled and joined.
     pub(crate) fn fail_all(&mut self, reason: &str) {
+        self.helpers.stop();
         for (peer, _) in self.waiting.keys() {
             tracing::debug!(%peer, "the I/O thread ends while connecting");
         }
@@ -663,7 +781,8 @@ pub(crate) fn connect_channel<L: ClientConnections>(
     let c = driver.connects();
     let timeout = c.config.connect_timeout;
     if c.pending.wait(peer, index, channel, backoff, timeout, now) {
-        if let Err(error) = start_connect(peer, index, c.config, c.commands, c.waker) {
+        let helpers = &mut c.pending.helpers;
+        if let Err(error) = start_connect(peer, index, c.config, c.commands, c.waker, helpers) {
             on_connected(driver, peer, index, Err(error), now);
         }
     }
