@@ -80,9 +80,10 @@ fn an_environment_ending_mid_connect_leaves_no_helper_thread(transport: Transpor
     );
     assert!(matches!(gate.poll_next(), Ok(None)), "still connecting");
     drop(env);
-    assert_eq!(
-        connect_helpers(),
-        0,
+    // A joined thread may still show in /proc for a moment after its join returned; the old
+    // code's helper stayed for the whole connect timeout.
+    assert!(
+        common::wait_until(Duration::from_secs(2), || connect_helpers() == 0),
         "the environment's end cancelled and joined the helper"
     );
     assert!(gate.poll_next().is_err(), "the waiting channel failed");

@@ -503,9 +503,12 @@ pub(crate) fn start_connect(
                 connection_index,
                 result,
             };
-            // A full queue for about 10 s means a stuck I/O thread: the stream is closed with
-            // the dropped command.
-            let _ = waker.submit(&commands, connected);
+            // A full queue for about 10 s means a stuck I/O thread, and a cancelled helper's
+            // thread has stopped draining it: either way the stream is closed with the
+            // dropped command.
+            let _ = waker.submit_unless(&commands, connected, || {
+                cancelled.load(std::sync::atomic::Ordering::Acquire)
+            });
         })?;
     helpers.running.push(ConnectHelper { cancel, thread });
     Ok(())
@@ -591,7 +594,7 @@ impl Drop for ConnectHelpers {
 
 impl ConnectHelpers {
     /// Joins the helpers that are done (each ends soon after it submitted its result).
-    fn join_finished(&mut self) {
+    pub(crate) fn join_finished(&mut self) {
         let mut index = 0;
         while index < self.running.len() {
             if self.running[index].thread.is_finished() {
@@ -803,6 +806,9 @@ pub(crate) fn on_connected<L: ClientConnections>(
 /// The loop's turn: refused connects whose back-off ran out are tried again, and connects
 /// whose result is overdue (see [`PendingConnects`]) are given up.
 pub(crate) fn connects_due<L: ClientConnections>(driver: &mut L, now: Instant) {
+    // Helpers that delivered their result are joined (their threads and descriptors freed)
+    // on the next turn, not only at the next connect.
+    driver.connects().pending.helpers.join_finished();
     // Bounded: an attempt that fails again is queued with a later due time.
     while let Some(due) = driver.connects().refused.pop_due(now) {
         connect_channel(

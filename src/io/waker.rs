@@ -107,9 +107,24 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
     /// A task thread hands `command` to the I/O thread through its bounded `queue` and wakes
     /// it if parked. Blocks (bounded) only if the queue is full; gives the command back when
     /// the queue stayed full for about 10 s (the I/O thread is stuck).
-    pub fn submit<T>(&self, queue: &ArrayQueue<T>, mut command: T) -> Result<(), T> {
+    pub fn submit<T>(&self, queue: &ArrayQueue<T>, command: T) -> Result<(), T> {
+        self.submit_unless(queue, command, || false)
+    }
+
+    /// [`submit`](Self::submit), giving up (and handing the command back) as soon as
+    /// `give_up` says so between attempts: for a submitter whose I/O thread may have stopped
+    /// draining the queue.
+    pub fn submit_unless<T>(
+        &self,
+        queue: &ArrayQueue<T>,
+        mut command: T,
+        give_up: impl Fn() -> bool,
+    ) -> Result<(), T> {
         // Bounded: the I/O thread drains the queue every loop turn.
         for _ in 0..10_000 {
+            if give_up() {
+                return Err(command);
+            }
             match queue.push(command) {
                 Ok(()) => {
                     self.wake_if_parked();
