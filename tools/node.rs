@@ -1104,6 +1104,19 @@ impl Output {
                 Failed::writing(&e, format!("writing a barrier to edge {}: {e}", self.edge))
             })
     }
+
+    /// Passes on the cancellation of checkpoint `id`, as Flink's task does when its barrier
+    /// handler aborts one: consumers aligning it stop waiting for its barriers.
+    fn cancel_checkpoint(&mut self, id: u64) -> Result<(), Failed> {
+        self.writer
+            .broadcast_event(&Event::CancelCheckpointMarker(id), false)
+            .map_err(|e| {
+                Failed::writing(
+                    &e,
+                    format!("writing a cancellation marker to edge {}: {e}", self.edge),
+                )
+            })
+    }
 }
 
 /// The edge's partitioner, remembering where the last record went.
@@ -1571,6 +1584,14 @@ fn consume(
                 consumer.barrier(&barrier);
                 for output in outputs.iter_mut() {
                     output.barrier(barrier)?;
+                }
+            }
+            GateItem::Event {
+                event: Event::CancelCheckpointMarker(id),
+                ..
+            } => {
+                for output in outputs.iter_mut() {
+                    output.cancel_checkpoint(id)?;
                 }
             }
             GateItem::Event { .. } => {}
