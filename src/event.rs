@@ -52,6 +52,20 @@ pub enum EventError {
     },
 }
 
+impl CheckpointBarrier {
+    /// Refuses what Flink's checkpoint options never make: an unaligned savepoint (savepoints
+    /// are always aligned).
+    pub fn validate(&self) -> Result<(), EventError> {
+        if self.kind == CheckpointKind::Savepoint && self.alignment == Alignment::Unaligned {
+            return Err(EventError::InvalidField {
+                field: "alignment of a savepoint barrier",
+                value: 1,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Checkpoint or savepoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CheckpointKind {
@@ -281,12 +295,14 @@ impl Event {
                         })
                     }
                 };
-                Event::CheckpointBarrier(CheckpointBarrier {
+                let barrier = CheckpointBarrier {
                     id,
                     timestamp,
                     kind,
                     alignment,
-                })
+                };
+                barrier.validate()?;
+                Event::CheckpointBarrier(barrier)
             }
             TAG_CANCEL_CHECKPOINT => {
                 reader.name = "cancel checkpoint marker";

@@ -17,16 +17,16 @@ fn event() -> impl Strategy<Value = Event> {
     ];
     prop_oneof![
         Just(Event::EndOfPartition),
-        (any::<u64>(), any::<i64>(), kind, alignment).prop_map(
-            |(id, timestamp, kind, alignment)| {
-                Event::CheckpointBarrier(CheckpointBarrier {
-                    id,
-                    timestamp,
-                    kind,
-                    alignment,
-                })
-            }
-        ),
+        (any::<u64>(), any::<i64>(), kind, alignment)
+            .prop_map(|(id, timestamp, kind, alignment)| CheckpointBarrier {
+                id,
+                timestamp,
+                kind,
+                alignment,
+            })
+            // Flink never makes an unaligned savepoint: see the test below.
+            .prop_filter("a barrier Flink makes", |b| b.validate().is_ok())
+            .prop_map(Event::CheckpointBarrier),
         any::<u64>().prop_map(Event::CancelCheckpointMarker),
         prop_oneof![Just(StopMode::Drain), Just(StopMode::NoDrain)].prop_map(Event::EndOfData),
         Just(Event::EndOfChannelState),
@@ -115,4 +115,22 @@ fn data_types_follow_flink() {
             assert!(!(t.has_priority() && t.requires_announcement()));
         }
     }
+}
+
+#[test]
+fn an_unaligned_savepoint_barrier_is_refused() {
+    let barrier = CheckpointBarrier {
+        id: 1,
+        timestamp: 0,
+        kind: CheckpointKind::Savepoint,
+        alignment: Alignment::Unaligned,
+    };
+    let refused = EventError::InvalidField {
+        field: "alignment of a savepoint barrier",
+        value: 1,
+    };
+    assert_eq!(barrier.validate(), Err(refused.clone()));
+    let mut bytes = Vec::new();
+    Event::CheckpointBarrier(barrier).encode(&mut bytes);
+    assert_eq!(Event::decode(&bytes).unwrap_err(), refused);
 }

@@ -316,6 +316,9 @@ impl ResultPartition {
     /// overtakes queued data instead.
     pub fn broadcast_event(&mut self, event: &Event, priority: bool) -> Result<(), PartitionError> {
         self.check_writable()?;
+        if let Event::CheckpointBarrier(barrier) = event {
+            barrier.validate()?;
+        }
         if priority
             && matches!(event, Event::CheckpointBarrier(barrier)
                 if barrier.alignment != crate::event::Alignment::Unaligned)
