@@ -819,6 +819,43 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
     assert!(waker_state.1.load(Ordering::SeqCst) >= 1);
 }
 
+/// An async read of a local channel whose partition is registered only later: the gate
+/// retries the partition request when its back-off is due, as a blocking read does, and a
+/// timer wakes the pending read for it (nothing else would: the producer's registration does
+/// not know the gate). Before, the read stayed pending for good.
+#[test]
+fn an_async_read_retries_a_local_partition_registered_later() {
+    let f = fixture();
+    let mut gate = f.gate(&[(60, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let waker = Waker::from(waker_state.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut read = Box::pin(gate.next_async());
+    assert!(
+        read.as_mut().poll(&mut cx).is_pending(),
+        "not registered yet"
+    );
+    let mut producer = f.producer(60, 1);
+    producer.emit_record(&b"late"[..], 0).unwrap();
+    producer.flush(0);
+    // Bounded by the first retry's back-off (100 ms): each wake-up is polled.
+    let started = Instant::now();
+    while started.elapsed() < LONG {
+        if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
+            let item = result.unwrap().unwrap();
+            assert_eq!(data(&item.item), common::framed_record(b"late"));
+            assert!(
+                waker_state.1.load(Ordering::SeqCst) >= 1,
+                "woken, not polled blindly"
+            );
+            return;
+        }
+        thread::park_timeout(LONG);
+    }
+    panic!("the async read never retried the partition request");
+}
+
 #[test]
 fn a_record_reader_reads_through_barrier_alignment() {
     let f = fixture();

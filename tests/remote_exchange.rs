@@ -14,7 +14,9 @@ use fluxgate::gate::{
     ReaderError, ReaderItem, RecordReader, UnionInputGate,
 };
 use fluxgate::io::Transport;
-use fluxgate::partition::{BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector};
+use fluxgate::partition::{
+    BufferTimeout, RecordWriter, ResultPartitionId, RoundRobinSelector, TaskEventListener,
+};
 use fluxgate::{ChannelDescriptor, EnvConfig, NetworkConfig, ProducerLocation, ShuffleEnvironment};
 
 const LONG: Duration = Duration::from_secs(20);
@@ -965,6 +967,49 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once,
     a_channel_located_twice_is_connected_once_epoll,
     a_channel_located_twice_is_connected_once_uring
+);
+
+/// Task events a producer's partition received.
+#[derive(Default)]
+struct ReceivedTaskEvents(std::sync::Mutex<Vec<Event>>);
+
+impl TaskEventListener for ReceivedTaskEvents {
+    fn on_task_event(&self, event: &Event) {
+        self.0.lock().unwrap().push(event.clone());
+    }
+}
+
+/// A consumer's task events reach the remote producer's partition (Flink's
+/// `RemoteInputChannel.sendTaskEvent` → TaskEventRequest), those sent before the channel had
+/// its connection too, in order. Before, remote channels dropped them.
+fn task_events_reach_a_remote_producer(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    let received = std::sync::Arc::new(ReceivedTaskEvents::default());
+    producer_env
+        .partition_manager()
+        .subscribe_task_events(pid(0), received.clone());
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
+    let early = Event::Task(b"before the request".to_vec());
+    let late = Event::Task(b"after the request".to_vec());
+    gate.send_task_event(&early);
+    gate.request_partitions(Instant::now()).unwrap();
+    gate.send_task_event(&late);
+    wait_until("the producer received both task events", || {
+        received.0.lock().unwrap().len() == 2
+    });
+    assert_eq!(*received.0.lock().unwrap(), vec![early, late]);
+    partition.emit_record(&b"data"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"data");
+    drop(partition);
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    task_events_reach_a_remote_producer,
+    task_events_reach_a_remote_producer_epoll,
+    task_events_reach_a_remote_producer_uring
 );
 
 fn open_connections(env: &ShuffleEnvironment) -> u64 {

@@ -173,7 +173,8 @@ pub trait InputGate {
     /// the gate is finished.
     fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError>;
     /// The next buffer or event, blocking until one is readable or `deadline` passes
-    /// ([`GateError::TimedOut`]); `Ok(None)` at the end.
+    /// ([`GateError::TimedOut`]); `Ok(None)` at the end (a gate closed, by `close` or a
+    /// closer, fails with [`GateError::Closed`] instead).
     fn next_until(&mut self, deadline: Option<Instant>)
         -> Result<Option<BufferOrEvent>, GateError>;
     /// The next buffer or event, blocking until one is readable; `Ok(None)` at the end.

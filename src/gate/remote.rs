@@ -428,11 +428,17 @@ pub struct RemoteChannelShared {
     failed: AtomicBool,
     released: AtomicBool,
     resume_requested: AtomicBool,
+    /// Task events for the producer, encoded, that the transport has not sent yet.
+    task_events: Mutex<std::collections::VecDeque<Vec<u8>>>,
     /// Partition requests re-sent after PartitionNotFound, and connection attempts repeated
     /// after a refusal.
     retries: AtomicU64,
     metrics: ChannelMetrics,
 }
+
+/// Task events one remote channel keeps for its transport at most; more are dropped (logged)
+/// rather than held without bound while the connection is not there.
+const MAX_PENDING_TASK_EVENTS: usize = 1024;
 
 impl fmt::Debug for RemoteChannelShared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -558,6 +564,17 @@ impl RemoteChannelShared {
         self.released.load(Ordering::SeqCst)
     }
 
+    /// The task events waiting for the transport, oldest first (each once); the transport
+    /// sends them as TaskEventRequests once the channel's partition request stands.
+    pub fn take_task_events(&self) -> std::collections::VecDeque<Vec<u8>> {
+        std::mem::take(&mut *self.task_events.lock().expect("not poisoned"))
+    }
+
+    /// True when task events wait for the transport.
+    pub fn has_task_events(&self) -> bool {
+        !self.task_events.lock().expect("not poisoned").is_empty()
+    }
+
     /// How often the transport tried again for this channel: partition requests re-sent after
     /// PartitionNotFound and connections re-opened after a refusal (each after its back-off).
     pub fn request_retries(&self) -> u64 {
@@ -612,6 +629,7 @@ impl RemoteInputChannel {
                 failed: AtomicBool::new(false),
                 released: AtomicBool::new(false),
                 resume_requested: AtomicBool::new(false),
+                task_events: Mutex::new(std::collections::VecDeque::new()),
                 retries: AtomicU64::new(0),
                 metrics: ChannelMetrics::default(),
             }),
@@ -694,6 +712,27 @@ impl RemoteInputChannel {
                 || !shared.received_priority.is_empty(),
             next_is_priority: !shared.received_priority.is_empty(),
             overtaken,
+        }
+    }
+
+    /// Queues `event` for the producer (Flink's `RemoteInputChannel.sendTaskEvent`, through the
+    /// connection) and tells the transport.
+    pub(crate) fn send_task_event(&self, event: &crate::event::Event) {
+        let mut bytes = Vec::with_capacity(event.encoded_len());
+        event.encode(&mut bytes);
+        {
+            let mut pending = self.shared.task_events.lock().expect("not poisoned");
+            if pending.len() >= MAX_PENDING_TASK_EVENTS {
+                tracing::warn!(
+                    channel = self.shared.channel,
+                    "{MAX_PENDING_TASK_EVENTS} task events wait for the connection; one dropped"
+                );
+                return;
+            }
+            pending.push_back(bytes);
+        }
+        if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
+            slot.0.on_channel_ready(self.shared.channel);
         }
     }
 

@@ -55,6 +55,8 @@ pub struct SingleInputGate {
     /// Task events sent while some channel's location was unknown.
     pending_events: Vec<Event>,
     metrics: GateMetrics,
+    /// When the timer waking a pending `next_async` for a partition request's retry fires.
+    retry_timer: Option<Instant>,
 }
 
 impl fmt::Debug for SingleInputGate {
@@ -92,6 +94,7 @@ impl SingleInputGate {
             finished_count: 0,
             pending_events: Vec::new(),
             metrics: GateMetrics::default(),
+            retry_timer: None,
         }
     }
 
@@ -237,8 +240,10 @@ impl SingleInputGate {
         GateCloser::new(self.queue.clone())
     }
 
-    /// The priority-availability signal: a priority event (an unaligned barrier) is waiting;
-    /// the next read returns it ahead of any data.
+    /// The priority-availability signal: a channel waits in the priority lane, normally for a
+    /// priority event (an unaligned barrier), which the next read returns ahead of any data.
+    /// An entry can outlive its event (a read of the channel from the data lane took the event
+    /// first); the next read then returns that channel's next item.
     pub fn priority_available(&self) -> bool {
         self.queue.has_priority()
     }
@@ -375,6 +380,14 @@ impl SingleInputGate {
         // From the first `Pending` to the item: idle time, as a blocking read books it.
         let mut idle_since: Option<Instant> = None;
         poll_fn(|cx| {
+            // A partition request waiting for its retry (a local partition not registered
+            // yet) is retried here when due, as a blocking read's wait retries it.
+            let now = Instant::now();
+            if self.poll_timeout().is_some_and(|due| now >= due) {
+                if let Err(error) = self.handle_timeout(now) {
+                    return Poll::Ready(Err(error));
+                }
+            }
             // Bounded: each round either returns or registers and finds nothing queued.
             for _ in 0..2 {
                 match self.poll_next() {
@@ -392,9 +405,38 @@ impl SingleInputGate {
                 }
             }
             idle_since.get_or_insert_with(Instant::now);
+            if let Some(due) = self.poll_timeout() {
+                self.wake_for_retry(due, cx.waker());
+            }
             Poll::Pending
         })
         .await
+    }
+
+    /// Makes sure a pending `next_async` is woken at `due`, when a partition request is to be
+    /// retried: nothing else would wake it then (a future has no clock). At most one timer
+    /// thread per gate sleeps at a time, for the earliest retry; the path is taken only while
+    /// a partition a local channel wants is not registered yet.
+    fn wake_for_retry(&mut self, due: Instant, waker: &std::task::Waker) {
+        let now = Instant::now();
+        if self
+            .retry_timer
+            .is_some_and(|fires| fires <= due && fires > now)
+        {
+            return; // an earlier wake-up is on its way
+        }
+        let timer_waker = waker.clone();
+        let started = std::thread::Builder::new()
+            .name("fluxgate-retry".into())
+            .spawn(move || {
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                timer_waker.wake();
+            });
+        match started {
+            Ok(_) => self.retry_timer = Some(due),
+            // Without a thread, wake at once: the executor polls again (and again) until due.
+            Err(_) => waker.wake_by_ref(),
+        }
     }
 
     pub(crate) fn queue(&self) -> &Arc<ChannelQueue> {
@@ -489,11 +531,7 @@ fn send_event(channel: &InputChannel, event: &Event) {
         InputChannel::Local(c) => {
             c.send_task_event(event);
         }
-        InputChannel::Remote(_) => {
-            // The transport issue sends TaskEventRequest frames; until then remote task events
-            // are dropped with a trace.
-            tracing::trace!("task event for a remote channel awaits the transport");
-        }
+        InputChannel::Remote(c) => c.send_task_event(event),
         InputChannel::Unknown(_) => {}
     }
 }

@@ -268,10 +268,11 @@ impl ClientConnection {
         self.send_request(slot);
         // A channel released before the listener was attached told no one: its slot is
         // queued now, and the next `poll_transmit` cancels the request. (Released after the
-        // attach, the release queues it itself.)
+        // attach, the release queues it itself.) Task events sent before it had a connection
+        // go out the same way, after the request.
         if self.channels[slot]
             .as_ref()
-            .is_some_and(|c| c.shared.is_released())
+            .is_some_and(|c| c.shared.is_released() || c.shared.has_task_events())
         {
             self.ready.enqueue(slot as u32);
         }
@@ -492,11 +493,23 @@ impl ClientConnection {
             }
             let resume = channel.shared.take_resume_request();
             let credit = channel.shared.buffers().take_unannounced_credit();
+            let partition = channel.partition;
+            let task_events = channel.shared.take_task_events();
             if resume {
                 encode(&mut self.outbound, &Message::ResumeConsumption { receiver });
             }
             if credit > 0 {
                 encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
+            }
+            for event in task_events {
+                encode(
+                    &mut self.outbound,
+                    &Message::TaskEventRequest {
+                        partition,
+                        receiver,
+                        event,
+                    },
+                );
             }
         }
     }
