@@ -856,6 +856,25 @@ fn an_async_read_retries_a_local_partition_registered_later() {
     panic!("the async read never retried the partition request");
 }
 
+/// A channel whose producer released its partition fails every later read, not only the
+/// first (Flink's channel keeps its cause): the second read used to wait for good.
+#[test]
+fn a_released_local_partition_fails_every_later_read() {
+    let f = fixture();
+    let mut producer = f.producer(61, 1);
+    let mut gate = f.gate(&[(61, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    producer.release();
+    for read in 0..2 {
+        match gate.next_timeout(LONG) {
+            Err(GateError::Partition { channel: 0, .. }) => {}
+            other => panic!("read {read}: {other:?}"),
+        }
+    }
+    drop((gate, producer));
+    assert!(f.all_segments_back());
+}
+
 #[test]
 fn a_record_reader_reads_through_barrier_alignment() {
     let f = fixture();

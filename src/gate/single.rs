@@ -572,8 +572,16 @@ impl InputGate for SingleInputGate {
             if self.finished[index] {
                 continue;
             }
-            let Some(read) = self.channels[index].next_read()? else {
-                continue;
+            let read = match self.channels[index].next_read() {
+                Ok(Some(read)) => read,
+                Ok(None) => continue,
+                Err(error) => {
+                    // A failed channel keeps its error (a released view, a failed remote
+                    // channel): queued again, it fails the next read too, as Flink's channel
+                    // keeps its cause, instead of leaving that read waiting for good.
+                    self.queue.enqueue(index as u32, false);
+                    return Err(error);
+                }
             };
             return self.on_read(index, read).map(Some);
         }
