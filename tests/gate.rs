@@ -875,6 +875,27 @@ fn a_released_local_partition_fails_every_later_read() {
     assert!(f.all_segments_back());
 }
 
+/// A local channel read to its end is not requested again: a re-triggered request does
+/// nothing (Flink checks `isReleased`), where it used to find the partition gone and, after
+/// its back-off, fail a gate whose channel had finished cleanly.
+#[test]
+fn a_finished_local_channel_is_not_requested_again() {
+    let f = fixture();
+    let mut producer = f.producer(62, 1);
+    let mut gate = f.gate(&[(62, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    producer.finish().unwrap();
+    let end = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(event(&end.item), &Event::EndOfPartition);
+    assert!(gate.is_finished());
+    drop(producer);
+    gate.retrigger_partition_request(0, Instant::now()).unwrap();
+    assert_eq!(gate.poll_timeout(), None, "no retry scheduled");
+    assert!(matches!(gate.poll_next(), Ok(None)));
+    drop((end, gate));
+    assert!(f.all_segments_back());
+}
+
 #[test]
 fn a_record_reader_reads_through_barrier_alignment() {
     let f = fixture();

@@ -167,6 +167,9 @@ pub struct LocalInputChannel {
     view: Option<SubpartitionView>,
     backoff: Backoff,
     retry_at: Option<Instant>,
+    /// Read to its end or released with the gate: never requested again (Flink's
+    /// `isReleased` check in `requestSubpartition`).
+    released: bool,
     metrics: ChannelMetrics,
 }
 
@@ -210,6 +213,7 @@ impl LocalInputChannel {
             view: None,
             backoff,
             retry_at: None,
+            released: false,
             metrics: ChannelMetrics::default(),
         }
     }
@@ -227,7 +231,7 @@ impl LocalInputChannel {
     /// Creates the view on the local producer; a partition not registered yet schedules a
     /// retry after the back-off, and fails once the back-off is exhausted.
     pub(crate) fn request(&mut self, now: Instant) -> Result<(), GateError> {
-        if self.view.is_some() {
+        if self.view.is_some() || self.released {
             return Ok(());
         }
         self.retry_at = None;
@@ -288,6 +292,7 @@ impl LocalInputChannel {
     fn release(&mut self) {
         self.view = None;
         self.retry_at = None;
+        self.released = true;
     }
 }
 
