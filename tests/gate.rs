@@ -896,6 +896,29 @@ fn a_finished_local_channel_is_not_requested_again() {
     assert!(f.all_segments_back());
 }
 
+/// A local partition that never registers fails the read once the back-off runs out, and
+/// every read after it too: the second used to wait for good.
+#[test]
+fn a_local_partition_that_never_registers_fails_every_read_after_the_back_off() {
+    let mut f = fixture();
+    f.config
+        .set_all([
+            ("taskmanager.network.request-backoff.initial", "1"),
+            ("taskmanager.network.request-backoff.max", "2"),
+        ])
+        .unwrap();
+    let mut gate = f.gate(&[(63, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    for read in 0..2 {
+        match gate.next_timeout(LONG) {
+            Err(GateError::Partition { channel: 0, .. }) => {}
+            other => panic!("read {read}: {other:?}"),
+        }
+    }
+    drop(gate);
+    assert!(f.all_segments_back());
+}
+
 #[test]
 fn a_record_reader_reads_through_barrier_alignment() {
     let f = fixture();

@@ -170,6 +170,8 @@ pub struct LocalInputChannel {
     /// Read to its end or released with the gate: never requested again (Flink's
     /// `isReleased` check in `requestSubpartition`).
     released: bool,
+    /// Why its partition request failed for good: every later read fails with it.
+    failed: Option<GateError>,
     metrics: ChannelMetrics,
 }
 
@@ -214,6 +216,7 @@ impl LocalInputChannel {
             backoff,
             retry_at: None,
             released: false,
+            failed: None,
             metrics: ChannelMetrics::default(),
         }
     }
@@ -242,6 +245,7 @@ impl LocalInputChannel {
             listener,
         ) {
             Ok(view) => {
+                self.failed = None;
                 self.view = Some(view);
                 // Data may already be queued: let the gate look once.
                 self.notifier.queue.enqueue(self.index as u32, false);
@@ -252,17 +256,26 @@ impl LocalInputChannel {
                     self.retry_at = Some(now + self.backoff.current());
                     Ok(())
                 } else {
-                    Err(partition_error(
-                        self.index,
-                        PartitionError::PartitionNotFound(id),
-                    ))
+                    Err(self.fail(PartitionError::PartitionNotFound(id)))
                 }
             }
-            Err(other) => Err(partition_error(self.index, other)),
+            Err(other) => Err(self.fail(other)),
         }
     }
 
+    /// The request failed for good: the error is kept for every later read, and the gate is
+    /// told to look (a reader waiting on the gate would otherwise wait for good).
+    fn fail(&mut self, source: PartitionError) -> GateError {
+        let error = partition_error(self.index, source);
+        self.failed = Some(error.clone());
+        self.notifier.queue.enqueue(self.index as u32, false);
+        error
+    }
+
     fn next_read(&mut self) -> Result<Option<ChannelRead>, GateError> {
+        if let Some(error) = &self.failed {
+            return Err(error.clone());
+        }
         let Some(view) = self.view.as_mut() else {
             return Ok(None);
         };
