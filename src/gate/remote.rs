@@ -430,6 +430,9 @@ pub struct RemoteChannelShared {
     resume_requested: AtomicBool,
     /// Task events for the producer, encoded, that the transport has not sent yet.
     task_events: Mutex<std::collections::VecDeque<Vec<u8>>>,
+    /// Set after a push to `task_events`: the transport looks at every ready channel (one per
+    /// credit announcement), and takes the lock, which task threads share, only when set.
+    task_events_queued: AtomicBool,
     /// Partition requests re-sent after PartitionNotFound, and connection attempts repeated
     /// after a refusal.
     retries: AtomicU64,
@@ -567,12 +570,16 @@ impl RemoteChannelShared {
     /// The task events waiting for the transport, oldest first (each once); the transport
     /// sends them as TaskEventRequests once the channel's partition request stands.
     pub fn take_task_events(&self) -> std::collections::VecDeque<Vec<u8>> {
+        // A push that lands after the swap sets the flag again (and tells the transport).
+        if !self.task_events_queued.swap(false, Ordering::Acquire) {
+            return std::collections::VecDeque::new();
+        }
         std::mem::take(&mut *self.task_events.lock().expect("not poisoned"))
     }
 
     /// True when task events wait for the transport.
     pub fn has_task_events(&self) -> bool {
-        !self.task_events.lock().expect("not poisoned").is_empty()
+        self.task_events_queued.load(Ordering::Acquire)
     }
 
     /// How often the transport tried again for this channel: partition requests re-sent after
@@ -630,6 +637,7 @@ impl RemoteInputChannel {
                 released: AtomicBool::new(false),
                 resume_requested: AtomicBool::new(false),
                 task_events: Mutex::new(std::collections::VecDeque::new()),
+                task_events_queued: AtomicBool::new(false),
                 retries: AtomicU64::new(0),
                 metrics: ChannelMetrics::default(),
             }),
@@ -731,6 +739,9 @@ impl RemoteInputChannel {
             }
             pending.push_back(bytes);
         }
+        self.shared
+            .task_events_queued
+            .store(true, Ordering::Release);
         if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
             slot.0.on_channel_ready(self.shared.channel);
         }
