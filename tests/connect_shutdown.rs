@@ -28,21 +28,8 @@ fn connect_helpers() -> usize {
         .count()
 }
 
-/// A loopback listener whose full accept queue makes the kernel drop every later SYN (see
-/// `tests/remote_exchange.rs`), and the connection filling it.
-fn black_hole() -> (socket2::Socket, std::net::TcpStream) {
-    use socket2::{Domain, Socket, Type};
-    let listener = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
-    listener.bind(&any.into()).unwrap();
-    listener.listen(0).unwrap();
-    let addr = listener.local_addr().unwrap().as_socket().unwrap();
-    let filler = std::net::TcpStream::connect(addr).unwrap();
-    (listener, filler)
-}
-
 fn an_environment_ending_mid_connect_leaves_no_helper_thread(transport: Transport) {
-    let (hole, filler) = black_hole();
+    let (hole, filler) = common::black_hole();
     let hole_addr = hole.local_addr().unwrap().as_socket().unwrap();
     let mut network = NetworkConfig::default();
     network

@@ -887,23 +887,8 @@ on_both_drivers!(
     a_connection_refused_for_good_fails_the_channel_uring
 );
 
-/// A loopback listener that never completes another connection: its accept queue (backlog
-/// 0 holds one) is filled by a connection nobody accepts, so the kernel drops every later
-/// SYN and a connect to it hangs until the connector's timeout, as to a host whose firewall
-/// drops packets. Returns the listener and the filling connection, to keep them open.
-fn black_hole() -> (socket2::Socket, std::net::TcpStream) {
-    use socket2::{Domain, Socket, Type};
-    let listener = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
-    listener.bind(&any.into()).unwrap();
-    listener.listen(0).unwrap();
-    let addr = listener.local_addr().unwrap().as_socket().unwrap();
-    let filler = std::net::TcpStream::connect(addr).unwrap();
-    (listener, filler)
-}
-
 fn a_peer_that_never_answers_does_not_hold_up_other_connections(transport: Transport) {
-    let (hole, filler) = black_hole();
+    let (hole, filler) = common::black_hole();
     let hole_addr = hole.local_addr().unwrap().as_socket().unwrap();
     let producer_env = env(1, transport);
     // The connect to the black hole times out only long after the test's other waits end.

@@ -124,7 +124,8 @@ pub(crate) struct LocalPoolShared {
     waiting: AtomicUsize,
     /// A wake-up was sent and no waiter has looked since.
     notified: AtomicBool,
-    /// Total nanoseconds waits of this pool took, blocking or async (the writer's back-pressured time).
+    /// Total nanoseconds waits of this pool took, blocking or async (the writer's
+    /// back-pressured time).
     blocked_nanos: AtomicU64,
     /// Overdraft segments handed out and not yet recycled.
     overdraft: AtomicUsize,

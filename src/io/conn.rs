@@ -35,6 +35,15 @@ pub(crate) struct Connection {
 }
 
 impl Connection {
+    /// The client side of a connection a driver opened to a peer (the drivers' peer maps
+    /// hold only those).
+    pub(crate) fn client_mut(&mut self) -> &mut ClientConnection {
+        let Side::Client(client) = &mut self.side else {
+            unreachable!("peer map holds client connections only");
+        };
+        client
+    }
+
     pub(crate) fn new(side: Side, peer: Option<std::net::SocketAddr>) -> Self {
         let span = match &side {
             Side::Client(_) => tracing::debug_span!("connection", side = "consumer", peer = ?peer),

@@ -240,10 +240,7 @@ impl super::ClientConnections for Loop {
 
     fn client(&mut self, token: Token) -> &mut crate::protocol::ClientConnection {
         let conn = self.connections.get_mut(&token).expect("a live connection");
-        let Side::Client(client) = &mut conn.connection.side else {
-            unreachable!("peer map holds client connections only");
-        };
-        client
+        conn.connection.client_mut()
     }
 
     fn connects(&mut self) -> super::Connects<'_> {
@@ -338,13 +335,14 @@ impl Loop {
     fn next_timeout(&self, now: Instant) -> Duration {
         self.connections
             .values()
-            .filter_map(|c| c.connection.poll_timeout())
-            .chain(
-                self.connections
-                    .values()
-                    .filter_map(|c| c.tls.as_ref()?.deadline()),
-            )
-            .chain(self.connections.values().filter_map(|c| c.close_by))
+            .flat_map(|c| {
+                [
+                    c.connection.poll_timeout(),
+                    c.tls.as_ref().and_then(|tls| tls.deadline()),
+                    c.close_by,
+                ]
+            })
+            .flatten()
             .chain(self.refused.next_due())
             .chain(self.pending.next_overdue())
             .chain(self.accept_again_at)

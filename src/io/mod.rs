@@ -29,6 +29,7 @@ pub(crate) use waker::{BusyPoll, IoWaker};
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -495,7 +496,7 @@ pub(crate) fn start_connect(
                 liveness.apply(&stream)?;
                 Ok(stream)
             });
-            if cancelled.load(std::sync::atomic::Ordering::Acquire) {
+            if cancelled.load(Ordering::Acquire) {
                 return; // nobody reads the command queue any more
             }
             let connected = Command::Connected {
@@ -506,9 +507,7 @@ pub(crate) fn start_connect(
             // A full queue for about 10 s means a stuck I/O thread, and a cancelled helper's
             // thread has stopped draining it: either way the stream is closed with the
             // dropped command.
-            let _ = waker.submit_unless(&commands, connected, || {
-                cancelled.load(std::sync::atomic::Ordering::Acquire)
-            });
+            let _ = waker.submit_unless(&commands, connected, || cancelled.load(Ordering::Acquire));
         })?;
     helpers.running.push(ConnectHelper { cancel, thread });
     Ok(())
@@ -524,7 +523,7 @@ fn connect_cancellable(
     peer: SocketAddr,
     timeout: Duration,
     mut poll: mio::Poll,
-    cancelled: &std::sync::atomic::AtomicBool,
+    cancelled: &AtomicBool,
 ) -> io::Result<std::net::TcpStream> {
     let deadline = Instant::now() + timeout;
     let mut stream = mio::net::TcpStream::connect(peer)?;
@@ -533,7 +532,7 @@ fn connect_cancellable(
     let mut events = mio::Events::with_capacity(4);
     // Bounded by the deadline: each pass waits until it, or returns.
     loop {
-        if cancelled.load(std::sync::atomic::Ordering::Acquire) {
+        if cancelled.load(Ordering::Acquire) {
             return Err(io::Error::new(
                 io::ErrorKind::Interrupted,
                 "the I/O thread ended before the connection was made",
@@ -576,7 +575,7 @@ fn connect_cancellable(
 /// outlives its environment.
 #[derive(Default)]
 pub(crate) struct ConnectHelpers {
-    cancelled: Arc<std::sync::atomic::AtomicBool>,
+    cancelled: Arc<AtomicBool>,
     running: Vec<ConnectHelper>,
 }
 
@@ -607,8 +606,7 @@ impl ConnectHelpers {
 
     /// Cancels every helper and waits for them.
     fn stop(&mut self) {
-        self.cancelled
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.cancelled.store(true, Ordering::Release);
         for helper in &self.running {
             let _ = helper.cancel.wake();
         }

@@ -528,10 +528,7 @@ impl super::ClientConnections for Loop {
 
     fn client(&mut self, slot: usize) -> &mut crate::protocol::ClientConnection {
         let conn = self.conns[slot].as_mut().expect("a live connection");
-        let Side::Client(client) = &mut conn.connection.side else {
-            unreachable!("peer map holds client connections only");
-        };
-        client
+        conn.connection.client_mut()
     }
 
     fn connects(&mut self) -> super::Connects<'_> {

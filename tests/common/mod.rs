@@ -243,3 +243,19 @@ pub fn write_records(
     }
     writer.finish().unwrap();
 }
+
+/// A loopback listener that never completes another connection: its accept queue (backlog
+/// 0 holds one) is filled by a connection nobody accepts, so the kernel drops every later
+/// SYN and a connect to it hangs until the connector's timeout, as to a host whose firewall
+/// drops packets. Returns the listener and the filling connection, to keep them open.
+#[allow(dead_code)]
+pub fn black_hole() -> (socket2::Socket, std::net::TcpStream) {
+    use socket2::{Domain, Socket, Type};
+    let listener = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    listener.bind(&any.into()).unwrap();
+    listener.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap().as_socket().unwrap();
+    let filler = std::net::TcpStream::connect(addr).unwrap();
+    (listener, filler)
+}
