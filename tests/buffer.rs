@@ -520,3 +520,18 @@ fn no_local_pool_may_hold_more_than_the_network_memory() {
     assert_eq!(pool.spec().max_segments, network.total_segments());
     assert!(pool.spec().max_overdraft_segments <= network.total_segments());
 }
+
+/// Memory mapped for one segment (Flink's unpooled buffer, for an event that finds the network
+/// memory used up) carries bytes like a pooled one, as many as it was mapped for.
+#[test]
+fn an_unpooled_segment_carries_its_bytes() {
+    let segment = fluxgate::buffer::PooledSegment::unpooled(40).unwrap();
+    assert_eq!(segment.capacity(), 40);
+    let mut builder = segment.into_builder(DataType::EventBuffer);
+    assert_eq!(builder.append(&[7; 64]), 40, "no byte beyond its size");
+    let mut consumer = builder.create_consumer_from_beginning();
+    builder.finish();
+    drop(builder);
+    let buffer = consumer.build();
+    assert_eq!(buffer.as_slice(), &[7; 40][..]);
+}

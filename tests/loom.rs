@@ -1065,7 +1065,7 @@ fn a_remote_read_racing_a_priority_arrival_never_returns_the_later_data_first() 
             })
             .encode(&mut bytes);
             fill(
-                shared.buffers().event_segment().unwrap(),
+                shared.buffers().event_segment(64).unwrap(),
                 &bytes,
                 DataType::PrioritizedEventBuffer,
             )
@@ -1160,7 +1160,7 @@ fn a_blocking_barrier_read_at_once_keeps_no_credit_for_released_segments() {
         })
         .encode(&mut bytes);
         let barrier = fill(
-            buffers.event_segment().unwrap(),
+            buffers.event_segment(64).unwrap(),
             &bytes,
             DataType::AlignedCheckpointBarrier,
         );

@@ -621,7 +621,7 @@ fn a_blocked_channel_without_exclusive_segments_gives_its_floating_ones_back() {
         kind: CheckpointKind::Checkpoint,
         alignment: Alignment::Aligned,
     });
-    let segment = buffers.event_segment().unwrap();
+    let segment = buffers.event_segment(64).unwrap();
     let sequence = sender.sequence;
     sender
         .deliver(
@@ -719,7 +719,7 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
     // received items as the gate pool has segments plus a few uncredited events.
     let bound = capacity + UNCREDITED_EVENTS;
     for sequence in EXCLUSIVE..bound {
-        let segment = buffers.event_segment().expect("overdraft memory");
+        let segment = buffers.event_segment(64).expect("overdraft memory");
         let event = Event::Task(vec![sequence as u8]);
         sender
             .deliver(
@@ -740,7 +740,7 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
         "2 exclusive + one overdraft segment per event"
     );
     let leased = f.leased();
-    let segment = buffers.event_segment().unwrap();
+    let segment = buffers.event_segment(64).unwrap();
     let error = sender
         .deliver(
             segment,
@@ -758,7 +758,7 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
 
     gate.close();
     assert!(
-        buffers.event_segment().is_none(),
+        buffers.event_segment(64).is_none(),
         "no event memory for a closed gate"
     );
     drop(gate);
@@ -857,7 +857,7 @@ fn a_priority_event_overtakes_received_data() {
     // Events come in overdraft segments: no credit used, none granted when it is recycled.
     // The sender had sent d0 and d1 already: it counts no overtaken data of its own; the two
     // still queued here are overtaken all the same.
-    let segment = shared.buffers().event_segment().unwrap();
+    let segment = shared.buffers().event_segment(64).unwrap();
     sender
         .deliver(
             segment,
@@ -922,7 +922,7 @@ fn a_priority_event_overtakes_the_sender_s_data_and_the_unread_received_data() {
     assert_eq!(data(&read.item), b"d0");
     drop(read);
     // The sender queued one more data buffer (d2) before the barrier and had not sent it.
-    let segment = shared.buffers().event_segment().unwrap();
+    let segment = shared.buffers().event_segment(64).unwrap();
     sender
         .deliver(
             segment,

@@ -353,6 +353,38 @@ impl PooledSegment {
     }
 }
 
+/// Memory of its own for one segment outside the network memory (Flink's unpooled buffers):
+/// the segment lives as long as its leases, and its last lease frees it.
+struct Unpooled {
+    memory: SegmentMemory,
+}
+
+impl Recycler for Unpooled {
+    fn memory(&self) -> &SegmentMemory {
+        &self.memory
+    }
+
+    fn recycle(&self, _segment: Segment) {
+        // Nothing to give back: the lease that called this drops its `Arc` of the memory next.
+    }
+}
+
+impl PooledSegment {
+    /// A segment of `size` payload bytes mapped for this one use, outside every pool and not
+    /// counted in any (its memory is unmapped when its last lease drops). For the rare data
+    /// Flink reads into unpooled memory: an incoming event when the whole network memory is in
+    /// use.
+    pub fn unpooled(size: usize) -> Result<Self, PoolError> {
+        let size = u32::try_from(size.max(1)).map_err(|_| PoolError::Allocation {
+            bytes: size,
+            reason: "larger than a segment can be".to_owned(),
+        })?;
+        let (memory, free) = SegmentMemory::map(1, size, HEADROOM + size as usize)?;
+        let segment = free.pop().expect("one segment was mapped");
+        Ok(Self::new(Arc::new(Unpooled { memory }), segment))
+    }
+}
+
 impl Drop for PooledSegment {
     fn drop(&mut self) {
         if let Some(Owned { recycler, segment }) = self.owned.take() {

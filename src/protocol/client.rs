@@ -682,7 +682,7 @@ impl ClientConnection {
                 let segment = if header.data_type.is_buffer() {
                     channel.shared.buffers().take_segment()
                 } else {
-                    channel.shared.buffers().event_segment()
+                    channel.shared.buffers().event_segment(header.size as usize)
                 };
                 match segment {
                     Some(segment) => Some(segment.into_builder(header.data_type)),
@@ -690,8 +690,8 @@ impl ClientConnection {
                         return Err(ProtocolError::CreditExceeded(header.receiver));
                     }
                     // The gate closed between the look above and this one (its release empties
-                    // the channel's segments), or an event found the whole network memory in
-                    // use: this channel leaves and the payload is discarded, as for a channel
+                    // the channel's segments), or the process could not map an event's few
+                    // bytes: this channel leaves and the payload is discarded, as for a channel
                     // gone. Neither is the connection's fault, so its other channels go on.
                     None => {
                         let receiver = channel.receiver;
@@ -702,11 +702,11 @@ impl ClientConnection {
                         if !channel.shared.is_released() {
                             tracing::warn!(
                                 ?receiver,
-                                "no network memory for an incoming event; failing its channel"
+                                "no memory for an incoming event; failing its channel"
                             );
                             channel.shared.fail(GateError::Transport {
                                 channel: channel.shared.channel(),
-                                reason: "no network memory for an incoming event".to_owned(),
+                                reason: "no memory for an incoming event".to_owned(),
                             });
                         }
                         encode(
