@@ -2493,3 +2493,41 @@ fn an_error_response_follows_a_partly_written_frame_intact() {
     drop((server, partition));
     nets.assert_all_back("torn frame");
 }
+
+/// A driver that gives up on a read still in flight (its cancellation never completed) takes
+/// the payload's destination segment out before the connection is lost: the channel fails as
+/// for any lost connection, but the segment the kernel may still write stays out of the pool
+/// until the driver lets go of it, never handed to another buffer under that write.
+#[test]
+fn a_payload_destination_taken_out_stays_out_of_the_pool_when_the_connection_is_lost() {
+    let nets = Networks::new();
+    let mut gate = remote_gate(&nets, PARTITION);
+    let mut client = ClientConnection::new(2, 4, SEGMENT);
+    let receiver = register(&mut client, &gate);
+    client_writes(&mut client);
+    let frame = buffer_frame(receiver, 0, DataType::DataBuffer, &payload(1000, 3));
+    let partial = cat(&[&handshake(), &frame[..frame.len() - 500]]);
+    assert_eq!(client_reads(&mut client, &partial), Ok(()));
+    let destination = client
+        .take_payload_destination()
+        .expect("a payload is being read");
+    let in_use = nets.consumer.total_segments() - nets.consumer.available_segments();
+    client.on_connection_lost("shutdown gave up on the read");
+    assert!(
+        matches!(
+            gate.poll_next(),
+            Err(GateError::Transport { channel: 0, .. })
+        ),
+        "the channel fails"
+    );
+    gate.close();
+    drop(gate);
+    assert_eq!(
+        nets.consumer.total_segments() - nets.consumer.available_segments(),
+        1,
+        "only the destination is out of the pool ({in_use} were before the loss)"
+    );
+    drop(destination);
+    drop(client);
+    nets.assert_all_back("destination given back by its holder");
+}

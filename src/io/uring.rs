@@ -1700,6 +1700,26 @@ impl Loop {
         // Dropping closes the socket.
     }
 
+    /// Shutdown gave up waiting for some connections' operations: their channels fail and
+    /// their views are released all the same (a gate must not wait for good on a connection
+    /// that is gone), while what the kernel may still touch stays put: a read's destination
+    /// segment is taken out and leaked, frames a write may read stay in the connection (its
+    /// outbound queue retires them rather than dropping them), and `Drop` leaks the
+    /// connection itself.
+    fn abandon_busy_connections(&mut self) {
+        for conn in self.conns.iter_mut().flatten() {
+            if conn.idle() && conn.zc_pending.is_empty() {
+                continue;
+            }
+            if conn.reading {
+                if let Side::Client(client) = &mut conn.connection.side {
+                    std::mem::forget(client.take_payload_destination());
+                }
+            }
+            conn.connection.on_lost(SHUTDOWN_REASON);
+        }
+    }
+
     /// Cancels everything in flight, waits (bounded) for the completions, then drops the
     /// connections (their channels fail, their views are released).
     fn shutdown(&mut self) {
@@ -1741,6 +1761,7 @@ impl Loop {
                 in_flight = self.in_flight,
                 "io_uring operations did not complete on shutdown; leaking their memory"
             );
+            self.abandon_busy_connections();
             // `Drop` leaks what is still in flight.
             return;
         }

@@ -582,6 +582,17 @@ impl ClientConnection {
         self.fail_all_with(&error, Some(reason));
     }
 
+    /// Takes the segment a payload is being read into, out of the connection's reach: for a
+    /// driver whose read into it may still be in flight when the connection must go (its
+    /// cancellation never completed), so that the segment is leaked rather than given back
+    /// under the kernel's write. The payload's frame can no longer complete.
+    pub fn take_payload_destination(&mut self) -> Option<BufferBuilder> {
+        match &mut self.stage {
+            ReadStage::Payload { builder, .. } => builder.take(),
+            _ => None,
+        }
+    }
+
     /// Channels registered now.
     pub fn channel_count(&self) -> usize {
         self.channels.iter().flatten().count()
