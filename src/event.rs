@@ -82,10 +82,15 @@ pub enum Alignment {
     Aligned,
     /// Overtakes in-flight data, which is persisted with the checkpoint.
     Unaligned,
-    /// Flink's aligned barrier with an alignment timeout, after which Flink turns it unaligned.
-    /// Carried on the wire (as `TimeoutableAlignedCheckpointBarrier`) and aligned as
-    /// [`Aligned`](Alignment::Aligned) is; the switch to unaligned on the timeout (the
-    /// announcement, the timer and the conversion on both sides) is not done here.
+    /// Flink's aligned barrier with an alignment timeout
+    /// (`execution.checkpointing.aligned-checkpoint-timeout`), carried on the wire as
+    /// `TimeoutableAlignedCheckpointBarrier`. A consumer with unaligned checkpoints on
+    /// ([`AlignmentMode::Unaligned`](crate::gate::AlignmentMode::Unaligned)) aligns it until
+    /// `timeout_ms` after the checkpoint started (the barrier's timestamp), then turns the
+    /// checkpoint unaligned. Flink also moves such a barrier ahead of the data queued in front
+    /// of it, at the sender (on its own timer) and in the receiving channel (through an
+    /// announcement); here it stays in place, so the checkpoint completes once every
+    /// channel's barrier was read, while the task reads on and persists what comes before.
     AlignedWithTimeout {
         /// Alignment time after which Flink turns the barrier unaligned, in milliseconds.
         timeout_ms: u64,

@@ -1171,6 +1171,135 @@ fn an_all_aligned_checkpoint_aligns_in_unaligned_mode() {
     assert!(f.all_segments_back());
 }
 
+/// A barrier aligned with a timeout that started `started_ms_ago` milliseconds ago (its
+/// timestamp is the checkpoint's start, on the wall clock).
+fn timeoutable_barrier(id: u64, timeout_ms: u64, started_ms_ago: i64) -> Event {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    Event::CheckpointBarrier(CheckpointBarrier {
+        id,
+        timestamp: now_ms - started_ms_ago,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::AlignedWithTimeout { timeout_ms },
+    })
+}
+
+/// Flink's aligned checkpoint timeout: a checkpoint whose barriers are aligned with a timeout
+/// aligns until that long after it started, then turns unaligned. Its barrier comes out as an
+/// unaligned one (the task triggers the checkpoint with it and sends it on), the channel
+/// blocked so far stays blocked until the checkpoint completes, and the others' data up to
+/// their barriers is persisted while the task reads on. Before, it stayed aligned for good.
+#[test]
+fn an_alignment_past_its_timeout_turns_unaligned() {
+    let f = fixture();
+    let ([mut a, mut b, mut c], mut checkpointed, sink) = unaligned_gate(&f, 60);
+    // Started 10 s ago with a 1 s timeout: past it when the first barrier arrives.
+    let late = timeoutable_barrier(9, 1000, 10_000);
+    a.broadcast_event(&late, false).unwrap();
+    a.emit_record(&b"a-after"[..], 0).unwrap();
+    a.flush(0);
+    let triggered = next_item(&mut checkpointed);
+    let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
+        panic!("a barrier, got {:?}", triggered.item);
+    };
+    assert_eq!((barrier.id, barrier.alignment), (9, Alignment::Unaligned));
+    assert_eq!(checkpointed.blocked_channels(), &[0]);
+    b.emit_record(&b"b-before"[..], 0).unwrap();
+    b.flush(0);
+    let before = next_item(&mut checkpointed);
+    assert_eq!(
+        (before.channel, data(&before.item)),
+        (1, common::framed_record(b"b-before"))
+    );
+    assert_eq!(
+        *sink.data.lock().unwrap(),
+        vec![(9, 1, common::framed_record(b"b-before"))],
+        "channel 1's data before its barrier is channel state"
+    );
+    assert!(
+        checkpointed.poll_next().unwrap().is_none(),
+        "channel 0 stays blocked while barriers are missing"
+    );
+    b.broadcast_event(&late, false).unwrap();
+    c.broadcast_event(&late, false).unwrap();
+    let after = next_item(&mut checkpointed);
+    assert_eq!(
+        (after.channel, data(&after.item)),
+        (0, common::framed_record(b"a-after"))
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), vec![9]);
+    assert_eq!(checkpointed.pending_checkpoint(), None);
+    drop((triggered, before, after, checkpointed, a, b, c));
+    assert!(f.all_segments_back());
+}
+
+/// A checkpoint aligned with a timeout that completes its alignment within the timeout stays
+/// aligned: its barrier comes out as sent, and nothing is persisted.
+#[test]
+fn an_alignment_within_its_timeout_stays_aligned() {
+    let f = fixture();
+    let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 64);
+    let barrier = timeoutable_barrier(3, 3_600_000, 0);
+    a.broadcast_event(&barrier, false).unwrap();
+    b.emit_record(&b"b-before"[..], 0).unwrap();
+    b.flush(0);
+    let before = next_item(&mut checkpointed);
+    assert_eq!(before.channel, 1);
+    assert!(
+        checkpointed.alignment_deadline().is_some(),
+        "the alignment runs against its timeout"
+    );
+    b.broadcast_event(&barrier, false).unwrap();
+    let aligned = next_item(&mut checkpointed);
+    assert_eq!(event(&aligned.item), &barrier);
+    assert_eq!(checkpointed.alignment_deadline(), None);
+    assert!(sink.data.lock().unwrap().is_empty(), "nothing persisted");
+    assert!(sink.complete.lock().unwrap().is_empty());
+    drop((before, aligned, checkpointed, a, b));
+    assert!(f.all_segments_back());
+}
+
+/// A blocking read waiting on channels that send nothing wakes when the alignment's timeout
+/// passes, and returns the barrier turned unaligned (it waited until its own deadline before).
+#[test]
+fn a_blocking_read_wakes_for_the_alignment_timeout() {
+    let f = fixture();
+    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 66);
+    a.broadcast_event(&timeoutable_barrier(4, 50, 0), false)
+        .unwrap();
+    let triggered = next_item(&mut checkpointed);
+    let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
+        panic!("a barrier, got {:?}", triggered.item);
+    };
+    assert_eq!((barrier.id, barrier.alignment), (4, Alignment::Unaligned));
+    drop((triggered, checkpointed, a));
+}
+
+/// A task that reads without blocking, from its own loop, hears of the alignment timeout
+/// through `handle_timeout` at the deadline the gate names.
+#[test]
+fn handle_timeout_turns_a_timed_out_alignment_for_a_polling_task() {
+    let f = fixture();
+    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 68);
+    a.broadcast_event(&timeoutable_barrier(2, 3_600_000, 0), false)
+        .unwrap();
+    assert!(checkpointed
+        .next_until(Some(Instant::now() + Duration::from_millis(1)))
+        .is_err_and(|e| e == GateError::TimedOut));
+    let deadline = checkpointed
+        .alignment_deadline()
+        .expect("the alignment runs against its timeout");
+    checkpointed.handle_timeout(deadline).unwrap();
+    let triggered = checkpointed.poll_next().unwrap().expect("the barrier");
+    let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
+        panic!("a barrier, got {:?}", triggered.item);
+    };
+    assert_eq!((barrier.id, barrier.alignment), (2, Alignment::Unaligned));
+    drop((triggered, checkpointed, a));
+}
+
 /// A newer barrier aborts the checkpoint running: the task hears of it as a
 /// CancelCheckpointMarker first (Flink's handler tells the task, which declines it and sends
 /// the marker on), and the channel-state sink is told to drop what it holds of it.

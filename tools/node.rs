@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::topology::{
     make_record, max_parallelism, payload_intact, record_checksum, record_header, record_key,
-    CheckpointMode, InputChannel, Partitioner, StageKind, Topology,
+    CheckpointMode, InputChannel, Partitioner, StageKind, Topology, ALIGNED_CHECKPOINT_TIMEOUT_MS,
 };
 
 /// Options of `fluxgate node`.
@@ -1148,20 +1148,20 @@ pub(crate) fn unix_millis() -> u64 {
 }
 
 fn barrier_for(mode: CheckpointMode, id: u64) -> CheckpointBarrier {
-    let unaligned = match mode {
-        CheckpointMode::Aligned => false,
-        CheckpointMode::Unaligned => true,
-        CheckpointMode::Mixed => id % 2 == 0,
+    let alignment = match mode {
+        CheckpointMode::Aligned => Alignment::Aligned,
+        CheckpointMode::Unaligned => Alignment::Unaligned,
+        CheckpointMode::Mixed if id % 2 == 0 => Alignment::Unaligned,
+        CheckpointMode::Mixed => Alignment::Aligned,
+        CheckpointMode::AlignedTimeout => Alignment::AlignedWithTimeout {
+            timeout_ms: ALIGNED_CHECKPOINT_TIMEOUT_MS,
+        },
     };
     CheckpointBarrier {
         id,
         timestamp: unix_millis() as i64,
         kind: CheckpointKind::Checkpoint,
-        alignment: if unaligned {
-            Alignment::Unaligned
-        } else {
-            Alignment::Aligned
-        },
+        alignment,
     }
 }
 
@@ -1483,7 +1483,9 @@ fn consume(
     fault: Option<Fault>,
 ) -> Result<(), Failed> {
     let mode = match topology.checkpoints.map(|c| c.mode) {
-        Some(CheckpointMode::Unaligned | CheckpointMode::Mixed) => AlignmentMode::Unaligned,
+        Some(
+            CheckpointMode::Unaligned | CheckpointMode::Mixed | CheckpointMode::AlignedTimeout,
+        ) => AlignmentMode::Unaligned,
         _ => AlignmentMode::Aligned,
     };
     let channels = gate.channel_count();

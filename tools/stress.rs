@@ -30,7 +30,7 @@ use crate::node::{Fault, ProgressLine};
 use crate::progress::Progress;
 use crate::topology::{
     mix64, CheckpointMode, CheckpointSection, ClusterSection, EdgeSection, OneOrMany, Partitioner,
-    StageKind, StageSection, Topology, TopologyFile, HEADER,
+    StageKind, StageSection, Topology, TopologyFile, ALIGNED_CHECKPOINT_TIMEOUT_MS, HEADER,
 };
 
 /// Options of `fluxgate stress`.
@@ -56,7 +56,8 @@ pub struct StressArgs {
     /// Largest record, in segments (sizes are random from 12 bytes up to this).
     #[arg(long, default_value_t = 3)]
     pub max_record_segments: usize,
-    /// Checkpoint barriers: none, aligned, unaligned, or mixed (odd aligned, even unaligned).
+    /// Checkpoint barriers: none, aligned, unaligned, mixed (odd aligned, even unaligned), or
+    /// aligned-timeout (aligned, turning unaligned after 5 ms of alignment).
     #[arg(long, value_enum, default_value_t = Barriers::Mixed)]
     pub checkpoints: Barriers,
     /// Milliseconds between checkpoint barriers.
@@ -132,6 +133,9 @@ pub enum Barriers {
     Unaligned,
     /// Odd checkpoints aligned, even ones unaligned.
     Mixed,
+    /// Aligned barriers with a 5 ms alignment timeout, after which a consumer turns the
+    /// checkpoint unaligned (Flink's aligned-checkpoint-timeout).
+    AlignedTimeout,
 }
 
 /// Buffer timeouts a producer may draw (ms; -1 only full buffers, 0 every record).
@@ -264,6 +268,7 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
                 mode: match mode {
                     Barriers::Aligned => CheckpointMode::Aligned,
                     Barriers::Unaligned => CheckpointMode::Unaligned,
+                    Barriers::AlignedTimeout => CheckpointMode::AlignedTimeout,
                     _ => CheckpointMode::Mixed,
                 },
             }),
@@ -328,6 +333,10 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
             Barriers::Unaligned => format!("unaligned every {} ms", args.checkpoint_interval),
             Barriers::Mixed => format!(
                 "aligned and unaligned in turn every {} ms",
+                args.checkpoint_interval
+            ),
+            Barriers::AlignedTimeout => format!(
+                "aligned with a {ALIGNED_CHECKPOINT_TIMEOUT_MS} ms alignment timeout every {} ms",
                 args.checkpoint_interval
             ),
         },

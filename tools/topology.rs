@@ -12,7 +12,7 @@
 //!
 //! [checkpoints]        # optional: barriers injected by the generators
 //! interval_ms = 200
-//! mode = "aligned"     # aligned | unaligned | mixed
+//! mode = "aligned"     # aligned | unaligned | mixed | aligned-timeout
 //!
 //! [[stage]]
 //! name = "source"
@@ -111,7 +111,14 @@ pub enum CheckpointMode {
     Unaligned,
     /// Odd checkpoints aligned, even ones unaligned.
     Mixed,
+    /// Aligned barriers with Flink's alignment timeout ([`ALIGNED_CHECKPOINT_TIMEOUT_MS`]):
+    /// a consumer still aligning that long after the checkpoint started turns it unaligned.
+    AlignedTimeout,
 }
+
+/// The alignment timeout of `aligned-timeout` checkpoints, in milliseconds: short, so that a
+/// slow or back-pressured consumer passes it and the switch to unaligned is exercised.
+pub const ALIGNED_CHECKPOINT_TIMEOUT_MS: u64 = 5;
 
 /// What a stage does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::{BufferOrEvent, GateError, GateItem, InputGate};
 use crate::buffer::Buffer;
@@ -22,7 +22,12 @@ pub enum AlignmentMode {
     /// blocked so far stay blocked until it completes); from then on data received before
     /// each channel's barrier goes to the channel-state sink, by reference, and a channel
     /// whose barrier is an aligned one blocks at it until the checkpoint completes (its data
-    /// before the barrier was persisted as it was read).
+    /// before the barrier was persisted as it was read). A checkpoint whose barriers are
+    /// aligned with a timeout ([`Alignment::AlignedWithTimeout`], Flink's
+    /// `execution.checkpointing.aligned-checkpoint-timeout`) aligns until that long after it
+    /// started (the barrier's timestamp), then turns unaligned the same way: its barrier comes
+    /// out as an unaligned one, the channels blocked so far stay blocked until it completes,
+    /// and the others' data is persisted up to their barriers.
     Unaligned,
 }
 
@@ -78,6 +83,9 @@ pub struct CheckpointedInputGate<G> {
     held_barrier: Option<(usize, CheckpointBarrier)>,
     /// An item read from the gate that goes to the task after a barrier surfaced ahead of it.
     deferred: Option<BufferOrEvent>,
+    /// When the alignment in progress turns unaligned: set by the first barrier of a
+    /// checkpoint aligned with a timeout, in unaligned mode.
+    alignment_deadline: Option<Instant>,
 }
 
 impl<G> fmt::Debug for CheckpointedInputGate<G> {
@@ -107,6 +115,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             unaligned: false,
             held_barrier: None,
             deferred: None,
+            alignment_deadline: None,
         }
     }
 
@@ -130,10 +139,23 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         &self.blocked
     }
 
+    /// When the alignment in progress stops waiting and turns unaligned (a checkpoint aligned
+    /// with a timeout, in unaligned mode). A task that reads with
+    /// [`poll_next`](Self::poll_next) from an event loop polls again by then, or calls
+    /// [`handle_timeout`](Self::handle_timeout); the blocking reads wake for it themselves.
+    pub fn alignment_deadline(&self) -> Option<Instant> {
+        self.alignment_deadline
+    }
+
     /// The next item the task should see, without blocking.
     pub fn poll_next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
         if let Some(item) = self.deferred.take() {
             return Ok(Some(item));
+        }
+        if self.alignment_deadline.is_some() {
+            if let Some(item) = self.time_out_alignment(Instant::now()) {
+                return Ok(Some(item));
+            }
         }
         // Bounded by what the gate can deliver now; swallowed barriers loop.
         loop {
@@ -162,7 +184,21 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return Ok(Some(item));
         }
         loop {
-            let Some(item) = self.gate.next_until(deadline)? else {
+            let wake = match self.alignment_deadline {
+                Some(alignment) => {
+                    if let Some(item) = self.time_out_alignment(Instant::now()) {
+                        return Ok(Some(item));
+                    }
+                    Some(deadline.map_or(alignment, |d| d.min(alignment)))
+                }
+                None => deadline,
+            };
+            let item = match self.gate.next_until(wake) {
+                // The alignment's deadline, not the caller's: the loop's top turns it.
+                Err(GateError::TimedOut) if wake != deadline => continue,
+                read => read?,
+            };
+            let Some(item) = item else {
                 return Ok(None);
             };
             if let Some(item) = self.handle(item)? {
@@ -171,9 +207,65 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
     }
 
-    /// Retries due partition requests of the wrapped gate.
+    /// Retries due partition requests of the wrapped gate, and turns an alignment whose
+    /// timeout passed unaligned (its barrier is the next item read).
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        if self.deferred.is_none() {
+            self.deferred = self.time_out_alignment(now);
+        }
         self.gate.handle_timeout(now)
+    }
+
+    /// Turns the alignment in progress unaligned once its deadline passed (Flink's
+    /// `alignedCheckpointTimeout`): returns its barrier, as an unaligned one, for the task to
+    /// trigger the checkpoint with and send on.
+    fn time_out_alignment(&mut self, now: Instant) -> Option<BufferOrEvent> {
+        if self
+            .alignment_deadline
+            .is_none_or(|deadline| now < deadline)
+        {
+            return None;
+        }
+        self.alignment_deadline = None;
+        let (channel, barrier) = self.held_barrier?;
+        if self.unaligned || self.current != Some(barrier.id) {
+            return None;
+        }
+        self.turn_unaligned();
+        tracing::debug!(
+            checkpoint = barrier.id,
+            blocked = self.blocked.len(),
+            "alignment timed out; the checkpoint turns unaligned"
+        );
+        Some(BufferOrEvent {
+            channel,
+            item: GateItem::Event {
+                event: Event::CheckpointBarrier(CheckpointBarrier {
+                    alignment: Alignment::Unaligned,
+                    ..barrier
+                }),
+                priority: true,
+            },
+            more_available: true,
+            overtaken: 0,
+        })
+    }
+
+    /// The running checkpoint persists in-flight data from now on: what each channel sends
+    /// until its barrier. A channel whose aligned barrier came already has none; it stays
+    /// blocked until the checkpoint completes, as in Flink's handler, which keeps its channel
+    /// state when it turns unaligned.
+    fn turn_unaligned(&mut self) {
+        self.unaligned = true;
+        self.held_barrier = None;
+        self.alignment_deadline = None;
+        for c in 0..self.persist.len() {
+            self.persist[c] = if self.barrier_seen[c] || self.gate.is_channel_finished(c) {
+                Persist::Done
+            } else {
+                Persist::UntilBarrier
+            };
+        }
     }
 
     fn handle(&mut self, item: BufferOrEvent) -> Result<Option<BufferOrEvent>, GateError> {
@@ -214,6 +306,14 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                     // aborted checkpoint leaves it alone (a completion or an abort clears it).
                     if !surface && self.current == Some(id) {
                         self.held_barrier = Some((channel, barrier));
+                        if let Alignment::AlignedWithTimeout { timeout_ms } = barrier.alignment {
+                            if self.mode == AlignmentMode::Unaligned
+                                && self.alignment_deadline.is_none()
+                            {
+                                self.alignment_deadline =
+                                    Some(alignment_deadline(&barrier, timeout_ms, Instant::now()));
+                            }
+                        }
                     }
                     Ok(self.with_abort_notice(aborted, channel, surface.then_some(item)))
                 }
@@ -314,19 +414,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             if self.current.is_none() {
                 self.start(id);
             }
-            // Triggered now: what each channel sends until its barrier is in flight. A channel
-            // whose aligned barrier came already has none; it stays blocked until the
-            // checkpoint completes, as in Flink's handler, which keeps its channel state when
-            // it turns unaligned.
-            self.unaligned = true;
-            self.held_barrier = None;
-            for c in 0..self.persist.len() {
-                self.persist[c] = if self.barrier_seen[c] || self.gate.is_channel_finished(c) {
-                    Persist::Done
-                } else {
-                    Persist::UntilBarrier
-                };
-            }
+            self.turn_unaligned();
         }
         // Not "barrier not seen yet": a peer that sends an aligned barrier after the channel's
         // unaligned one blocks the channel too, and it must resume with the others.
@@ -408,6 +496,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     fn start(&mut self, id: u64) {
         self.current = Some(id);
         self.unaligned = false;
+        self.alignment_deadline = None;
         self.barrier_seen.iter_mut().for_each(|seen| *seen = false);
     }
 
@@ -450,6 +539,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         self.current = None;
         self.unaligned = false;
         self.held_barrier = None;
+        self.alignment_deadline = None;
         self.last_done = Some(self.last_done.map_or(id, |done| done.max(id)));
         self.persist.iter_mut().for_each(|p| *p = Persist::Done);
         self.resume_blocked()
@@ -468,6 +558,20 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
         result
     }
+}
+
+/// When the alignment of `barrier`, aligned with a timeout of `timeout_ms`, stops waiting:
+/// that long after the checkpoint started, as Flink's handler measures it (the barrier's
+/// timestamp against this machine's wall clock), on the monotonic clock. A timestamp ahead of
+/// the clock (skew between machines) counts as now.
+fn alignment_deadline(barrier: &CheckpointBarrier, timeout_ms: u64, now: Instant) -> Instant {
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        });
+    let elapsed = u64::try_from(now_ms.saturating_sub(barrier.timestamp)).unwrap_or(0);
+    now + Duration::from_millis(timeout_ms.saturating_sub(elapsed))
 }
 
 /// A checkpointed gate reads like any gate (so a `RecordReader` can sit on top of barrier
@@ -501,7 +605,7 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
-        self.gate.handle_timeout(now)
+        CheckpointedInputGate::handle_timeout(self, now)
     }
 
     fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {
