@@ -11,6 +11,8 @@
 //! | 4 | `EndOfChannelState` | — |
 //! | 5 | `Task` | length u32, then that many opaque bytes |
 
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
 use crate::buffer::{BufferBuilder, DataType};
 
 /// Why bytes did not decode to an event: always the sender's fault.
@@ -64,6 +66,39 @@ impl CheckpointBarrier {
         }
         Ok(())
     }
+
+    /// For a barrier aligned with a timeout, when that timeout passes: `timeout_ms` after the
+    /// checkpoint started, as Flink measures it (the barrier's timestamp against this
+    /// machine's wall clock), on the monotonic clock from `now`. A timestamp ahead of the
+    /// clock (skew between machines) counts as now. `None` for the other alignments, and as
+    /// Flink's `isTimeoutable` says: for a savepoint, a timeout of 0 and Flink's "no timeout"
+    /// (`Long.MAX_VALUE`).
+    pub fn alignment_deadline(&self, now: Instant) -> Option<Instant> {
+        let Alignment::AlignedWithTimeout { timeout_ms } = self.alignment else {
+            return None;
+        };
+        if self.kind == CheckpointKind::Savepoint
+            || timeout_ms == 0
+            || timeout_ms >= i64::MAX as u64
+        {
+            return None;
+        }
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| {
+                i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+            });
+        let elapsed = u64::try_from(now_ms.saturating_sub(self.timestamp)).unwrap_or(0);
+        Some(now + Duration::from_millis(timeout_ms.saturating_sub(elapsed)))
+    }
+
+    /// The same barrier, unaligned: what an alignment that timed out turns it into.
+    pub fn as_unaligned(&self) -> CheckpointBarrier {
+        CheckpointBarrier {
+            alignment: Alignment::Unaligned,
+            ..*self
+        }
+    }
 }
 
 /// Checkpoint or savepoint.
@@ -87,10 +122,11 @@ pub enum Alignment {
     /// `TimeoutableAlignedCheckpointBarrier`. A consumer with unaligned checkpoints on
     /// ([`AlignmentMode::Unaligned`](crate::gate::AlignmentMode::Unaligned)) aligns it until
     /// `timeout_ms` after the checkpoint started (the barrier's timestamp), then turns the
-    /// checkpoint unaligned. Flink also moves such a barrier ahead of the data queued in front
-    /// of it, at the sender (on its own timer) and in the receiving channel (through an
-    /// announcement); here it stays in place, so the checkpoint completes once every
-    /// channel's barrier was read, while the task reads on and persists what comes before.
+    /// checkpoint unaligned. The producer, at the same deadline, sends the barrier's unaligned
+    /// copy ahead of the data queued before it where its reader has not taken it
+    /// ([`ResultPartition::aligned_barrier_timeout`](crate::partition::ResultPartition::aligned_barrier_timeout)).
+    /// Flink also moves it ahead of what the receiving channel holds (after announcing it);
+    /// here that data is read and persisted up to the barrier.
     AlignedWithTimeout {
         /// Alignment time after which Flink turns the barrier unaligned, in milliseconds.
         timeout_ms: u64,

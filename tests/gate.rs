@@ -1198,14 +1198,16 @@ fn an_alignment_past_its_timeout_turns_unaligned() {
     // Started 10 s ago with a 1 s timeout: past it when the first barrier arrives.
     let late = timeoutable_barrier(9, 1000, 10_000);
     a.broadcast_event(&late, false).unwrap();
-    a.emit_record(&b"a-after"[..], 0).unwrap();
-    a.flush(0);
+    // Read before `a` writes again: past the timeout, the producer's own timer would send
+    // its barrier unaligned instead, ahead of what it queued before.
     let triggered = next_item(&mut checkpointed);
     let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
         panic!("a barrier, got {:?}", triggered.item);
     };
     assert_eq!((barrier.id, barrier.alignment), (9, Alignment::Unaligned));
     assert_eq!(checkpointed.blocked_channels(), &[0]);
+    a.emit_record(&b"a-after"[..], 0).unwrap();
+    a.flush(0);
     b.emit_record(&b"b-before"[..], 0).unwrap();
     b.flush(0);
     let before = next_item(&mut checkpointed);

@@ -2,9 +2,10 @@
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
 //! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
 //! ready-reader queue with its enqueued flags, the I/O thread's parked flag, a
-//! subpartition's backlog count and read order against a priority event queued mid-read,
-//! and a remote channel's read order against a priority item arriving mid-read and its
-//! floating credit against a blocking barrier read at once.
+//! subpartition's backlog count and read order against a priority event queued mid-read and
+//! its barrier turned unaligned by a timeout against its reader, and a remote channel's read
+//! order against a priority item arriving mid-read and its floating credit against a
+//! blocking barrier read at once.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -928,6 +929,71 @@ fn subpartition_backlog_races_the_finish_of_a_buffer() {
             );
         }
         drop((items, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p9) The producer turns an aligned barrier with a timeout unaligned while the reader reaches
+/// it: whichever claims it first decides, so exactly one barrier comes out, either aligned
+/// between the records or unaligned ahead of "after"; never both, never none, and nothing
+/// after the barrier comes before it.
+#[test]
+fn a_barrier_timing_out_races_its_reader() {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+    bounded_model(|| {
+        let (pool, mut partition, mut view) = one_subpartition_with_view(8);
+        let barrier = CheckpointBarrier {
+            id: 1,
+            // Now: the timeout lies ahead, so only the explicit call below fires it.
+            timestamp: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as i64,
+            kind: CheckpointKind::Checkpoint,
+            alignment: Alignment::AlignedWithTimeout {
+                timeout_ms: 3_600_000,
+            },
+        };
+        partition.emit_record(&b"before"[..], 0).unwrap();
+        partition
+            .broadcast_event(&Event::CheckpointBarrier(barrier), false)
+            .unwrap();
+        partition.emit_record(&b"after"[..], 0).unwrap();
+        partition.flush(0);
+
+        let timer = thread::spawn(move || {
+            let turned = partition.aligned_barrier_timeout(1);
+            (partition, turned)
+        });
+        let mut seen = Vec::new();
+        // Bounded: the reader waits only while the producer queues the unaligned copy.
+        for _ in 0..20 {
+            match view.poll_next() {
+                Some(item) => {
+                    let data_type = item.buffer.data_type();
+                    if data_type == DataType::TimeoutableAlignedCheckpointBarrier {
+                        view.resume_consumption();
+                    }
+                    let after = data_type == DataType::DataBuffer
+                        && item.buffer.as_slice().ends_with(b"after");
+                    seen.push(data_type);
+                    if after {
+                        break;
+                    }
+                }
+                None => thread::yield_now(),
+            }
+        }
+        let (partition, turned) = timer.join().unwrap();
+        let barriers: Vec<_> = seen.iter().filter(|t| t.is_event()).collect();
+        let expected = if turned == 1 {
+            DataType::PrioritizedEventBuffer
+        } else {
+            DataType::TimeoutableAlignedCheckpointBarrier
+        };
+        assert_eq!(barriers, [&expected], "turned {turned}, read {seen:?}");
+        assert_eq!(seen.last(), Some(&DataType::DataBuffer), "read {seen:?}");
+        drop((view, partition));
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }

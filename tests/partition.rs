@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fluxgate::buffer::{DataType, NetworkBufferPool};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
@@ -399,6 +399,157 @@ fn an_aligned_barrier_keeps_its_place_and_blocks_until_resumed() {
     assert!(view.resume_consumption());
     let after = view.poll_next().unwrap();
     assert_eq!(records_of(&after), vec![b"after".to_vec()]);
+}
+
+/// A barrier aligned with a timeout, of a checkpoint that started now.
+fn timeoutable_barrier(id: u64, timeout_ms: u64) -> Event {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    Event::CheckpointBarrier(CheckpointBarrier {
+        id,
+        timestamp: now_ms,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::AlignedWithTimeout { timeout_ms },
+    })
+}
+
+fn event_of(item: &BufferAndBacklog) -> Event {
+    Event::decode(item.buffer.as_slice()).unwrap()
+}
+
+/// `barrier` as an alignment that timed out turns it.
+fn unaligned(barrier: &Event) -> Event {
+    match barrier {
+        Event::CheckpointBarrier(b) => Event::CheckpointBarrier(b.as_unaligned()),
+        other => panic!("not a barrier: {other:?}"),
+    }
+}
+
+/// Flink's producer-side `alignedBarrierTimeout`: an aligned barrier with a timeout still
+/// queued when its timeout passes turns unaligned. Its unaligned copy overtakes the data
+/// queued before it and says how much; the aligned original never comes out, so the view is
+/// never blocked; the data after it follows in order.
+#[test]
+fn a_queued_barrier_turned_unaligned_overtakes_the_data_before_it() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let record = [1u8; 2044]; // two records per 4 KiB segment
+    for _ in 0..4 {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    let barrier = timeoutable_barrier(5, 3_600_000);
+    partition.broadcast_event(&barrier, false).unwrap();
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    partition.flush(0);
+    assert!(partition.aligned_barrier_deadline().is_some());
+    assert_eq!(
+        partition.aligned_barrier_timeout(4),
+        0,
+        "another checkpoint"
+    );
+    assert_eq!(partition.aligned_barrier_timeout(5), 1);
+    assert_eq!(partition.aligned_barrier_deadline(), None);
+    assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
+    let first = view.poll_next().unwrap();
+    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
+    assert_eq!(event_of(&first), unaligned(&barrier));
+    assert_eq!(first.overtaken, 2, "two data buffers were queued before it");
+    let rest: Vec<_> = std::iter::from_fn(|| view.poll_next()).collect();
+    assert!(
+        rest.iter()
+            .all(|i| i.buffer.data_type() == DataType::DataBuffer),
+        "the aligned original is dropped: {:?}",
+        rest.iter()
+            .map(|i| i.buffer.data_type())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(rest.len(), 3);
+    assert_eq!(records_of(&rest[2]), vec![b"after".to_vec()]);
+    assert!(!view.is_blocked());
+    assert_eq!(
+        rest.iter().map(|i| i.sequence_number).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+}
+
+/// A barrier its reader took before the timeout went out aligned, in place: the timeout
+/// turns nothing, and no second barrier follows.
+#[test]
+fn a_barrier_taken_before_its_timeout_stays_aligned() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&b"before"[..], 0).unwrap();
+    let barrier = timeoutable_barrier(6, 3_600_000);
+    partition.broadcast_event(&barrier, false).unwrap();
+    let before = view.poll_next().unwrap();
+    assert_eq!(records_of(&before), vec![b"before".to_vec()]);
+    let aligned = view.poll_next().unwrap();
+    assert_eq!(
+        aligned.buffer.data_type(),
+        DataType::TimeoutableAlignedCheckpointBarrier
+    );
+    assert_eq!(event_of(&aligned), barrier);
+    assert_eq!(partition.aligned_barrier_timeout(6), 0);
+    assert!(view.resume_consumption() || view.poll_next().is_none());
+    assert!(view.poll_next().is_none(), "no second barrier");
+}
+
+/// A writer blocked by back pressure still turns its barrier unaligned when the timeout
+/// passes (that is when the barrier sits behind data the most): the reader, which took
+/// nothing meanwhile, finds the unaligned barrier first.
+#[test]
+fn a_back_pressured_writer_turns_its_barrier_unaligned_at_the_timeout() {
+    let (network, config) = setup(16);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition.emit_record(&[2u8; 2044][..], 0).unwrap();
+    let barrier = timeoutable_barrier(7, 50);
+    partition.broadcast_event(&barrier, false).unwrap();
+    let writer = thread::spawn(move || {
+        // More than the pool holds: the writer blocks until the reader takes.
+        for _ in 0..64 {
+            partition.emit_record(&[3u8; 2044][..], 0).unwrap();
+        }
+        partition.finish().unwrap();
+        partition
+    });
+    let deadline = Instant::now() + LONG;
+    while signal.priority.load(Ordering::SeqCst) == 0 {
+        let seen = signal.notifications();
+        assert!(
+            Instant::now() < deadline && signal.wait_beyond(seen),
+            "the barrier never turned unaligned"
+        );
+    }
+    let first = view.poll_next().unwrap();
+    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
+    assert_eq!(event_of(&first), unaligned(&barrier));
+    assert_eq!(first.overtaken, 1);
+    let mut spanning = SpanningReader::new();
+    let mut events = Vec::new();
+    while events.last() != Some(&Event::EndOfPartition) {
+        let seen = signal.notifications();
+        match view.poll_next() {
+            Some(item) if item.buffer.data_type() == DataType::DataBuffer => spanning.read(&item),
+            Some(item) => events.push(event_of(&item)),
+            None => assert!(signal.wait_beyond(seen), "the writer stalled"),
+        }
+    }
+    let mut expected = vec![(2044, 2)];
+    expected.extend(std::iter::repeat_n((2044, 3), 64));
+    assert_eq!(spanning.records, expected);
+    assert_eq!(
+        events,
+        vec![Event::EndOfPartition],
+        "the aligned original is dropped"
+    );
+    let partition = writer.join().unwrap();
+    drop((first, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]

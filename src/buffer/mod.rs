@@ -45,8 +45,9 @@ pub enum DataType {
     PrioritizedEventBuffer = 3,
     /// An aligned barrier: the channel blocks until `resume_consumption`.
     AlignedCheckpointBarrier = 4,
-    /// An aligned barrier that Flink may turn unaligned after a timeout (here it blocks its
-    /// channel like an aligned one; the timeout's conversion is not done).
+    /// An aligned barrier that turns unaligned after a timeout: it blocks its channel like an
+    /// aligned one when it arrives in time; past the timeout the producer sends its unaligned
+    /// copy ahead instead, and a consumer still aligning turns the checkpoint unaligned.
     TimeoutableAlignedCheckpointBarrier = 5,
     /// End of recovered channel state; blocks the channel like an aligned barrier.
     RecoveryCompletion = 6,

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use super::{BufferOrEvent, GateError, GateItem, InputGate};
 use crate::buffer::Buffer;
@@ -165,6 +165,13 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             if let Some(item) = self.handle(item)? {
                 return Ok(Some(item));
             }
+            // A swallowed barrier may have started an alignment already past its timeout
+            // (usual under back pressure): the switch comes first, not after the gate's items.
+            if self.alignment_deadline.is_some() {
+                if let Some(item) = self.time_out_alignment(Instant::now()) {
+                    return Ok(Some(item));
+                }
+            }
         }
     }
 
@@ -194,8 +201,13 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 None => deadline,
             };
             let item = match self.gate.next_until(wake) {
-                // The alignment's deadline, not the caller's: the loop's top turns it.
-                Err(GateError::TimedOut) if wake != deadline => continue,
+                // The alignment's deadline (perhaps the caller's too): turned at the loop's
+                // top, or here when the caller's ends the read.
+                Err(GateError::TimedOut) => match self.time_out_alignment(Instant::now()) {
+                    Some(item) => return Ok(Some(item)),
+                    None if wake != deadline => continue,
+                    None => return Err(GateError::TimedOut),
+                },
                 read => read?,
             };
             let Some(item) = item else {
@@ -240,10 +252,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         Some(BufferOrEvent {
             channel,
             item: GateItem::Event {
-                event: Event::CheckpointBarrier(CheckpointBarrier {
-                    alignment: Alignment::Unaligned,
-                    ..barrier
-                }),
+                event: Event::CheckpointBarrier(barrier.as_unaligned()),
                 priority: true,
             },
             more_available: true,
@@ -306,13 +315,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                     // aborted checkpoint leaves it alone (a completion or an abort clears it).
                     if !surface && self.current == Some(id) {
                         self.held_barrier = Some((channel, barrier));
-                        if let Alignment::AlignedWithTimeout { timeout_ms } = barrier.alignment {
-                            if self.mode == AlignmentMode::Unaligned
-                                && self.alignment_deadline.is_none()
-                            {
-                                self.alignment_deadline =
-                                    Some(alignment_deadline(&barrier, timeout_ms, Instant::now()));
-                            }
+                        if self.mode == AlignmentMode::Unaligned
+                            && self.alignment_deadline.is_none()
+                        {
+                            self.alignment_deadline = barrier.alignment_deadline(Instant::now());
                         }
                     }
                     Ok(self.with_abort_notice(aborted, channel, surface.then_some(item)))
@@ -558,20 +564,6 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
         result
     }
-}
-
-/// When the alignment of `barrier`, aligned with a timeout of `timeout_ms`, stops waiting:
-/// that long after the checkpoint started, as Flink's handler measures it (the barrier's
-/// timestamp against this machine's wall clock), on the monotonic clock. A timestamp ahead of
-/// the clock (skew between machines) counts as now.
-fn alignment_deadline(barrier: &CheckpointBarrier, timeout_ms: u64, now: Instant) -> Instant {
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| {
-            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-        });
-    let elapsed = u64::try_from(now_ms.saturating_sub(barrier.timestamp)).unwrap_or(0);
-    now + Duration::from_millis(timeout_ms.saturating_sub(elapsed))
 }
 
 /// A checkpointed gate reads like any gate (so a `RecordReader` can sit on top of barrier

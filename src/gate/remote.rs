@@ -172,18 +172,16 @@ impl BufferManager {
     }
 
     /// A segment for an incoming event of `size` bytes: events need no credit, so it comes
-    /// from outside the gate's quota (an overdraft segment of the global pool), as Flink reads
-    /// events into unpooled memory; with the whole network memory in use, from the gate's own
-    /// free segments (an event is read and dropped at once, and its segment goes back to the
-    /// channels waiting for floating ones); with those used up too, from memory mapped for
-    /// this event alone, as Flink's unpooled buffers. A barrier that arrives while
-    /// back-pressure holds every segment must not fail its channel. That memory stays bounded:
-    /// a channel holds at most its credit plus [`UNCREDITED_EVENTS`] received items.
+    /// from outside the gate's quota, as Flink reads events into unpooled memory: an
+    /// overdraft segment of the global pool, or with the whole network memory in use, memory
+    /// mapped for this event alone (not the gate's own free segments: its channels waiting for
+    /// floating ones need those). A barrier that arrives while back pressure holds every
+    /// segment must not fail its channel. That memory stays bounded: a channel holds at most
+    /// its credit plus [`UNCREDITED_EVENTS`] received items.
     pub fn event_segment(&self, size: usize) -> Option<PooledSegment> {
         // `None` once the gate closed (the pool is gone; the channel takes nothing more).
         let pool = self.pool.upgrade()?;
         pool.request_overdraft_segment()
-            .or_else(|| pool.request_segment())
             .or_else(|| match PooledSegment::unpooled(size) {
                 Ok(segment) => Some(segment),
                 Err(error) => {

@@ -21,7 +21,8 @@
 //!   there (allocated once per connection, reused by every operation).
 //! * A read's destination is the state machine's current read buffer; the state machine only
 //!   moves on (or drops a payload segment) in `on_read` / `on_lost`, which this driver calls
-//!   only once no read is in flight.
+//!   only once no read is in flight; except when shutdown gives up waiting for one, and then
+//!   takes the payload segment out first and leaks it.
 //! * A write's segments are held by the state machine's outbound queue, which keeps them past
 //!   a failure until `on_written` (`Connection::begin_write`).
 //! * A zero-copy send's segments are needed until its notification (a second completion,

@@ -2,15 +2,17 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::subpartition::{PipelinedSubpartition, Queued, SubpartitionView, EVENT_RESERVE};
+use super::subpartition::{
+    Conversion, PipelinedSubpartition, Queued, SubpartitionView, EVENT_RESERVE,
+};
 use super::{AvailabilityListener, PartitionError, PartitionType, ResultPartitionId};
 use crate::buffer::{
     BufferBuilder, DataType, LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError,
 };
 use crate::config::NetworkConfig;
-use crate::event::Event;
+use crate::event::{CheckpointBarrier, Event};
 use crate::metrics::{OutputMetrics, OutputMetricsSnapshot};
 use crate::record::{self, Record, RecordError, SegmentSink};
 
@@ -116,7 +118,22 @@ pub struct ResultPartition {
     max_record_bytes: usize,
     request_timeout: Duration,
     finished: bool,
+    /// The newest aligned barrier with a timeout, until it was turned unaligned.
+    barrier_timer: Option<BarrierTimer>,
 }
+
+/// An aligned barrier with a timeout this partition queued, and when it turns unaligned in
+/// the subpartitions whose readers have not taken it by then (Flink's producer-side
+/// `alignedBarrierTimeout`).
+#[derive(Clone, Copy, Debug)]
+struct BarrierTimer {
+    barrier: CheckpointBarrier,
+    deadline: Instant,
+}
+
+/// How soon a barrier timer that could not finish (no memory for the unaligned copy, a full
+/// priority lane) tries again.
+const BARRIER_TIMER_RETRY: Duration = Duration::from_millis(10);
 
 impl fmt::Debug for ResultPartition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -173,6 +190,7 @@ impl ResultPartition {
             max_record_bytes: config.max_record_bytes,
             request_timeout: config.buffer_request_timeout,
             finished: false,
+            barrier_timer: None,
         })
     }
 
@@ -252,6 +270,14 @@ impl ResultPartition {
         self.check_writable()?;
         if self.broadcast.is_some() {
             self.finish_broadcast_builder();
+        }
+        if self.barrier_timer.is_some() {
+            fire_barrier_timer(
+                &mut self.barrier_timer,
+                &self.pool,
+                &self.handle.shared.subpartitions,
+                Instant::now(),
+            );
         }
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Unicast(target))?;
@@ -357,11 +383,16 @@ impl ResultPartition {
         }
         // Bounded: each round queues in at least one more subpartition.
         while !full.is_empty() {
-            until_available(|| {
-                self.pool.wait_until(self.request_timeout, || {
-                    full.iter().any(|s| s.has_room_or_listen(queued))
-                })
-            })?;
+            until_available_timed(
+                &mut self.barrier_timer,
+                &self.pool,
+                &self.handle.shared.subpartitions,
+                self.request_timeout,
+                |wait| {
+                    self.pool
+                        .wait_until(wait, || full.iter().any(|s| s.has_room_or_listen(queued)))
+                },
+            )?;
             let mut index = 0;
             while index < full.len() {
                 if full[index].has_room(queued) {
@@ -371,11 +402,52 @@ impl ResultPartition {
                 }
             }
         }
-        if any_queued {
-            Ok(())
-        } else {
-            Err(PartitionError::Released)
+        if !any_queued {
+            return Err(PartitionError::Released);
         }
+        if let (false, Event::CheckpointBarrier(barrier)) = (priority, event) {
+            if let Some(deadline) = barrier.alignment_deadline(Instant::now()) {
+                self.barrier_timer = Some(BarrierTimer {
+                    barrier: *barrier,
+                    deadline,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Flink's `alignedBarrierTimeout` on the producer's side: checkpoint `checkpoint_id`'s
+    /// aligned barrier with a timeout (the newest this partition queued), in every
+    /// subpartition whose reader has not taken it yet, turns unaligned now: its unaligned
+    /// copy, a priority event, overtakes the data queued before it (which the consumer
+    /// persists as in-flight data), and the aligned one is dropped. The partition does this
+    /// itself at the barrier's deadline ([`aligned_barrier_deadline`](Self::aligned_barrier_deadline))
+    /// whenever it writes or waits for back pressure; a task that stops writing, or writes
+    /// only through [`emit_record_async`](Self::emit_record_async), calls this from its own
+    /// timer. Returns how many subpartitions it turned (0 for another checkpoint's id).
+    pub fn aligned_barrier_timeout(&mut self, checkpoint_id: u64) -> usize {
+        match self.barrier_timer {
+            Some(timer) if timer.barrier.id == checkpoint_id => {
+                let now = Instant::now();
+                self.barrier_timer = Some(BarrierTimer {
+                    deadline: now,
+                    ..timer
+                });
+                fire_barrier_timer(
+                    &mut self.barrier_timer,
+                    &self.pool,
+                    &self.handle.shared.subpartitions,
+                    now,
+                )
+            }
+            _ => 0,
+        }
+    }
+
+    /// When the newest aligned barrier with a timeout turns unaligned where its readers have
+    /// not taken it; `None` when there is none waiting.
+    pub fn aligned_barrier_deadline(&self) -> Option<Instant> {
+        self.barrier_timer.map(|timer| timer.deadline)
     }
 
     /// Makes the committed bytes of subpartition `target` readable now.
@@ -440,6 +512,7 @@ impl ResultPartition {
             pool: &self.pool,
             shared: &self.handle.shared,
             request_timeout: self.request_timeout,
+            barrier_timer: &mut self.barrier_timer,
         })
     }
 
@@ -576,35 +649,80 @@ fn released_or(error: RecordError) -> PartitionError {
     }
 }
 
-/// Waits, as long as it takes, until each of `subpartitions` has room for an item of kind
-/// `queued` (a released one has, once its release drained it). A lane fills only while its
-/// reader takes nothing and the writer queues broadcast buffers or events past
-/// `max-buffers-per-channel`: back pressure like the pool's, and booked as the writer's
-/// back-pressured time too. Returns early when the pool is destroyed (partition released).
-fn wait_for_room(
+/// [`until_available`] for the writer's waits: each wait also ends at a pending barrier
+/// timer's deadline, which then fires (so a back-pressured writer still turns its barrier
+/// unaligned on time).
+fn until_available_timed<T>(
+    timer: &mut Option<BarrierTimer>,
     pool: &LocalBufferPool,
     subpartitions: &[Arc<PipelinedSubpartition>],
-    queued: Queued,
     recheck: Duration,
-) -> Result<(), PartitionError> {
-    if subpartitions.iter().all(|s| s.has_room(queued)) {
-        return Ok(());
+    mut request: impl FnMut(Duration) -> Result<T, PoolError>,
+) -> Result<T, PartitionError> {
+    // Bounded by the back pressure: the pool's destruction ends it.
+    loop {
+        let wait = timer.map_or(recheck, |timer| {
+            timer
+                .deadline
+                .saturating_duration_since(Instant::now())
+                .min(recheck)
+        });
+        match request(wait) {
+            Ok(found) => return Ok(found),
+            Err(PoolError::Timeout(_)) => {
+                fire_barrier_timer(timer, pool, subpartitions, Instant::now());
+            }
+            Err(PoolError::Destroyed) => return Err(PartitionError::Released),
+            Err(other) => return Err(other.into()),
+        }
     }
-    until_available(|| {
-        pool.wait_until(recheck, || {
-            subpartitions.iter().all(|s| s.has_room_or_listen(queued))
-        })
-    })
 }
 
-/// Waits for a builder as long as it takes (Flink's writer blocks on back pressure too);
-/// returns early when the pool is destroyed (partition released).
-fn request_blocking(
+/// Turns the timer's barrier unaligned in every subpartition still holding it, once its
+/// deadline passed. What could not be done now (no memory for the unaligned copy, a full
+/// priority lane) is tried again shortly. Returns how many subpartitions it turned.
+fn fire_barrier_timer(
+    timer: &mut Option<BarrierTimer>,
     pool: &LocalBufferPool,
-    channel: usize,
-    recheck: Duration,
-) -> Result<BufferBuilder, PartitionError> {
-    until_available(|| pool.request_buffer_builder_blocking(channel, recheck))
+    subpartitions: &[Arc<PipelinedSubpartition>],
+    now: Instant,
+) -> usize {
+    let Some(pending) = timer.as_mut() else {
+        return 0;
+    };
+    if now < pending.deadline {
+        return 0;
+    }
+    pending.deadline = now + BARRIER_TIMER_RETRY;
+    // Not waiting for memory here: the writer may be waiting for it already.
+    let Some(segment) = pool
+        .request_segment()
+        .or_else(|| pool.request_overdraft_segment())
+    else {
+        return 0;
+    };
+    let mut builder = segment.into_builder(DataType::PrioritizedEventBuffer);
+    let event = Event::CheckpointBarrier(pending.barrier.as_unaligned());
+    if event.write_to(&mut builder).is_err() {
+        // A segment too small for a barrier: it stays aligned.
+        *timer = None;
+        return 0;
+    }
+    let consumer = builder.create_consumer_from_beginning();
+    drop(builder);
+    let mut turned = 0;
+    let mut retry = false;
+    for subpartition in subpartitions {
+        match subpartition.convert_timeoutable_barrier(|| consumer.copy()) {
+            Conversion::Converted => turned += 1,
+            Conversion::NotQueued => {}
+            Conversion::NoRoom => retry = true,
+        }
+    }
+    if !retry {
+        *timer = None;
+    }
+    turned
 }
 
 /// Repeats a blocking `request` through its timeouts (each a recheck, not a failure) until it
@@ -630,6 +748,7 @@ struct PartitionSink<'a> {
     pool: &'a LocalBufferPool,
     shared: &'a PartitionShared,
     request_timeout: Duration,
+    barrier_timer: &'a mut Option<BarrierTimer>,
 }
 
 impl SegmentSink for PartitionSink<'_> {
@@ -653,13 +772,41 @@ impl SegmentSink for PartitionSink<'_> {
                 Target::Unicast(index) => &self.shared.subpartitions[index..=index],
                 Target::Broadcast => &self.shared.subpartitions[..],
             };
-            // Both fail only as Released or with the pool's own error.
-            let builder = wait_for_room(self.pool, readers, Queued::Buffer, self.request_timeout)
-                .and_then(|()| request_blocking(self.pool, channel, self.request_timeout))
-                .map_err(|error| match error {
-                    PartitionError::Pool(pool) => RecordError::Pool(pool),
-                    _ => RecordError::Released,
-                })?;
+            // Room in the lanes, then a segment, each as long as it takes. A lane fills only
+            // while its reader takes nothing and the writer queues broadcast buffers or events
+            // past `max-buffers-per-channel`: back pressure like the pool's, booked as the
+            // writer's back-pressured time too. Both fail only as Released or with the pool's
+            // own error. A barrier timer due while the writer waits fires meanwhile: that is
+            // when its barrier sits behind data the most.
+            let (pool, subpartitions) = (self.pool, &self.shared.subpartitions[..]);
+            let builder = if readers.iter().all(|s| s.has_room(Queued::Buffer)) {
+                Ok(())
+            } else {
+                until_available_timed(
+                    self.barrier_timer,
+                    pool,
+                    subpartitions,
+                    self.request_timeout,
+                    |wait| {
+                        pool.wait_until(wait, || {
+                            readers.iter().all(|s| s.has_room_or_listen(Queued::Buffer))
+                        })
+                    },
+                )
+            }
+            .and_then(|()| {
+                until_available_timed(
+                    self.barrier_timer,
+                    pool,
+                    subpartitions,
+                    self.request_timeout,
+                    |wait| pool.request_buffer_builder_blocking(channel, wait),
+                )
+            })
+            .map_err(|error| match error {
+                PartitionError::Pool(pool) => RecordError::Pool(pool),
+                _ => RecordError::Released,
+            })?;
             let consumer = builder.create_consumer_from_beginning();
             let queued = match self.target {
                 Target::Unicast(index) => self.shared.subpartitions[index].add_data(consumer),

@@ -33,6 +33,26 @@ use crate::sync::{fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, Orderin
 /// Lane slots only events may take: room for them behind a data lane full of buffers.
 pub(crate) const EVENT_RESERVE: usize = 8;
 
+/// [`PipelinedSubpartition::timeoutable`]: the writer is turning the barrier unaligned; the
+/// reader waits (its priority copy is being queued).
+const CONVERTING: u64 = 1 << 63;
+/// [`PipelinedSubpartition::timeoutable`]: the barrier was turned unaligned; the reader drops
+/// the aligned one when it reaches it.
+const CONVERTED: u64 = 1 << 62;
+const POSITION: u64 = CONVERTED - 1;
+
+/// What became of an aligned barrier with a timeout when the writer tried to turn it unaligned
+/// ([`PipelinedSubpartition::convert_timeoutable_barrier`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Conversion {
+    /// Its unaligned copy overtakes the data queued before it; the aligned one is dropped.
+    Converted,
+    /// None is queued: the reader took it already, or there was none.
+    NotQueued,
+    /// The priority lane is full: try again later.
+    NoRoom,
+}
+
 /// What the writer is about to queue, for [`PipelinedSubpartition::has_room`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Queued {
@@ -74,6 +94,12 @@ pub(crate) struct PipelinedSubpartition {
     /// sleeps; cleared by the reader's next take, which wakes it through the pool.
     room_wanted: AtomicBool,
     room_waiters: PoolWaiters,
+    /// The data-lane position (plus one) of the newest aligned barrier with a timeout while
+    /// its reader has not taken it, 0 when none (with `CONVERTING` / `CONVERTED` flags). The
+    /// reader claims the barrier with a compare-and-swap to 0 as it reaches it, the writer
+    /// with one to `CONVERTING` when the timeout passes: exactly one of them wins, so the
+    /// barrier goes out either aligned, in place, or unaligned, ahead, never both.
+    timeoutable: AtomicU64,
 }
 
 struct ListenerSlot(Arc<dyn AvailabilityListener>);
@@ -116,6 +142,7 @@ impl PipelinedSubpartition {
             listener: ArcSwapOption::empty(),
             room_wanted: AtomicBool::new(false),
             room_waiters,
+            timeoutable: AtomicU64::new(0),
         }
     }
 
@@ -160,9 +187,68 @@ impl PipelinedSubpartition {
             return Ok(());
         }
         self.queued_events.fetch_add(1, Ordering::Release);
+        if consumer.data_type() == DataType::TimeoutableAlignedCheckpointBarrier
+            && self.timeoutable.load(Ordering::Acquire) & CONVERTED == 0
+        {
+            // Before the push: the reader that pops the barrier finds its position here. A
+            // newer barrier replaces an older one, which can then no longer turn unaligned;
+            // but not one turned unaligned whose aligned original the reader has yet to drop
+            // (it would send it): the newer one then stays aligned.
+            let position = self.data_enqueued.load(Ordering::Relaxed);
+            self.timeoutable
+                .store((position + 1) & POSITION, Ordering::Release);
+        }
         self.push_data(consumer)?;
         self.notify_if_waiting();
         Ok(())
+    }
+
+    /// Flink's `alignedBarrierTimeout` for this subpartition: if the newest aligned barrier
+    /// with a timeout is still queued, `unaligned` (its unaligned copy, a priority event)
+    /// overtakes the data queued before it and the aligned one will be dropped. Only the
+    /// partition's writer calls this.
+    pub(crate) fn convert_timeoutable_barrier(
+        &self,
+        unaligned: impl FnOnce() -> BufferConsumer,
+    ) -> Conversion {
+        let state = self.timeoutable.load(Ordering::Acquire);
+        if state == 0 || state & (CONVERTING | CONVERTED) != 0 {
+            return Conversion::NotQueued;
+        }
+        // Room first: once the barrier is claimed, its copy must get in.
+        if !self.has_room(Queued::PriorityEvent) {
+            return Conversion::NoRoom;
+        }
+        if self
+            .timeoutable
+            .compare_exchange(
+                state,
+                state | CONVERTING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_err()
+        {
+            // The reader took it, in place.
+            return Conversion::NotQueued;
+        }
+        let position = (state & POSITION) - 1;
+        let item = PriorityItem {
+            consumer: unaligned(),
+            // Overtakes exactly the items before the aligned barrier.
+            data_enqueued: position,
+        };
+        if self.priority.push(item).is_err() {
+            unreachable!("the writer queues only after it saw room, and only it queues");
+        }
+        // After the push: a reader that finds the barrier converted finds its copy queued.
+        self.timeoutable.store(state | CONVERTED, Ordering::Release);
+        if self.released.load(Ordering::SeqCst) {
+            self.drain();
+            return Conversion::NotQueued;
+        }
+        self.notify_priority();
+        Conversion::Converted
     }
 
     /// Makes the committed bytes of the unfinished tail buffer readable.
@@ -552,7 +638,18 @@ impl SubpartitionView {
                     self.take_head_out();
                     continue;
                 }
-                return head.data_type();
+                let data_type = head.data_type();
+                if data_type == DataType::TimeoutableAlignedCheckpointBarrier {
+                    match self.claim_timeoutable_head() {
+                        Claim::Keep => {}
+                        Claim::Drop => {
+                            self.take_head_out();
+                            continue;
+                        }
+                        Claim::Wait => return DataType::None,
+                    }
+                }
+                return data_type;
             }
             let flushed = self.subpartition.flush_requested.load(Ordering::Acquire);
             return if flushed && head.is_data_available() {
@@ -561,6 +658,35 @@ impl SubpartitionView {
                 DataType::None
             };
         }
+    }
+
+    /// The head is an aligned barrier with a timeout: sent in place unless the writer turned
+    /// it unaligned (see [`PipelinedSubpartition::timeoutable`]).
+    fn claim_timeoutable_head(&self) -> Claim {
+        let timeoutable = &self.subpartition.timeoutable;
+        // Bounded: the state changes at most twice (claimed, then converted) for one barrier.
+        for _ in 0..4 {
+            let state = timeoutable.load(Ordering::Acquire);
+            if state & POSITION != self.data_taken + 1 {
+                // Not the newest one (a newer barrier replaced it), or claimed already.
+                return Claim::Keep;
+            }
+            if state & CONVERTED != 0 {
+                let _ = timeoutable.compare_exchange(state, 0, Ordering::AcqRel, Ordering::Relaxed);
+                return Claim::Drop;
+            }
+            if state & CONVERTING != 0 {
+                // Its copy is being queued; the writer's priority notification follows.
+                return Claim::Wait;
+            }
+            if timeoutable
+                .compare_exchange(state, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Claim::Keep;
+            }
+        }
+        Claim::Wait
     }
 
     /// Registers as waiting, then looks once more. Returns true when something became
@@ -579,6 +705,16 @@ impl SubpartitionView {
         }
         false
     }
+}
+
+/// What the reader does with an aligned barrier with a timeout at its head.
+enum Claim {
+    /// Send it, in place.
+    Keep,
+    /// Drop it: its unaligned copy went ahead.
+    Drop,
+    /// Nothing readable yet: its unaligned copy is being queued.
+    Wait,
 }
 
 impl Drop for SubpartitionView {
