@@ -701,6 +701,7 @@ fn fire_barrier_timer(
     else {
         return 0;
     };
+    let pending_id = pending.barrier.id;
     let mut builder = segment.into_builder(DataType::PrioritizedEventBuffer);
     let event = Event::CheckpointBarrier(pending.barrier.as_unaligned());
     if event.write_to(&mut builder).is_err() {
@@ -721,6 +722,13 @@ fn fire_barrier_timer(
     }
     if !retry {
         *timer = None;
+    }
+    if turned > 0 {
+        tracing::debug!(
+            checkpoint = pending_id,
+            subpartitions = turned,
+            "aligned barrier timed out in its queues; sent unaligned ahead"
+        );
     }
     turned
 }
