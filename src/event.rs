@@ -126,7 +126,9 @@ pub enum Alignment {
     /// copy ahead of the data queued before it where its reader has not taken it
     /// ([`ResultPartition::aligned_barrier_timeout`](crate::partition::ResultPartition::aligned_barrier_timeout)).
     /// Flink also moves it ahead of what the receiving channel holds (after announcing it);
-    /// here that data is read and persisted up to the barrier.
+    /// here that data is read and persisted up to the barrier. As in Flink, where the timeout
+    /// is an option of unaligned checkpoints, only consumers with unaligned checkpoints on
+    /// may be sent such barriers: the producer may send them unaligned.
     AlignedWithTimeout {
         /// Alignment time after which Flink turns the barrier unaligned, in milliseconds.
         timeout_ms: u64,

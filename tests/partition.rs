@@ -498,6 +498,92 @@ fn a_barrier_taken_before_its_timeout_stays_aligned() {
     assert!(view.poll_next().is_none(), "no second barrier");
 }
 
+/// A timer outliving its barrier (taken in place) turns nothing of the next checkpoint's
+/// barrier: conversion goes by checkpoint, and a barrier that cannot time out (a savepoint's)
+/// is not tracked at all. (Timer 5 once sent barrier 5 again in place of barrier 6.)
+#[test]
+fn a_barrier_timer_turns_only_its_own_checkpoints_barrier() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    let five = timeoutable_barrier(5, 3_600_000);
+    partition.broadcast_event(&five, false).unwrap();
+    let taken = view.poll_next().unwrap();
+    assert_eq!(event_of(&taken), five);
+    view.resume_consumption();
+    let Event::CheckpointBarrier(mut six) = timeoutable_barrier(6, 3_600_000) else {
+        unreachable!()
+    };
+    six.kind = CheckpointKind::Savepoint;
+    partition.emit_record(&b"data"[..], 0).unwrap();
+    partition
+        .broadcast_event(&Event::CheckpointBarrier(six), false)
+        .unwrap();
+    assert_eq!(partition.aligned_barrier_timeout(5), 0);
+    assert_eq!(
+        partition.aligned_barrier_timeout(6),
+        0,
+        "a savepoint never times out"
+    );
+    let data = view.poll_next().unwrap();
+    assert_eq!(records_of(&data), vec![b"data".to_vec()]);
+    let next = view.poll_next().unwrap();
+    assert_eq!(
+        next.buffer.data_type(),
+        DataType::TimeoutableAlignedCheckpointBarrier
+    );
+    assert_eq!(event_of(&next), Event::CheckpointBarrier(six));
+}
+
+/// Two checkpoints' barriers time out in one queue before the reader reaches either: both
+/// go ahead unaligned, in order, and both originals are dropped. (The second one once stayed
+/// aligned while the first one's original was still queued.)
+#[test]
+fn two_queued_barriers_both_turn_unaligned() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    let five = timeoutable_barrier(5, 3_600_000);
+    let six = timeoutable_barrier(6, 3_600_000);
+    partition.emit_record(&b"a"[..], 0).unwrap();
+    partition.broadcast_event(&five, false).unwrap();
+    assert_eq!(partition.aligned_barrier_timeout(5), 1);
+    partition.emit_record(&b"b"[..], 0).unwrap();
+    partition.broadcast_event(&six, false).unwrap();
+    partition.emit_record(&b"c"[..], 0).unwrap();
+    partition.flush(0);
+    // The second waits while the first one's original, still queued, holds the drop slot.
+    assert_eq!(partition.aligned_barrier_timeout(6), 0);
+    assert!(
+        partition.aligned_barrier_deadline().is_some(),
+        "tried again later"
+    );
+    let first = view.poll_next().unwrap();
+    assert_eq!(event_of(&first), unaligned(&five));
+    assert_eq!(first.overtaken, 1);
+    let a = view.poll_next().unwrap();
+    assert_eq!(records_of(&a), vec![b"a".to_vec()]);
+    // The reader has passed the first original now (looking for what comes after "a").
+    assert_eq!(partition.aligned_barrier_timeout(6), 1);
+    let second = view.poll_next().unwrap();
+    assert_eq!(event_of(&second), unaligned(&six));
+    assert_eq!(second.overtaken, 1);
+    let b = view.poll_next().unwrap();
+    assert_eq!(
+        records_of(&b),
+        vec![b"b".to_vec()],
+        "the first original was dropped"
+    );
+    let c = view.poll_next().unwrap();
+    assert_eq!(
+        records_of(&c),
+        vec![b"c".to_vec()],
+        "the second original was dropped"
+    );
+    assert!(view.poll_next().is_none());
+    assert!(!view.is_blocked());
+}
+
 /// A writer blocked by back pressure still turns its barrier unaligned when the timeout
 /// passes (that is when the barrier sits behind data the most): the reader, which took
 /// nothing meanwhile, finds the unaligned barrier first.

@@ -351,6 +351,18 @@ impl ResultPartition {
         {
             return Err(PartitionError::PriorityAlignedBarrier);
         }
+        // An aligned barrier that may time out: the subpartitions track it, and a timer turns
+        // it unaligned where it is still queued by then.
+        let timer = match (priority, event) {
+            (false, Event::CheckpointBarrier(barrier)) => barrier
+                .alignment_deadline(Instant::now())
+                .map(|deadline| BarrierTimer {
+                    barrier: *barrier,
+                    deadline,
+                }),
+            _ => None,
+        };
+        let timeoutable = timer.map(|timer| timer.barrier.id);
         self.finish_unicast_builders();
         self.finish_broadcast_builder();
         let mut builder = self.event_builder(priority)?;
@@ -370,7 +382,7 @@ impl ResultPartition {
         let mut any_queued = false;
         let mut queue = |subpartition: &Arc<PipelinedSubpartition>| {
             skip_released(
-                subpartition.add_event(consumer.copy(), priority),
+                subpartition.add_event(consumer.copy(), priority, timeoutable),
                 &mut any_queued,
             )
         };
@@ -405,13 +417,8 @@ impl ResultPartition {
         if !any_queued {
             return Err(PartitionError::Released);
         }
-        if let (false, Event::CheckpointBarrier(barrier)) = (priority, event) {
-            if let Some(deadline) = barrier.alignment_deadline(Instant::now()) {
-                self.barrier_timer = Some(BarrierTimer {
-                    barrier: *barrier,
-                    deadline,
-                });
-            }
+        if timer.is_some() {
+            self.barrier_timer = timer;
         }
         Ok(())
     }
@@ -421,10 +428,12 @@ impl ResultPartition {
     /// subpartition whose reader has not taken it yet, turns unaligned now: its unaligned
     /// copy, a priority event, overtakes the data queued before it (which the consumer
     /// persists as in-flight data), and the aligned one is dropped. The partition does this
-    /// itself at the barrier's deadline ([`aligned_barrier_deadline`](Self::aligned_barrier_deadline))
-    /// whenever it writes or waits for back pressure; a task that stops writing, or writes
-    /// only through [`emit_record_async`](Self::emit_record_async), calls this from its own
-    /// timer. Returns how many subpartitions it turned (0 for another checkpoint's id).
+    /// itself past the barrier's deadline ([`aligned_barrier_deadline`](Self::aligned_barrier_deadline))
+    /// whenever it starts a buffer or waits for back pressure. A task whose output is sparse
+    /// (its open buffer may not fill for long), or that writes only through
+    /// [`emit_record_async`](Self::emit_record_async), calls this at that deadline from its
+    /// own timer, as Flink's task registers one. Returns how many subpartitions it turned (0
+    /// for another checkpoint's id).
     pub fn aligned_barrier_timeout(&mut self, checkpoint_id: u64) -> usize {
         match self.barrier_timer {
             Some(timer) if timer.barrier.id == checkpoint_id => {
@@ -714,7 +723,7 @@ fn fire_barrier_timer(
     let mut turned = 0;
     let mut retry = false;
     for subpartition in subpartitions {
-        match subpartition.convert_timeoutable_barrier(|| consumer.copy()) {
+        match subpartition.convert_timeoutable_barrier(pending_id, || consumer.copy()) {
             Conversion::Converted => turned += 1,
             Conversion::NotQueued => {}
             Conversion::NoRoom => retry = true,

@@ -36,10 +36,6 @@ pub(crate) const EVENT_RESERVE: usize = 8;
 /// [`PipelinedSubpartition::timeoutable`]: the writer is turning the barrier unaligned; the
 /// reader waits (its priority copy is being queued).
 const CONVERTING: u64 = 1 << 63;
-/// [`PipelinedSubpartition::timeoutable`]: the barrier was turned unaligned; the reader drops
-/// the aligned one when it reaches it.
-const CONVERTED: u64 = 1 << 62;
-const POSITION: u64 = CONVERTED - 1;
 
 /// What became of an aligned barrier with a timeout when the writer tried to turn it unaligned
 /// ([`PipelinedSubpartition::convert_timeoutable_barrier`]).
@@ -95,11 +91,18 @@ pub(crate) struct PipelinedSubpartition {
     room_wanted: AtomicBool,
     room_waiters: PoolWaiters,
     /// The data-lane position (plus one) of the newest aligned barrier with a timeout while
-    /// its reader has not taken it, 0 when none (with `CONVERTING` / `CONVERTED` flags). The
-    /// reader claims the barrier with a compare-and-swap to 0 as it reaches it, the writer
-    /// with one to `CONVERTING` when the timeout passes: exactly one of them wins, so the
-    /// barrier goes out either aligned, in place, or unaligned, ahead, never both.
+    /// its reader has not taken it, 0 when none (with the `CONVERTING` flag while the writer
+    /// turns it). The reader claims the barrier with a compare-and-swap to 0 as it reaches it,
+    /// the writer with one to `CONVERTING` when the timeout passes: exactly one of them wins,
+    /// so the barrier goes out either aligned, in place, or unaligned, ahead, never both.
     timeoutable: AtomicU64,
+    /// The checkpoint of the barrier `timeoutable` names (the writer's alone).
+    timeoutable_checkpoint: AtomicU64,
+    /// The data-lane position (plus one) of a barrier turned unaligned whose aligned original
+    /// the reader has yet to drop, 0 when none. Apart from `timeoutable`, so that a newer
+    /// barrier can be turned too; set by the writer before it clears `timeoutable`, cleared
+    /// by the reader as it drops the original.
+    converted: AtomicU64,
 }
 
 struct ListenerSlot(Arc<dyn AvailabilityListener>);
@@ -143,6 +146,8 @@ impl PipelinedSubpartition {
             room_wanted: AtomicBool::new(false),
             room_waiters,
             timeoutable: AtomicU64::new(0),
+            timeoutable_checkpoint: AtomicU64::new(0),
+            converted: AtomicU64::new(0),
         }
     }
 
@@ -166,10 +171,13 @@ impl PipelinedSubpartition {
     }
 
     /// Queues an event. A priority event goes to the priority lane and overtakes queued data.
+    /// `timeoutable` names the checkpoint of an aligned barrier that may time out (turn
+    /// unaligned, see [`convert_timeoutable_barrier`](Self::convert_timeoutable_barrier)).
     pub(crate) fn add_event(
         &self,
         consumer: BufferConsumer,
         priority: bool,
+        timeoutable: Option<u64>,
     ) -> Result<(), PartitionError> {
         if priority {
             let item = PriorityItem {
@@ -187,36 +195,38 @@ impl PipelinedSubpartition {
             return Ok(());
         }
         self.queued_events.fetch_add(1, Ordering::Release);
-        if consumer.data_type() == DataType::TimeoutableAlignedCheckpointBarrier
-            && self.timeoutable.load(Ordering::Acquire) & CONVERTED == 0
-        {
+        if let Some(checkpoint) = timeoutable {
             // Before the push: the reader that pops the barrier finds its position here. A
-            // newer barrier replaces an older one, which can then no longer turn unaligned;
-            // but not one turned unaligned whose aligned original the reader has yet to drop
-            // (it would send it): the newer one then stays aligned.
+            // newer barrier replaces an older one, which can then no longer turn unaligned.
             let position = self.data_enqueued.load(Ordering::Relaxed);
-            self.timeoutable
-                .store((position + 1) & POSITION, Ordering::Release);
+            self.timeoutable_checkpoint
+                .store(checkpoint, Ordering::Relaxed);
+            self.timeoutable.store(position + 1, Ordering::Release);
         }
         self.push_data(consumer)?;
         self.notify_if_waiting();
         Ok(())
     }
 
-    /// Flink's `alignedBarrierTimeout` for this subpartition: if the newest aligned barrier
-    /// with a timeout is still queued, `unaligned` (its unaligned copy, a priority event)
-    /// overtakes the data queued before it and the aligned one will be dropped. Only the
-    /// partition's writer calls this.
+    /// Flink's `alignedBarrierTimeout` for this subpartition: if checkpoint `checkpoint`'s
+    /// aligned barrier with a timeout is still queued, `unaligned` (its unaligned copy, a
+    /// priority event) overtakes the data queued before it and the aligned one will be
+    /// dropped. Only the partition's writer calls this.
     pub(crate) fn convert_timeoutable_barrier(
         &self,
+        checkpoint: u64,
         unaligned: impl FnOnce() -> BufferConsumer,
     ) -> Conversion {
         let state = self.timeoutable.load(Ordering::Acquire);
-        if state == 0 || state & (CONVERTING | CONVERTED) != 0 {
+        if state == 0
+            || state & CONVERTING != 0
+            || self.timeoutable_checkpoint.load(Ordering::Relaxed) != checkpoint
+        {
             return Conversion::NotQueued;
         }
-        // Room first: once the barrier is claimed, its copy must get in.
-        if !self.has_room(Queued::PriorityEvent) {
+        // Room first (once claimed, its copy must get in), and the drop slot free (an older
+        // barrier turned unaligned whose original the reader has not reached holds it).
+        if !self.has_room(Queued::PriorityEvent) || self.converted.load(Ordering::Acquire) != 0 {
             return Conversion::NoRoom;
         }
         if self
@@ -232,7 +242,7 @@ impl PipelinedSubpartition {
             // The reader took it, in place.
             return Conversion::NotQueued;
         }
-        let position = (state & POSITION) - 1;
+        let position = state - 1;
         let item = PriorityItem {
             consumer: unaligned(),
             // Overtakes exactly the items before the aligned barrier.
@@ -241,8 +251,11 @@ impl PipelinedSubpartition {
         if self.priority.push(item).is_err() {
             unreachable!("the writer queues only after it saw room, and only it queues");
         }
-        // After the push: a reader that finds the barrier converted finds its copy queued.
-        self.timeoutable.store(state | CONVERTED, Ordering::Release);
+        // In this order, each a release the reader's acquire pairs with: a reader that finds
+        // `timeoutable` no longer naming the barrier finds it in `converted`, and its copy
+        // queued.
+        self.converted.store(state, Ordering::Release);
+        self.timeoutable.store(0, Ordering::Release);
         if self.released.load(Ordering::SeqCst) {
             self.drain();
             return Conversion::NotQueued;
@@ -663,28 +676,32 @@ impl SubpartitionView {
     /// The head is an aligned barrier with a timeout: sent in place unless the writer turned
     /// it unaligned (see [`PipelinedSubpartition::timeoutable`]).
     fn claim_timeoutable_head(&self) -> Claim {
-        let timeoutable = &self.subpartition.timeoutable;
-        // Bounded: the state changes at most twice (claimed, then converted) for one barrier.
+        let sub = &self.subpartition;
+        let here = self.data_taken + 1;
+        // Bounded: `timeoutable` changes at most twice (claimed or turning, then cleared) for
+        // one barrier.
         for _ in 0..4 {
-            let state = timeoutable.load(Ordering::Acquire);
-            if state & POSITION != self.data_taken + 1 {
-                // Not the newest one (a newer barrier replaced it), or claimed already.
-                return Claim::Keep;
+            let state = sub.timeoutable.load(Ordering::Acquire);
+            if state & !CONVERTING == here {
+                if state & CONVERTING != 0 {
+                    // Its copy is being queued; the writer's priority notification follows.
+                    return Claim::Wait;
+                }
+                if sub
+                    .timeoutable
+                    .compare_exchange(state, 0, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return Claim::Keep;
+                }
+                continue;
             }
-            if state & CONVERTED != 0 {
-                let _ = timeoutable.compare_exchange(state, 0, Ordering::AcqRel, Ordering::Relaxed);
+            // Not (or no longer) the convertible one: turned unaligned, or not timing out.
+            if sub.converted.load(Ordering::Acquire) == here {
+                sub.converted.store(0, Ordering::Release);
                 return Claim::Drop;
             }
-            if state & CONVERTING != 0 {
-                // Its copy is being queued; the writer's priority notification follows.
-                return Claim::Wait;
-            }
-            if timeoutable
-                .compare_exchange(state, 0, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                return Claim::Keep;
-            }
+            return Claim::Keep;
         }
         Claim::Wait
     }
