@@ -272,6 +272,27 @@ fn a_record_whose_encoding_fails_within_a_segment_sends_nothing() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// A record whose encoding fails as the first in a fresh buffer leaves that buffer empty: it
+/// is never sent (the reader skips it), so it is not counted as a buffer sent either.
+#[test]
+fn an_empty_buffer_left_by_a_failed_record_is_not_counted_as_sent() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    let failed = FailingRecord {
+        declared: 100,
+        written: 40,
+    };
+    assert!(partition.emit_record(&failed, 0).is_err());
+    partition.finish().unwrap();
+    let item = view.poll_next().expect("EndOfPartition");
+    assert_eq!(event_of(&item), Event::EndOfPartition);
+    let metrics = partition.metrics_snapshot();
+    assert_eq!((metrics.num_buffers_out, metrics.num_bytes_out), (0, 0));
+    drop((item, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 #[test]
 fn a_record_failing_after_its_prefix_filled_a_segment_keeps_the_stream_framed() {
     // The prefix fills the segment exactly, so writing the record's body publishes it: the

@@ -608,10 +608,13 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
     let bytes = builder.finish();
     drop(builder);
     // A broadcast buffer counts once per subpartition, as Flink counts it: these are what the
-    // partition sends, and each consumer receives its own copy.
-    let copies = readers.len() as u64;
-    shared.metrics.num_buffers_out.add(copies);
-    shared.metrics.num_bytes_out.add(bytes as u64 * copies);
+    // partition sends, and each consumer receives its own copy. An empty one (a record whose
+    // encoding failed was taken back out of it) is never sent: readers skip it.
+    if bytes > 0 {
+        let copies = readers.len() as u64;
+        shared.metrics.num_buffers_out.add(copies);
+        shared.metrics.num_bytes_out.add(bytes as u64 * copies);
+    }
     readers.iter().for_each(|s| s.on_data_finished());
 }
 
