@@ -605,6 +605,53 @@ fn two_queued_barriers_both_turn_unaligned() {
     assert!(!view.is_blocked());
 }
 
+/// A subpartition whose reader went away with a turned barrier's original still queued
+/// does not keep later timers retrying (its drop slot stays taken for good): the next
+/// barrier's timer turns it where it can and ends.
+#[test]
+fn a_released_subpartition_does_not_keep_a_barrier_timer_alive() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (mut kept, _signal) = view(&partition, 0);
+    let (gone, _gone_signal) = view(&partition, 1);
+    let five = timeoutable_barrier(5, 3_600_000);
+    partition.broadcast_event(&five, false).unwrap();
+    assert_eq!(partition.aligned_barrier_timeout(5), 2);
+    drop(gone);
+    let first = kept.poll_next().unwrap();
+    assert_eq!(event_of(&first), unaligned(&five));
+    assert!(kept.poll_next().is_none(), "the original was dropped");
+    let six = timeoutable_barrier(6, 3_600_000);
+    partition.broadcast_event(&six, false).unwrap();
+    assert_eq!(partition.aligned_barrier_timeout(6), 1);
+    assert_eq!(
+        partition.aligned_barrier_deadline(),
+        None,
+        "the timer ended"
+    );
+}
+
+/// A newer checkpoint's barrier ends the pending timer of an older one: its consumers abort
+/// the older checkpoint, and the older barrier turned unaligned afterwards would come after
+/// the newer one.
+#[test]
+fn a_newer_barrier_ends_an_older_barriers_timer() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    let five = timeoutable_barrier(5, 3_600_000);
+    partition.broadcast_event(&five, false).unwrap();
+    partition
+        .broadcast_event(&barrier(6, Alignment::Unaligned), true)
+        .unwrap();
+    assert_eq!(partition.aligned_barrier_deadline(), None);
+    assert_eq!(partition.aligned_barrier_timeout(5), 0);
+    let items: Vec<_> = std::iter::from_fn(|| view.poll_next())
+        .map(|item| event_of(&item))
+        .collect();
+    assert_eq!(items, [barrier(6, Alignment::Unaligned), five]);
+}
+
 /// A writer blocked by back pressure still turns its barrier unaligned when the timeout
 /// passes (that is when the barrier sits behind data the most): the reader, which took
 /// nothing meanwhile, finds the unaligned barrier first.

@@ -363,6 +363,16 @@ impl ResultPartition {
             _ => None,
         };
         let timeoutable = timer.map(|timer| timer.barrier.id);
+        if let Event::CheckpointBarrier(barrier) = event {
+            // A newer checkpoint subsumes the one the pending timer is for (its consumers
+            // abort it), and its barrier, unaligned, would come after this one's.
+            if self
+                .barrier_timer
+                .is_some_and(|pending| pending.barrier.id < barrier.id)
+            {
+                self.barrier_timer = None;
+            }
+        }
         self.finish_unicast_builders();
         self.finish_broadcast_builder();
         let mut builder = self.event_builder(priority)?;
@@ -419,6 +429,13 @@ impl ResultPartition {
         }
         if timer.is_some() {
             self.barrier_timer = timer;
+            // Its deadline may have passed while it waited for room above.
+            fire_barrier_timer(
+                &mut self.barrier_timer,
+                &self.pool,
+                &self.handle.shared.subpartitions,
+                Instant::now(),
+            );
         }
         Ok(())
     }

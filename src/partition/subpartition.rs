@@ -218,9 +218,12 @@ impl PipelinedSubpartition {
         unaligned: impl FnOnce() -> BufferConsumer,
     ) -> Conversion {
         let state = self.timeoutable.load(Ordering::Acquire);
+        // Released, nothing is queued: an original left undropped holds the drop slot for
+        // good, which must not keep the timer retrying.
         if state == 0
             || state & CONVERTING != 0
             || self.timeoutable_checkpoint.load(Ordering::Relaxed) != checkpoint
+            || self.is_released()
         {
             return Conversion::NotQueued;
         }
