@@ -1195,11 +1195,10 @@ fn timeoutable_barrier(id: u64, timeout_ms: u64, started_ms_ago: i64) -> Event {
 fn an_alignment_past_its_timeout_turns_unaligned() {
     let f = fixture();
     let ([mut a, mut b, mut c], mut checkpointed, sink) = unaligned_gate(&f, 60);
-    // Started 10 s ago with a 1 s timeout: past it when the first barrier arrives.
-    let late = timeoutable_barrier(9, 1000, 10_000);
+    // A 200 ms timeout: the gate takes `a`'s barrier in place at once (so `a`'s own timer
+    // finds nothing to turn), then waits for the others past the timeout.
+    let late = timeoutable_barrier(9, 200, 0);
     a.broadcast_event(&late, false).unwrap();
-    // Read before `a` writes again: past the timeout, the producer's own timer would send
-    // its barrier unaligned instead, ahead of what it queued before.
     let triggered = next_item(&mut checkpointed);
     let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
         panic!("a barrier, got {:?}", triggered.item);
