@@ -239,10 +239,11 @@ impl LocalBufferPool {
             blocked_nanos: &shared.blocked_nanos,
             started,
         };
-        let mut guard = shared.wait_lock.lock().expect("not poisoned");
         loop {
-            // Checked with the lock held: a recycler that pushes after this check must take
-            // the lock to notify, so it cannot slip between the check and the wait.
+            // Cleared before the look, which runs without the lock: the look may give a
+            // segment back to the global pool, which can wake this very pool's waiters (it
+            // was registered as starved), and with the lock held here that wake-up would take
+            // it again on this thread.
             shared.notified.store(false, Ordering::SeqCst);
             if let Some(found) = attempt()? {
                 return Ok(found);
@@ -252,11 +253,19 @@ impl LocalBufferPool {
                 return Err(PoolError::Timeout(timeout));
             }
             let wait = (deadline - now).min(WAIT_RECHECK);
-            guard = shared
-                .wait_cond
-                .wait_timeout(guard, wait)
-                .expect("not poisoned")
-                .0;
+            let guard = shared.wait_lock.lock().expect("not poisoned");
+            // A recycle after the look set `notified` before it takes the lock to notify: it
+            // either came before this check (look again) or waits for the lock until this
+            // thread sleeps, and then wakes it.
+            if shared.notified.load(Ordering::SeqCst) {
+                continue;
+            }
+            drop(
+                shared
+                    .wait_cond
+                    .wait_timeout(guard, wait)
+                    .expect("not poisoned"),
+            );
         }
     }
 
@@ -321,8 +330,9 @@ impl LocalBufferPool {
             .push(listener.clone())
             .map_err(|_| PoolError::TooManyListeners)?;
         // A segment recycled between the first attempt and the registration went to the free
-        // list, not to a listener: hand it to the listeners now.
-        if let Some(segment) = shared.take(NO_CHANNEL)? {
+        // list, not to a listener: hand it to the listeners now. (A destroyed pool is told to
+        // its listeners below, this one included.)
+        if let Ok(Some(segment)) = shared.take(NO_CHANNEL) {
             shared.place(segment);
         }
         if shared.destroyed.load(Ordering::SeqCst) {

@@ -249,10 +249,14 @@ impl NetworkInner {
 
     /// Registers a local pool to be called when the global free list refills.
     pub(crate) fn register_starved(&self, pool: Weak<LocalPoolShared>) -> bool {
+        // Counted before the push: a wake-up that pops the entry at once counts it down, and
+        // counted after, the count could wrap below zero for a moment (and a give-back then
+        // woke every starved pool).
+        self.starved_len.fetch_add(1, Ordering::SeqCst);
         if self.starved.push(pool).is_err() {
+            self.starved_len.fetch_sub(1, Ordering::SeqCst);
             return false;
         }
-        self.starved_len.fetch_add(1, Ordering::SeqCst);
         true
     }
 
