@@ -824,7 +824,8 @@ fn remote_channel_backlog_races_floating_handover() {
         let pool = network(2);
         // Two listener slots, as for a gate with a second remote channel: room for a duplicate.
         let local = Arc::new(gate_pool(&pool, 2, 2, 2));
-        let channel = BufferManager::new(0, local.clone(), 0, 2).unwrap();
+        let channel =
+            BufferManager::new(0, local.clone(), 0, 2, std::time::Duration::ZERO).unwrap();
         // A backlog of 3: both segments of the pool, and a registration for a third.
         channel.on_sender_backlog(3);
         assert_eq!(channel.available(), 2);
@@ -870,7 +871,8 @@ fn remote_channel_release_races_floating_handover() {
         let pool = network(1);
         let local = Arc::new(gate_pool(&pool, 1, 1, 1));
         let held = local.request_segment().unwrap();
-        let channel = BufferManager::new(0, local.clone(), 0, 1).unwrap();
+        let channel =
+            BufferManager::new(0, local.clone(), 0, 1, std::time::Duration::ZERO).unwrap();
         channel.on_sender_backlog(1);
         assert_eq!(
             local.listener_count(),

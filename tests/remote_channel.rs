@@ -1141,3 +1141,47 @@ fn a_barrier_in_a_buffer_of_the_wrong_type_fails_the_read() {
         assert_eq!(f.network.available_segments(), f.network.total_segments());
     }
 }
+
+/// A gate's exclusive segments wait for the global pool, as Flink waits up to
+/// `exclusive-buffers-request-timeout-ms`: a back-pressured partition grown past its minimum
+/// holds them for a while and gives them back as it drains. (Setup failed at once with
+/// "insufficient network buffers" before, although the gate's pool had been admitted.)
+#[test]
+fn exclusive_segments_wait_for_segments_another_pool_gives_back() {
+    let f = fixture();
+    let hog = f
+        .network
+        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
+            min_segments: 1,
+            max_segments: usize::MAX,
+            subpartitions: 0,
+            max_segments_per_channel: usize::MAX,
+            max_listeners: 1,
+            max_overdraft_segments: 0,
+        })
+        .unwrap();
+    let held: Vec<_> = std::iter::from_fn(|| hog.request_segment()).collect();
+    assert_eq!(f.network.available_segments(), 0);
+    let pool = Arc::new(
+        f.network
+            .create_local_pool(fluxgate::buffer::LocalPoolSpec::for_gate(1, &f.config))
+            .unwrap(),
+    );
+    let setup = {
+        let pool = pool.clone();
+        thread::spawn(move || {
+            fluxgate::gate::BufferManager::new(0, pool, EXCLUSIVE, FLOATING, LONG)
+        })
+    };
+    let deadline = Instant::now() + LONG;
+    while pool.waiting_requests() == 0 {
+        assert!(Instant::now() < deadline, "the setup never waited");
+        thread::yield_now();
+    }
+    drop(held);
+    let manager = setup.join().unwrap().expect("the exclusive segments came");
+    assert_eq!(manager.available(), EXCLUSIVE);
+    manager.release();
+    drop((manager, pool, hog));
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}

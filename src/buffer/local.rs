@@ -207,6 +207,19 @@ impl LocalBufferPool {
         self.wait_for(timeout, || self.try_builder(subpartition))
     }
 
+    /// A segment, waiting up to `timeout` while none is free and the pool cannot grow (the
+    /// global pool is empty): how a gate takes its channels' exclusive segments, as Flink
+    /// waits for them up to `exclusive-buffers-request-timeout-ms`. Fails when the pool is
+    /// destroyed or the time is up.
+    pub fn request_segment_blocking(&self, timeout: Duration) -> Result<PooledSegment, PoolError> {
+        self.wait_for(timeout, || self.try_segment())
+    }
+
+    /// Threads waiting in this pool now (for a segment, or for room in a partition's queues).
+    pub fn waiting_requests(&self) -> usize {
+        self.shared.waiting.load(Ordering::SeqCst)
+    }
+
     /// A segment for an event: one of the pool's, else an overdraft segment, waiting up to
     /// `timeout` while the pool and its overdraft are both used up. Woken by the return of
     /// either kind. Fails when the pool is destroyed or the time is up.

@@ -9,6 +9,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 
@@ -82,19 +83,22 @@ impl fmt::Debug for BufferManager {
 }
 
 impl BufferManager {
-    /// Takes `exclusive` segments from the gate's pool for channel `channel`.
+    /// Takes `exclusive` segments from the gate's pool for channel `channel`, waiting up to
+    /// `timeout` for each (Flink's `exclusive-buffers-request-timeout-ms`): the gate's pool
+    /// is admitted for them, but other pools may hold the global pool's segments for a while
+    /// (a back-pressured partition grown past its minimum gives them back as it drains).
     pub fn new(
         channel: usize,
         pool: Arc<LocalBufferPool>,
         exclusive: usize,
         max_floating: usize,
+        timeout: Duration,
     ) -> Result<Arc<Self>, GateError> {
         let mut segments = Vec::with_capacity(exclusive);
         for _ in 0..exclusive {
-            // The gate's pool is sized for every channel's exclusive segments; running out is
-            // "insufficient network buffers", not a wait that timed out. Segments already
-            // taken go back to the pool when `segments` drops.
-            let Some(segment) = pool.request_segment() else {
+            // Still none after the wait: "insufficient network buffers", as Flink reports it.
+            // Segments already taken go back to the pool when `segments` drops.
+            let Ok(segment) = pool.request_segment_blocking(timeout) else {
                 return Err(GateError::Pool(crate::buffer::PoolError::Insufficient {
                     required: exclusive,
                     available: segments.len(),

@@ -465,6 +465,7 @@ impl SingleInputGate {
                     pool,
                     self.config.buffers_per_channel,
                     self.config.max_buffers_per_channel,
+                    self.config.buffer_request_timeout,
                 )?;
                 InputChannel::Remote(RemoteInputChannel::new(
                     index,
