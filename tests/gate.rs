@@ -1171,19 +1171,14 @@ fn an_all_aligned_checkpoint_aligns_in_unaligned_mode() {
     assert!(f.all_segments_back());
 }
 
-/// A barrier aligned with a timeout that started `started_ms_ago` milliseconds ago (its
-/// timestamp is the checkpoint's start, on the wall clock).
-fn timeoutable_barrier(id: u64, timeout_ms: u64, started_ms_ago: i64) -> Event {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
-    Event::CheckpointBarrier(CheckpointBarrier {
-        id,
-        timestamp: now_ms - started_ms_ago,
-        kind: CheckpointKind::Checkpoint,
-        alignment: Alignment::AlignedWithTimeout { timeout_ms },
-    })
+/// The id of `item`, which must be a checkpoint barrier turned unaligned.
+fn unaligned_barrier_id(item: &GateItem) -> u64 {
+    match event(item) {
+        Event::CheckpointBarrier(barrier) if barrier.alignment == Alignment::Unaligned => {
+            barrier.id
+        }
+        other => panic!("an unaligned barrier, got {other:?}"),
+    }
 }
 
 /// Flink's aligned checkpoint timeout: a checkpoint whose barriers are aligned with a timeout
@@ -1197,13 +1192,10 @@ fn an_alignment_past_its_timeout_turns_unaligned() {
     let ([mut a, mut b, mut c], mut checkpointed, sink) = unaligned_gate(&f, 60);
     // A 200 ms timeout: the gate takes `a`'s barrier in place at once (so `a`'s own timer
     // finds nothing to turn), then waits for the others past the timeout.
-    let late = timeoutable_barrier(9, 200, 0);
+    let late = common::timeoutable_barrier(9, 200, 0);
     a.broadcast_event(&late, false).unwrap();
     let triggered = next_item(&mut checkpointed);
-    let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
-        panic!("a barrier, got {:?}", triggered.item);
-    };
-    assert_eq!((barrier.id, barrier.alignment), (9, Alignment::Unaligned));
+    assert_eq!(unaligned_barrier_id(&triggered.item), 9);
     assert_eq!(checkpointed.blocked_channels(), &[0]);
     a.emit_record(&b"a-after"[..], 0).unwrap();
     a.flush(0);
@@ -1242,7 +1234,7 @@ fn an_alignment_past_its_timeout_turns_unaligned() {
 fn an_alignment_within_its_timeout_stays_aligned() {
     let f = fixture();
     let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 64);
-    let barrier = timeoutable_barrier(3, 3_600_000, 0);
+    let barrier = common::timeoutable_barrier(3, 3_600_000, 0);
     a.broadcast_event(&barrier, false).unwrap();
     b.emit_record(&b"b-before"[..], 0).unwrap();
     b.flush(0);
@@ -1268,13 +1260,10 @@ fn an_alignment_within_its_timeout_stays_aligned() {
 fn a_blocking_read_wakes_for_the_alignment_timeout() {
     let f = fixture();
     let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 66);
-    a.broadcast_event(&timeoutable_barrier(4, 50, 0), false)
+    a.broadcast_event(&common::timeoutable_barrier(4, 50, 0), false)
         .unwrap();
     let triggered = next_item(&mut checkpointed);
-    let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
-        panic!("a barrier, got {:?}", triggered.item);
-    };
-    assert_eq!((barrier.id, barrier.alignment), (4, Alignment::Unaligned));
+    assert_eq!(unaligned_barrier_id(&triggered.item), 4);
     drop((triggered, checkpointed, a));
 }
 
@@ -1284,7 +1273,7 @@ fn a_blocking_read_wakes_for_the_alignment_timeout() {
 fn handle_timeout_turns_a_timed_out_alignment_for_a_polling_task() {
     let f = fixture();
     let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 68);
-    a.broadcast_event(&timeoutable_barrier(2, 3_600_000, 0), false)
+    a.broadcast_event(&common::timeoutable_barrier(2, 3_600_000, 0), false)
         .unwrap();
     assert!(checkpointed
         .next_until(Some(Instant::now() + Duration::from_millis(1)))
@@ -1294,10 +1283,7 @@ fn handle_timeout_turns_a_timed_out_alignment_for_a_polling_task() {
         .expect("the alignment runs against its timeout");
     checkpointed.handle_timeout(deadline).unwrap();
     let triggered = checkpointed.poll_next().unwrap().expect("the barrier");
-    let Event::CheckpointBarrier(barrier) = event(&triggered.item) else {
-        panic!("a barrier, got {:?}", triggered.item);
-    };
-    assert_eq!((barrier.id, barrier.alignment), (2, Alignment::Unaligned));
+    assert_eq!(unaligned_barrier_id(&triggered.item), 2);
     drop((triggered, checkpointed, a));
 }
 

@@ -1,6 +1,8 @@
 //! The producer side: what a subpartition view returns, when its listener hears of it, and
 //! where every segment goes.
 
+mod common;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
@@ -424,16 +426,7 @@ fn an_aligned_barrier_keeps_its_place_and_blocks_until_resumed() {
 
 /// A barrier aligned with a timeout, of a checkpoint that started now.
 fn timeoutable_barrier(id: u64, timeout_ms: u64) -> Event {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
-    Event::CheckpointBarrier(CheckpointBarrier {
-        id,
-        timestamp: now_ms,
-        kind: CheckpointKind::Checkpoint,
-        alignment: Alignment::AlignedWithTimeout { timeout_ms },
-    })
+    common::timeoutable_barrier(id, timeout_ms, 0)
 }
 
 fn event_of(item: &BufferAndBacklog) -> Event {

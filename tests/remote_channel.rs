@@ -4,6 +4,8 @@
 //! transport: they take a segment from the channel, write it, and hand the buffer to
 //! `RemoteChannelShared::on_buffer`, then read through the gate.
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
@@ -1173,11 +1175,10 @@ fn exclusive_segments_wait_for_segments_another_pool_gives_back() {
             fluxgate::gate::BufferManager::new(0, pool, EXCLUSIVE, FLOATING, LONG)
         })
     };
-    let deadline = Instant::now() + LONG;
-    while pool.waiting_requests() == 0 {
-        assert!(Instant::now() < deadline, "the setup never waited");
-        thread::yield_now();
-    }
+    assert!(
+        common::wait_until(LONG, || pool.waiting_requests() > 0),
+        "the setup never waited"
+    );
     drop(held);
     let manager = setup.join().unwrap().expect("the exclusive segments came");
     assert_eq!(manager.available(), EXCLUSIVE);

@@ -259,3 +259,25 @@ pub fn black_hole() -> (socket2::Socket, std::net::TcpStream) {
     let filler = std::net::TcpStream::connect(addr).unwrap();
     (listener, filler)
 }
+
+/// A barrier aligned with a timeout of `timeout_ms`, of a checkpoint that started
+/// `started_ms_ago` milliseconds ago (its timestamp is the checkpoint's start, on the wall
+/// clock, as Flink's).
+#[allow(dead_code)]
+pub fn timeoutable_barrier(
+    id: u64,
+    timeout_ms: u64,
+    started_ms_ago: i64,
+) -> fluxgate::event::Event {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64;
+    Event::CheckpointBarrier(CheckpointBarrier {
+        id,
+        timestamp: now_ms - started_ms_ago,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::AlignedWithTimeout { timeout_ms },
+    })
+}
