@@ -683,6 +683,41 @@ fn waiter_races_give_back(on_io_thread: bool) {
     });
 }
 
+/// (p2d) Two threads wait on one pool while its segments come back one by one: each is woken
+/// and gets one. (A waiter that looked without the lock could clear the other's wake-up and
+/// both sleep; under loom, where waits never time out, a deadlock.)
+#[test]
+fn two_waiters_on_one_pool_are_both_woken() {
+    bounded_model(|| {
+        let pool = network(2);
+        let local = std::sync::Arc::new(
+            pool.create_local_pool(LocalPoolSpec {
+                min_segments: 2,
+                max_segments: 2,
+                subpartitions: 0,
+                max_segments_per_channel: usize::MAX,
+                max_listeners: 1,
+                max_overdraft_segments: 0,
+            })
+            .unwrap(),
+        );
+        let first = local.request_segment().unwrap();
+        let second = local.request_segment().unwrap();
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let local = local.clone();
+                // Each keeps its segment: only the main thread's returns can wake them.
+                loom::thread::spawn(move || local.request_segment_blocking(FOREVER).expect("woken"))
+            })
+            .collect();
+        drop(first);
+        drop(second);
+        let got: Vec<_> = waiters.into_iter().map(|w| w.join().unwrap()).collect();
+        drop((got, local));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
 /// (p2c) An event waits for a segment while its pool is at its maximum and the global pool is
 /// empty, so neither the pool nor its overdraft has one; another thread gives a global segment
 /// back. The event gets it as an overdraft segment: the failed overdraft take registered the

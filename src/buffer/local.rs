@@ -124,6 +124,10 @@ pub(crate) struct LocalPoolShared {
     waiting: AtomicUsize,
     /// A wake-up was sent and no waiter has looked since.
     notified: AtomicBool,
+    /// Counts wake-ups given while someone waits: a blocking waiter reads it before it looks
+    /// and again, under the lock, before it sleeps, so a wake-up between the two is never
+    /// slept through (the look itself runs without the lock).
+    wake_epoch: AtomicU64,
     /// Total nanoseconds waits of this pool took, blocking or async (the writer's
     /// back-pressured time).
     blocked_nanos: AtomicU64,
@@ -161,6 +165,7 @@ impl LocalBufferPool {
             starved: AtomicBool::new(false),
             waiting: AtomicUsize::new(0),
             notified: AtomicBool::new(false),
+            wake_epoch: AtomicU64::new(0),
             blocked_nanos: AtomicU64::new(0),
             overdraft: AtomicUsize::new(0),
             wait_lock: Mutex::new(()),
@@ -253,11 +258,10 @@ impl LocalBufferPool {
             started,
         };
         loop {
-            // Cleared before the look, which runs without the lock: the look may give a
-            // segment back to the global pool, which can wake this very pool's waiters (it
-            // was registered as starved), and with the lock held here that wake-up would take
-            // it again on this thread.
-            shared.notified.store(false, Ordering::SeqCst);
+            // The look runs without the lock: it may give a segment back to the global pool,
+            // which can wake this very pool's waiters (the pool was registered as starved),
+            // and with the lock held here that wake-up would take it again on this thread.
+            let epoch = shared.wake_epoch.load(Ordering::SeqCst);
             if let Some(found) = attempt()? {
                 return Ok(found);
             }
@@ -267,10 +271,11 @@ impl LocalBufferPool {
             }
             let wait = (deadline - now).min(WAIT_RECHECK);
             let guard = shared.wait_lock.lock().expect("not poisoned");
-            // A recycle after the look set `notified` before it takes the lock to notify: it
-            // either came before this check (look again) or waits for the lock until this
-            // thread sleeps, and then wakes it.
-            if shared.notified.load(Ordering::SeqCst) {
+            // A wake-up since the look counted the epoch up before it looked at `notified`:
+            // either this sees the new epoch (look again), or that wake-up finds `notified`
+            // cleared, takes the lock, and so waits until this thread sleeps to wake it.
+            shared.notified.store(false, Ordering::SeqCst);
+            if shared.wake_epoch.load(Ordering::SeqCst) != epoch {
                 continue;
             }
             drop(
@@ -775,8 +780,13 @@ impl LocalPoolShared {
 
     fn wake_waiters(&self) {
         // One wake-up per wait: a burst of recycles (a whole `writev` of buffers) makes one
-        // futex call, not one each. A waiter clears `notified` before it looks again.
-        if self.waiting.load(Ordering::SeqCst) > 0 && !self.notified.swap(true, Ordering::SeqCst) {
+        // futex call, not one each. A blocking waiter clears `notified` under the lock just
+        // before it sleeps, an async one before it looks again.
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        self.wake_epoch.fetch_add(1, Ordering::SeqCst);
+        if !self.notified.swap(true, Ordering::SeqCst) {
             drop(self.wait_lock.lock().expect("not poisoned"));
             self.wait_cond.notify_all();
             self.waker.wake();
@@ -798,6 +808,7 @@ impl LocalPoolShared {
             listener.on_pool_destroyed();
         }
         self.network.forget_promise(self.spec.min_segments);
+        self.wake_epoch.fetch_add(1, Ordering::SeqCst);
         drop(self.wait_lock.lock().expect("not poisoned"));
         self.wait_cond.notify_all();
         self.waker.wake();
