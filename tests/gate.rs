@@ -1262,7 +1262,17 @@ fn a_blocking_read_wakes_for_the_alignment_timeout() {
     let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 66);
     a.broadcast_event(&common::timeoutable_barrier(4, 50, 0), false)
         .unwrap();
-    let triggered = next_item(&mut checkpointed);
+    // The caller's own deadline ends such a read too (and turns the alignment then): the
+    // read must come back before it, at the alignment's.
+    let deadline = Instant::now() + LONG;
+    let triggered = checkpointed
+        .next_until(Some(deadline))
+        .expect("no error")
+        .expect("an item");
+    assert!(
+        Instant::now() < deadline,
+        "woken only by the caller's deadline"
+    );
     assert_eq!(unaligned_barrier_id(&triggered.item), 4);
     drop((triggered, checkpointed, a));
 }

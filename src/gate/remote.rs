@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
 
@@ -84,9 +84,12 @@ impl fmt::Debug for BufferManager {
 
 impl BufferManager {
     /// Takes `exclusive` segments from the gate's pool for channel `channel`, waiting up to
-    /// `timeout` for each (Flink's `exclusive-buffers-request-timeout-ms`): the gate's pool
-    /// is admitted for them, but other pools may hold the global pool's segments for a while
-    /// (a back-pressured partition grown past its minimum gives them back as it drains).
+    /// `timeout` in all (Flink's `exclusive-buffers-request-timeout-ms`) while the global
+    /// pool has none: the gate's pool is admitted for them, but other pools may hold the
+    /// global pool's segments for a while (a back-pressured partition grown past its minimum
+    /// gives them back as it drains). A gate pool at its own maximum (its other channels hold
+    /// floating segments) fails at once instead: only this gate's task, the caller, could
+    /// return those.
     pub fn new(
         channel: usize,
         pool: Arc<LocalBufferPool>,
@@ -95,10 +98,22 @@ impl BufferManager {
         timeout: Duration,
     ) -> Result<Arc<Self>, GateError> {
         let mut segments = Vec::with_capacity(exclusive);
+        let deadline = Instant::now() + timeout;
         for _ in 0..exclusive {
-            // Still none after the wait: "insufficient network buffers", as Flink reports it.
-            // Segments already taken go back to the pool when `segments` drops.
-            let Ok(segment) = pool.request_segment_blocking(timeout) else {
+            let segment = if pool.requested_segments() >= pool.spec().max_segments {
+                pool.request_segment()
+            } else {
+                match pool
+                    .request_segment_blocking(deadline.saturating_duration_since(Instant::now()))
+                {
+                    Ok(segment) => Some(segment),
+                    Err(crate::buffer::PoolError::Destroyed) => return Err(GateError::Closed),
+                    Err(_) => None,
+                }
+            };
+            // None, or none after the wait: "insufficient network buffers", as Flink reports
+            // it. Segments already taken go back to the pool when `segments` drops.
+            let Some(segment) = segment else {
                 return Err(GateError::Pool(crate::buffer::PoolError::Insufficient {
                     required: exclusive,
                     available: segments.len(),

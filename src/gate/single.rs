@@ -106,7 +106,9 @@ impl SingleInputGate {
     }
 
     /// Creates the gate's pool (exclusive buffers for every channel that is or may become
-    /// remote, plus the floating ones) and the channels.
+    /// remote, plus the floating ones) and the channels. Blocks while the global pool has no
+    /// segments for the remote channels' exclusive buffers, up to
+    /// `exclusive-buffers-request-timeout-ms` per channel (as Flink's setup does).
     pub fn setup(&mut self) -> Result<(), GateError> {
         if !self.channels.is_empty() || self.pool.is_some() {
             // Flink: "Bug in input gate setup logic: Already registered buffer pool."
@@ -152,7 +154,9 @@ impl SingleInputGate {
     }
 
     /// The producer of an unknown channel was located: the channel becomes local or remote,
-    /// is requested if partitions were, and receives the pending task events.
+    /// is requested if partitions were, and receives the pending task events. A channel
+    /// turning remote takes its exclusive buffers as [`setup`](Self::setup) does, and may
+    /// block as long.
     pub fn update_channel(
         &mut self,
         index: usize,
