@@ -1297,6 +1297,55 @@ fn handle_timeout_turns_a_timed_out_alignment_for_a_polling_task() {
     drop((triggered, checkpointed, a));
 }
 
+/// EndOfChannelState (an upstream finished sending recovered channel state) blocks its
+/// channel until every channel got there, or ended; then all resume, as Flink's
+/// `UpstreamRecoveryTracker` resumes them. (Nothing resumed them before: the gate stalled.)
+#[test]
+fn channels_blocked_by_end_of_channel_state_resume_once_all_recovered() {
+    let f = fixture();
+    let ([mut a, mut b, mut c], mut checkpointed, _sink) = unaligned_gate(&f, 70);
+    for (producer, name) in [(&mut a, &b"a-new"[..]), (&mut b, &b"b-new"[..])] {
+        producer
+            .broadcast_event(&Event::EndOfChannelState, false)
+            .unwrap();
+        producer.emit_record(name, 0).unwrap();
+        producer.flush(0);
+    }
+    let mut events = Vec::new();
+    for _ in 0..2 {
+        let item = next_item(&mut checkpointed);
+        events.push((item.channel, event(&item.item).clone()));
+    }
+    events.sort_by_key(|(channel, _)| *channel);
+    assert_eq!(
+        events,
+        [(0, Event::EndOfChannelState), (1, Event::EndOfChannelState)]
+    );
+    assert!(
+        checkpointed.poll_next().unwrap().is_none(),
+        "blocked while channel 2 is still recovering"
+    );
+    // The last one ends instead of recovering: the others resume.
+    c.finish().unwrap();
+    let mut data_seen = Vec::new();
+    while data_seen.len() < 2 {
+        let item = next_item(&mut checkpointed);
+        if let GateItem::Buffer(buffer) = &item.item {
+            data_seen.push(buffer.as_slice().to_vec());
+        }
+    }
+    data_seen.sort();
+    assert_eq!(
+        data_seen,
+        [
+            common::framed_record(b"a-new"),
+            common::framed_record(b"b-new")
+        ]
+    );
+    drop((checkpointed, a, b, c));
+    assert!(f.all_segments_back());
+}
+
 /// A newer barrier aborts the checkpoint running: the task hears of it as a
 /// CancelCheckpointMarker first (Flink's handler tells the task, which declines it and sends
 /// the marker on), and the channel-state sink is told to drop what it holds of it.

@@ -1,5 +1,5 @@
 //! Checkpoint barriers at the gate (Flink's `CheckpointedInputGate` with its barrier
-//! handlers): aligned, unaligned, and cancellation.
+//! handlers): aligned, unaligned, and cancellation, and the end of recovered channel state.
 
 use std::fmt;
 use std::sync::Arc;
@@ -86,6 +86,9 @@ pub struct CheckpointedInputGate<G> {
     /// When the alignment in progress turns unaligned: set by the first barrier of a
     /// checkpoint aligned with a timeout, in unaligned mode.
     alignment_deadline: Option<Instant>,
+    /// Channels whose upstream finished sending recovered channel state (EndOfChannelState
+    /// blocks each until every channel got there: Flink's `UpstreamRecoveryTracker`).
+    recovered: Vec<bool>,
 }
 
 impl<G> fmt::Debug for CheckpointedInputGate<G> {
@@ -116,6 +119,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             held_barrier: None,
             deferred: None,
             alignment_deadline: None,
+            recovered: vec![false; channels],
         }
     }
 
@@ -347,6 +351,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 ..
             } => {
                 self.persist[channel] = Persist::Done;
+                // The last channel not recovered may end instead.
+                if self.recovered.contains(&true) {
+                    self.resume_if_all_recovered()?;
+                }
                 let held = self.held_barrier;
                 if self.current.is_some() && self.check_complete()? {
                     // The alignment completed because this channel ended: the task must still
@@ -367,8 +375,43 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 }
                 Ok(Some(item))
             }
+            GateItem::Event {
+                event: Event::EndOfChannelState,
+                ..
+            } => {
+                self.on_end_of_channel_state(channel)?;
+                Ok(Some(item))
+            }
             GateItem::Event { .. } => Ok(Some(item)),
         }
+    }
+
+    /// A channel's upstream sent all its recovered channel state, and the channel blocked
+    /// behind the event. Once every open channel got there, all resume, as Flink's
+    /// `UpstreamRecoveryTracker` resumes them (new records may then mix with no recovered
+    /// ones still to come).
+    fn on_end_of_channel_state(&mut self, channel: usize) -> Result<(), GateError> {
+        self.recovered[channel] = true;
+        self.resume_if_all_recovered()
+    }
+
+    /// Resumes the recovered channels once every channel is recovered or ended.
+    fn resume_if_all_recovered(&mut self) -> Result<(), GateError> {
+        let all = (0..self.recovered.len())
+            .all(|c| self.recovered[c] || self.gate.is_channel_finished(c));
+        if !all {
+            return Ok(());
+        }
+        let mut result = Ok(());
+        for c in 0..self.recovered.len() {
+            if std::mem::take(&mut self.recovered[c]) && !self.gate.is_channel_finished(c) {
+                let resumed = self.gate.resume_consumption(c);
+                if result.is_ok() {
+                    result = resumed;
+                }
+            }
+        }
+        result
     }
 
     /// Returns whether the barrier is handed to the task.
