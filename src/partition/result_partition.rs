@@ -365,7 +365,8 @@ impl ResultPartition {
         let timeoutable = timer.map(|timer| timer.barrier.id);
         if let Event::CheckpointBarrier(barrier) = event {
             // A newer checkpoint subsumes the one the pending timer is for (its consumers
-            // abort it), and its barrier, unaligned, would come after this one's.
+            // abort it), and the older barrier turned unaligned later would come after this
+            // newer one.
             if self
                 .barrier_timer
                 .is_some_and(|pending| pending.barrier.id < barrier.id)
