@@ -156,10 +156,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if let Some(item) = self.deferred.take() {
             return Ok(Some(item));
         }
-        if self.alignment_deadline.is_some() {
-            if let Some(item) = self.time_out_alignment(Instant::now()) {
-                return Ok(Some(item));
-            }
+        if let Some(item) = self.time_out_alignment_if_due() {
+            return Ok(Some(item));
         }
         // Bounded by what the gate can deliver now; swallowed barriers loop.
         loop {
@@ -171,10 +169,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             }
             // A swallowed barrier may have started an alignment already past its timeout
             // (usual under back pressure): the switch comes first, not after the gate's items.
-            if self.alignment_deadline.is_some() {
-                if let Some(item) = self.time_out_alignment(Instant::now()) {
-                    return Ok(Some(item));
-                }
+            if let Some(item) = self.time_out_alignment_if_due() {
+                return Ok(Some(item));
             }
         }
     }
@@ -195,13 +191,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return Ok(Some(item));
         }
         loop {
+            if let Some(item) = self.time_out_alignment_if_due() {
+                return Ok(Some(item));
+            }
             let wake = match self.alignment_deadline {
-                Some(alignment) => {
-                    if let Some(item) = self.time_out_alignment(Instant::now()) {
-                        return Ok(Some(item));
-                    }
-                    Some(deadline.map_or(alignment, |d| d.min(alignment)))
-                }
+                Some(alignment) => Some(deadline.map_or(alignment, |d| d.min(alignment))),
                 None => deadline,
             };
             let item = match self.gate.next_until(wake) {
@@ -230,6 +224,13 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             self.deferred = self.time_out_alignment(now);
         }
         self.gate.handle_timeout(now)
+    }
+
+    /// [`time_out_alignment`](Self::time_out_alignment) now, reading the clock only while an
+    /// alignment runs against a timeout (the reads of every other item do not).
+    fn time_out_alignment_if_due(&mut self) -> Option<BufferOrEvent> {
+        self.alignment_deadline?;
+        self.time_out_alignment(Instant::now())
     }
 
     /// Turns the alignment in progress unaligned once its deadline passed (Flink's

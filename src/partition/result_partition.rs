@@ -272,12 +272,7 @@ impl ResultPartition {
             self.finish_broadcast_builder();
         }
         if self.barrier_timer.is_some() {
-            fire_barrier_timer(
-                &mut self.barrier_timer,
-                &self.pool,
-                &self.handle.shared.subpartitions,
-                Instant::now(),
-            );
+            self.fire_barrier_timer();
         }
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Unicast(target))?;
@@ -431,12 +426,7 @@ impl ResultPartition {
         if timer.is_some() {
             self.barrier_timer = timer;
             // Its deadline may have passed while it waited for room above.
-            fire_barrier_timer(
-                &mut self.barrier_timer,
-                &self.pool,
-                &self.handle.shared.subpartitions,
-                Instant::now(),
-            );
+            self.fire_barrier_timer();
         }
         Ok(())
     }
@@ -455,20 +445,24 @@ impl ResultPartition {
     pub fn aligned_barrier_timeout(&mut self, checkpoint_id: u64) -> usize {
         match self.barrier_timer {
             Some(timer) if timer.barrier.id == checkpoint_id => {
-                let now = Instant::now();
                 self.barrier_timer = Some(BarrierTimer {
-                    deadline: now,
+                    deadline: Instant::now(),
                     ..timer
                 });
-                fire_barrier_timer(
-                    &mut self.barrier_timer,
-                    &self.pool,
-                    &self.handle.shared.subpartitions,
-                    now,
-                )
+                self.fire_barrier_timer()
             }
             _ => 0,
         }
+    }
+
+    /// [`fire_barrier_timer`] for this partition's timer, now.
+    fn fire_barrier_timer(&mut self) -> usize {
+        fire_barrier_timer(
+            &mut self.barrier_timer,
+            &self.pool,
+            &self.handle.shared.subpartitions,
+            Instant::now(),
+        )
     }
 
     /// When the newest aligned barrier with a timeout turns unaligned where its readers have
@@ -689,23 +683,19 @@ fn until_available_timed<T>(
     recheck: Duration,
     mut request: impl FnMut(Duration) -> Result<T, PoolError>,
 ) -> Result<T, PartitionError> {
-    // Bounded by the back pressure: the pool's destruction ends it.
-    loop {
+    until_available(|| {
         let wait = timer.map_or(recheck, |timer| {
             timer
                 .deadline
                 .saturating_duration_since(Instant::now())
                 .min(recheck)
         });
-        match request(wait) {
-            Ok(found) => return Ok(found),
-            Err(PoolError::Timeout(_)) => {
-                fire_barrier_timer(timer, pool, subpartitions, Instant::now());
-            }
-            Err(PoolError::Destroyed) => return Err(PartitionError::Released),
-            Err(other) => return Err(other.into()),
+        let result = request(wait);
+        if matches!(result, Err(PoolError::Timeout(_))) {
+            fire_barrier_timer(timer, pool, subpartitions, Instant::now());
         }
-    }
+        result
+    })
 }
 
 /// Turns the timer's barrier unaligned in every subpartition still holding it, once its
