@@ -105,8 +105,7 @@ fn partitions_are_requested_once_and_data_flows_by_reference() {
     let now = Instant::now();
     gate.request_partitions(now).unwrap();
     gate.request_partitions(now).unwrap();
-    producer.emit_record(&b"hello"[..], 0).unwrap();
-    producer.flush(0);
+    send(&mut producer, b"hello");
     let item = gate.next_timeout(LONG).unwrap().unwrap();
     assert_eq!(item.channel, 0);
     let GateItem::Buffer(buffer) = &item.item else {
@@ -178,8 +177,7 @@ fn a_missing_partition_is_retried_with_doubling_backoff_then_found() {
     gate.handle_timeout(t1 + Duration::from_millis(200))
         .unwrap();
     assert_eq!(gate.poll_timeout(), None);
-    producer.emit_record(&b"late"[..], 0).unwrap();
-    producer.flush(0);
+    send(&mut producer, b"late");
     assert_eq!(
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
         common::framed_record(b"late")
@@ -242,8 +240,7 @@ fn unknown_channels_become_local_get_requested_and_receive_pending_task_events()
         events.0.lock().unwrap().is_empty(),
         "held while the location is unknown"
     );
-    producer.emit_record(&b"x"[..], 0).unwrap();
-    producer.flush(0);
+    send(&mut producer, b"x");
     assert!(
         gate.poll_next().unwrap().is_none(),
         "an unknown channel reads nothing"
@@ -295,6 +292,12 @@ fn the_gate_finishes_after_end_of_partition_from_every_channel() {
 }
 
 /// The checkpointed gate's next item, within LONG.
+/// Emits `record` to subpartition 0 of `producer` and makes it readable at once.
+fn send(producer: &mut ResultPartition, record: &[u8]) {
+    producer.emit_record(record, 0).unwrap();
+    producer.flush(0);
+}
+
 fn next_item<G: InputGate>(gate: &mut CheckpointedInputGate<G>) -> BufferOrEvent {
     gate.next_until(Some(Instant::now() + LONG))
         .expect("no error")
@@ -319,8 +322,7 @@ fn an_aligned_barrier_blocks_its_channel_until_resumed() {
     producer
         .broadcast_event(&barrier(1, Alignment::Aligned), false)
         .unwrap();
-    producer.emit_record(&b"after"[..], 0).unwrap();
-    producer.flush(0);
+    send(&mut producer, b"after");
     assert_eq!(
         event(&gate.next_timeout(LONG).unwrap().unwrap().item),
         &barrier(1, Alignment::Aligned)
@@ -347,8 +349,7 @@ fn priority_events_are_read_before_queued_data_of_every_channel() {
         a.emit_record(&[i][..], 0).unwrap();
         a.flush(0);
     }
-    b.emit_record(&b"b"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut b, b"b");
     b.broadcast_event(&barrier(2, Alignment::Unaligned), true)
         .unwrap();
     let first = gate.next_timeout(LONG).unwrap().unwrap();
@@ -369,8 +370,7 @@ fn a_busy_channel_does_not_starve_the_others() {
         busy.emit_record(&record[..], 0).unwrap();
     }
     busy.flush(0);
-    quiet.emit_record(&b"q"[..], 0).unwrap();
-    quiet.flush(0);
+    send(&mut quiet, b"q");
     let order: Vec<usize> = (0..4)
         .map(|_| gate.next_timeout(LONG).unwrap().unwrap().channel)
         .collect();
@@ -394,8 +394,7 @@ fn a_union_gate_remaps_channels_and_takes_gates_in_turn() {
     assert_eq!(union.locate(2), Some((1, 0)));
     a.emit_record(&b"a1"[..], 1).unwrap();
     a.flush(1);
-    b.emit_record(&b"b0"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut b, b"b0");
     let mut seen = Vec::new();
     for _ in 0..2 {
         let item = union.next_timeout(LONG).unwrap().unwrap();
@@ -567,10 +566,8 @@ fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
     let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
     a.broadcast_event(&barrier(1, Alignment::Aligned), false)
         .unwrap();
-    a.emit_record(&b"a-after"[..], 0).unwrap();
-    a.flush(0);
-    b.emit_record(&b"b-before"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut a, b"a-after");
+    send(&mut b, b"b-before");
     // Channel 0 is blocked after its barrier: only b's data comes through.
     let item = next_item(&mut checkpointed);
     assert_eq!(
@@ -601,8 +598,7 @@ fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
     let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
     a.broadcast_event(&barrier(3, Alignment::Aligned), false)
         .unwrap();
-    a.emit_record(&b"a"[..], 0).unwrap();
-    a.flush(0);
+    send(&mut a, b"a");
     assert!(checkpointed.poll_next().unwrap().is_none());
     assert_eq!(checkpointed.pending_checkpoint(), Some(3));
     b.broadcast_event(&Event::CancelCheckpointMarker(3), false)
@@ -620,8 +616,7 @@ fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
     // The late barrier of the aborted checkpoint is swallowed and its channel resumed.
     b.broadcast_event(&barrier(3, Alignment::Aligned), false)
         .unwrap();
-    b.emit_record(&b"b"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut b, b"b");
     let item = next_item(&mut checkpointed);
     assert_eq!(
         (item.channel, data(&item.item)),
@@ -642,10 +637,8 @@ fn unaligned_checkpoints_trigger_at_the_first_barrier_and_persist_in_flight_data
     a.emit_record(&b"a-in-flight"[..], 0).unwrap();
     a.broadcast_event(&barrier(4, Alignment::Unaligned), true)
         .unwrap();
-    a.emit_record(&b"a-after"[..], 0).unwrap();
-    a.flush(0);
-    b.emit_record(&b"b-in-flight"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut a, b"a-after");
+    send(&mut b, b"b-in-flight");
     let first = next_item(&mut checkpointed);
     assert_eq!(
         event(&first.item),
@@ -702,8 +695,7 @@ fn an_unaligned_barrier_counts_overtaken_events_without_persisting_them() {
     a.emit_record(&b"d1"[..], 0).unwrap();
     a.broadcast_event(&barrier(4, Alignment::Unaligned), true)
         .unwrap();
-    a.emit_record(&b"after"[..], 0).unwrap();
-    a.flush(0);
+    send(&mut a, b"after");
     let first = next_item(&mut checkpointed);
     assert_eq!(event(&first.item), &barrier(4, Alignment::Unaligned));
     assert_eq!(first.overtaken, 3, "d0, the marker, d1");
@@ -802,8 +794,7 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
     assert!(read.as_mut().poll(&mut cx).is_pending());
     thread::scope(|s| {
         s.spawn(move || {
-            producer.emit_record(&b"async"[..], 0).unwrap();
-            producer.flush(0);
+            send(&mut producer, b"async");
             producer
         });
         for _ in 0..10_000 {
@@ -837,8 +828,7 @@ fn an_async_read_retries_a_local_partition_registered_later() {
         "not registered yet"
     );
     let mut producer = f.producer(60, 1);
-    producer.emit_record(&b"late"[..], 0).unwrap();
-    producer.flush(0);
+    send(&mut producer, b"late");
     // Bounded by the first retry's back-off (100 ms): each wake-up is polled.
     let started = Instant::now();
     while started.elapsed() < LONG {
@@ -974,8 +964,7 @@ fn an_alignment_completed_by_a_channel_ending_still_hands_the_barrier_over() {
     let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
     a.broadcast_event(&barrier(4, Alignment::Aligned), false)
         .unwrap();
-    a.emit_record(&b"after"[..], 0).unwrap();
-    a.flush(0);
+    send(&mut a, b"after");
     assert!(
         checkpointed.poll_next().unwrap().is_none(),
         "channel 0 is blocked"
@@ -1067,8 +1056,7 @@ fn an_unaligned_checkpoint_takes_an_aligned_barrier_on_one_channel_in_either_ord
             b.broadcast_event(&barrier(7, Alignment::ForcedAligned), false)
                 .unwrap();
             // Data after the aligned barrier: readable only once its channel resumes.
-            b.emit_record(&b"after"[..], 0).unwrap();
-            b.flush(0);
+            send(b, b"after");
         };
         if aligned_first {
             send_aligned(&mut b);
@@ -1115,8 +1103,7 @@ fn an_alignment_turning_unaligned_keeps_its_blocked_channels_until_the_checkpoin
     let ([mut a, mut b, mut c], mut checkpointed, sink) = unaligned_gate(&f, 48);
     a.broadcast_event(&barrier(5, Alignment::ForcedAligned), false)
         .unwrap();
-    a.emit_record(&b"a-after"[..], 0).unwrap();
-    a.flush(0);
+    send(&mut a, b"a-after");
     assert!(checkpointed.poll_next().unwrap().is_none(), "5 aligns");
     b.broadcast_event(&barrier(5, Alignment::Unaligned), true)
         .unwrap();
@@ -1148,10 +1135,8 @@ fn an_all_aligned_checkpoint_aligns_in_unaligned_mode() {
     let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 46);
     a.broadcast_event(&barrier(8, Alignment::Aligned), false)
         .unwrap();
-    a.emit_record(&b"a-after"[..], 0).unwrap();
-    a.flush(0);
-    b.emit_record(&b"b-before"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut a, b"a-after");
+    send(&mut b, b"b-before");
     let before = next_item(&mut checkpointed);
     assert_eq!(
         (before.channel, data(&before.item)),
@@ -1197,10 +1182,8 @@ fn an_alignment_past_its_timeout_turns_unaligned() {
     let triggered = next_item(&mut checkpointed);
     assert_eq!(unaligned_barrier_id(&triggered.item), 9);
     assert_eq!(checkpointed.blocked_channels(), &[0]);
-    a.emit_record(&b"a-after"[..], 0).unwrap();
-    a.flush(0);
-    b.emit_record(&b"b-before"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut a, b"a-after");
+    send(&mut b, b"b-before");
     let before = next_item(&mut checkpointed);
     assert_eq!(
         (before.channel, data(&before.item)),
@@ -1236,8 +1219,7 @@ fn an_alignment_within_its_timeout_stays_aligned() {
     let ([mut a, mut b], mut checkpointed, sink) = unaligned_gate(&f, 64);
     let barrier = common::timeoutable_barrier(3, 3_600_000, 0);
     a.broadcast_event(&barrier, false).unwrap();
-    b.emit_record(&b"b-before"[..], 0).unwrap();
-    b.flush(0);
+    send(&mut b, b"b-before");
     let before = next_item(&mut checkpointed);
     assert_eq!(before.channel, 1);
     assert!(
