@@ -130,6 +130,12 @@ pub struct NetworkConfig {
     /// `taskmanager.network.memory.max-buffers-per-channel`: most buffers one subpartition may
     /// hold, so a skewed one backpressures instead of taking the whole pool (default 10).
     pub max_buffers_per_channel: usize,
+    /// `taskmanager.network.memory.max-overdraft-buffers-per-gate`: segments a result
+    /// partition may take beyond its pool to finish a record it already started when the pool
+    /// is used up (default 5), so its task does not stop inside a record under back pressure;
+    /// a new record still waits for the pool. 0: a record waits in the middle, as before
+    /// Flink 1.16.
+    pub max_overdraft_buffers_per_gate: usize,
     /// `taskmanager.network.memory.exclusive-buffers-request-timeout-ms` (default 30 s).
     pub buffer_request_timeout: Duration,
     /// Largest record a deserializer accepts; a longer length prefix is a corrupt stream
@@ -241,6 +247,7 @@ impl Default for NetworkConfig {
             buffers_per_channel: 2,
             floating_buffers_per_gate: 8,
             max_buffers_per_channel: 10,
+            max_overdraft_buffers_per_gate: 5,
             buffer_request_timeout: Duration::from_secs(30),
             max_record_bytes: 64 * 1024 * 1024,
             request_backoff_initial: Duration::from_millis(100),
@@ -278,6 +285,7 @@ impl NetworkConfig {
         "taskmanager.network.memory.buffers-per-channel",
         "taskmanager.network.memory.floating-buffers-per-gate",
         "taskmanager.network.memory.max-buffers-per-channel",
+        "taskmanager.network.memory.max-overdraft-buffers-per-gate",
         "taskmanager.network.memory.exclusive-buffers-request-timeout-ms",
         "fluxgate.record.max-size",
         "taskmanager.network.request-backoff.initial",
@@ -369,6 +377,9 @@ impl NetworkConfig {
             }
             "taskmanager.network.memory.max-buffers-per-channel" => {
                 self.max_buffers_per_channel = count()?
+            }
+            "taskmanager.network.memory.max-overdraft-buffers-per-gate" => {
+                self.max_overdraft_buffers_per_gate = count()?
             }
             "taskmanager.network.memory.exclusive-buffers-request-timeout-ms" => {
                 self.buffer_request_timeout = Duration::from_millis(count()? as u64)
@@ -506,6 +517,10 @@ impl NetworkConfig {
             (
                 "taskmanager.network.memory.max-buffers-per-channel",
                 self.max_buffers_per_channel,
+            ),
+            (
+                "taskmanager.network.memory.max-overdraft-buffers-per-gate",
+                self.max_overdraft_buffers_per_gate,
             ),
         ] {
             if count > MAX_BUFFER_COUNT {

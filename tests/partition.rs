@@ -429,6 +429,21 @@ fn timeoutable_barrier(id: u64, timeout_ms: u64) -> Event {
     common::timeoutable_barrier(id, timeout_ms, 0)
 }
 
+/// Reads a subpartition through its EndOfPartition: the records, and the events in order.
+fn read_to_end(view: &mut SubpartitionView, signal: &Signal) -> (SpanningReader, Vec<Event>) {
+    let mut spanning = SpanningReader::new();
+    let mut events = Vec::new();
+    while events.last() != Some(&Event::EndOfPartition) {
+        let seen = signal.notifications();
+        match view.poll_next() {
+            Some(item) if item.buffer.data_type() == DataType::DataBuffer => spanning.read(&item),
+            Some(item) => events.push(event_of(&item)),
+            None => assert!(signal.wait_beyond(seen), "the writer stalled"),
+        }
+    }
+    (spanning, events)
+}
+
 fn event_of(item: &BufferAndBacklog) -> Event {
     Event::decode(item.buffer.as_slice()).unwrap()
 }
@@ -676,16 +691,7 @@ fn a_back_pressured_writer_turns_its_barrier_unaligned_at_the_timeout() {
     assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
     assert_eq!(event_of(&first), unaligned(&barrier));
     assert_eq!(first.overtaken, 1);
-    let mut spanning = SpanningReader::new();
-    let mut events = Vec::new();
-    while events.last() != Some(&Event::EndOfPartition) {
-        let seen = signal.notifications();
-        match view.poll_next() {
-            Some(item) if item.buffer.data_type() == DataType::DataBuffer => spanning.read(&item),
-            Some(item) => events.push(event_of(&item)),
-            None => assert!(signal.wait_beyond(seen), "the writer stalled"),
-        }
-    }
+    let (spanning, events) = read_to_end(&mut view, &signal);
     let mut expected = vec![(2044, 2)];
     expected.extend(std::iter::repeat_n((2044, 3), 64));
     assert_eq!(spanning.records, expected);
@@ -1254,10 +1260,17 @@ impl std::task::Wake for CountingWaker {
 #[test]
 fn an_async_record_waits_for_room_in_a_full_lane_without_blocking_and_the_reader_wakes_it() {
     // A subpartition's queue holds twice `max-buffers-per-channel` items: its own buffers,
-    // which the pool bounds by that option, and as many broadcast buffers and events.
+    // which the pool bounds by that option, and as many broadcast buffers and events (plus
+    // the overdraft of a started record, none here).
     let (network, mut config) = setup(64);
     config
         .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    config
+        .set(
+            "taskmanager.network.memory.max-overdraft-buffers-per-gate",
+            "0",
+        )
         .unwrap();
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, _signal) = view(&partition, 0);
@@ -1491,4 +1504,92 @@ fn a_broadcast_fails_once_every_subpartition_is_released() {
     ));
     drop(partition);
     assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A one-subpartition partition whose pool holds two 4 KiB segments, with `overdraft`
+/// overdraft buffers, and a record that needs four segments (with the 7-byte one before it).
+fn two_segment_partition(overdraft: &str) -> (NetworkBufferPool, ResultPartition) {
+    let (network, mut config) = setup(64);
+    for (key, value) in [
+        ("taskmanager.network.memory.buffers-per-channel", "1"),
+        ("taskmanager.network.memory.floating-buffers-per-gate", "1"),
+        (
+            "taskmanager.network.memory.max-overdraft-buffers-per-gate",
+            overdraft,
+        ),
+    ] {
+        config.set(key, value).unwrap();
+    }
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    assert_eq!(partition.pool().spec().max_segments, 2);
+    (network, partition)
+}
+
+const SPANNING: usize = 14_000;
+
+#[test]
+fn a_record_started_under_back_pressure_finishes_in_overdraft_segments() {
+    // Flink's overdraft buffers: a record the writer has started goes on beyond the pool's
+    // quota instead of stopping the task inside it; the next record waits for the pool,
+    // which is where the task stops.
+    let (network, mut partition) = two_segment_partition("5");
+    let handle = partition.handle();
+    let (mut view, signal) = view(&partition, 0);
+    let (started_tx, started_rx) = mpsc::channel();
+    let writer = thread::spawn(move || {
+        partition.emit_record(&[1u8; 7][..], 0)?;
+        partition.emit_record(&vec![2u8; SPANNING][..], 0)?;
+        started_tx.send(()).unwrap();
+        partition.emit_record(&[3u8; 100][..], 0)?;
+        partition.finish()?;
+        Ok::<_, PartitionError>(partition)
+    });
+    assert!(
+        started_rx.recv_timeout(LONG).is_ok(),
+        "the writer stopped inside the record with the pool used up"
+    );
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the next record did not wait for the pool"
+    );
+    let (spanning, events) = read_to_end(&mut view, &signal);
+    assert_eq!(spanning.records, [(7, 1), (SPANNING, 2), (100, 3)]);
+    assert_eq!(events, [Event::EndOfPartition]);
+    let partition = writer.join().unwrap().unwrap();
+    assert_eq!(partition.pool().overdraft_segments(), 0);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader() {
+    // Two pool segments and at most one overdraft segment (or none) are fewer than the four
+    // the record needs: the writer waits in the middle of it until the reader takes.
+    for overdraft in ["0", "1"] {
+        let (network, mut partition) = two_segment_partition(overdraft);
+        let handle = partition.handle();
+        let (mut view, signal) = view(&partition, 0);
+        let (written_tx, written_rx) = mpsc::channel();
+        let writer = thread::spawn(move || {
+            partition.emit_record(&[1u8; 7][..], 0)?;
+            partition.emit_record(&vec![2u8; SPANNING][..], 0)?;
+            written_tx.send(()).unwrap();
+            partition.finish()?;
+            Ok::<_, PartitionError>(partition)
+        });
+        assert!(
+            common::wait_until(LONG, || handle.is_back_pressured()),
+            "the writer never waited (overdraft {overdraft})"
+        );
+        assert!(
+            written_rx.try_recv().is_err(),
+            "with overdraft {overdraft}, the record was written past what the pool and the overdraft hold"
+        );
+        let (spanning, events) = read_to_end(&mut view, &signal);
+        assert_eq!(spanning.records, [(7, 1), (SPANNING, 2)]);
+        assert_eq!(events, [Event::EndOfPartition]);
+        let partition = writer.join().unwrap().unwrap();
+        drop((view, partition));
+        assert_eq!(network.available_segments(), network.total_segments());
+    }
 }

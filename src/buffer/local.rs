@@ -44,7 +44,8 @@ pub struct LocalPoolSpec {
     pub max_segments_per_channel: usize,
     /// Most buffer listeners waiting at once (an input gate's channel count).
     pub max_listeners: usize,
-    /// Most overdraft segments (taken outside the quota, for events) held at once.
+    /// Most overdraft segments (taken outside the quota, for events and for the rest of a
+    /// started record) held at once.
     pub max_overdraft_segments: usize,
 }
 
@@ -210,6 +211,28 @@ impl LocalBufferPool {
         timeout: Duration,
     ) -> Result<BufferBuilder, PoolError> {
         self.wait_for(timeout, || self.try_builder(subpartition))
+    }
+
+    /// A builder for the rest of a record that `subpartition` already started (Flink's
+    /// overdraft buffers, `max-overdraft-buffers-per-gate`): a segment of the pool if one is
+    /// at hand, else one of at most `max_overdraft` taken from the global pool beyond the
+    /// pool's quota, so the writer finishes the record instead of stopping inside it under
+    /// back pressure. Only with neither does it wait, up to `timeout`, as
+    /// [`request_buffer_builder_blocking`](Self::request_buffer_builder_blocking) does. A
+    /// new record never takes overdraft: it waits for the pool, which is where the writer
+    /// stops.
+    pub fn request_continuation_builder_blocking(
+        &self,
+        subpartition: usize,
+        max_overdraft: usize,
+        timeout: Duration,
+    ) -> Result<BufferBuilder, PoolError> {
+        self.wait_for(timeout, || {
+            Ok(self.try_builder(subpartition)?.or_else(|| {
+                self.overdraft_segment_within(max_overdraft)
+                    .map(|segment| segment.into_builder(DataType::DataBuffer))
+            }))
+        })
     }
 
     /// A segment, waiting up to `timeout` while none is free and the pool cannot grow (the
@@ -423,12 +446,19 @@ impl LocalBufferPool {
     /// It goes back to the global pool when dropped, and wakes this pool's waiters then: an
     /// event that found the overdraft used up waits on this pool.
     pub fn request_overdraft_segment(&self) -> Option<PooledSegment> {
+        self.overdraft_segment_within(self.shared.spec.max_overdraft_segments)
+    }
+
+    /// An overdraft segment while the pool holds fewer than `limit` (and fewer than its
+    /// `max_overdraft_segments`); see [`request_overdraft_segment`](Self::request_overdraft_segment).
+    fn overdraft_segment_within(&self, limit: usize) -> Option<PooledSegment> {
         let shared = &self.shared;
+        let limit = limit.min(shared.spec.max_overdraft_segments);
         // SeqCst, with the recycler's decrement and `notified` (see `recycle`): a waiter that
         // cleared `notified` before this look sees a decrement whose wake-up it missed.
         let mut held = shared.overdraft.load(Ordering::SeqCst);
         loop {
-            if held >= shared.spec.max_overdraft_segments {
+            if held >= limit {
                 return None;
             }
             match shared.overdraft.compare_exchange_weak(
@@ -512,6 +542,11 @@ impl PoolWaiters {
     /// Wakes every blocked waiter and the pending future, which then look again.
     pub(crate) fn wake(&self) {
         self.0.wake_waiters();
+    }
+
+    /// True while a thread or a future waits on the pool.
+    pub(crate) fn any_waiting(&self) -> bool {
+        self.0.waiting.load(Ordering::SeqCst) > 0
     }
 }
 

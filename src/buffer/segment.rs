@@ -598,6 +598,12 @@ impl BufferBuilder {
         }
     }
 
+    /// True when bytes were appended since the last [`commit`](Self::commit): a record is
+    /// being written into this buffer.
+    pub fn has_uncommitted(&self) -> bool {
+        self.position != self.committed
+    }
+
     /// Bytes written (committed or not).
     pub fn written(&self) -> usize {
         self.position as usize
