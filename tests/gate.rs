@@ -1419,3 +1419,45 @@ fn a_zero_initial_backoff_allows_no_retry_instead_of_retrying_at_once_forever() 
         "doubling up to the maximum, then no more"
     );
 }
+
+#[test]
+fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
+    // A channel turning remote waits for its exclusive segments while other pools hold the
+    // whole network memory (up to `exclusive-buffers-request-timeout-ms`, 30 s here). A
+    // cancelled task closes its gate from another thread: that ends the wait at once.
+    let f = fixture();
+    let mut gate = f.gate(&[(2, 0)], ChannelLocation::Unknown);
+    let pool = gate
+        .pool()
+        .expect("a pool for the channel that may turn remote")
+        .clone();
+    let hog = f
+        .network
+        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
+            min_segments: 1,
+            max_segments: usize::MAX,
+            subpartitions: 0,
+            max_segments_per_channel: usize::MAX,
+            max_listeners: 1,
+            max_overdraft_segments: 0,
+        })
+        .unwrap();
+    let held: Vec<_> = std::iter::from_fn(|| hog.request_segment()).collect();
+    let closer = gate.closer();
+    let update = thread::spawn(move || {
+        let result = gate.update_channel(0, ChannelLocation::Remote, Instant::now());
+        (gate, result)
+    });
+    assert!(
+        common::wait_until(LONG, || pool.waiting_requests() > 0),
+        "the channel never waited for its exclusive segments"
+    );
+    closer.close();
+    let (gate, result) = update.join().unwrap();
+    assert!(
+        matches!(result, Err(GateError::Closed)),
+        "the wait ended with {result:?}, not as closed"
+    );
+    drop((gate, pool, held, hog));
+    assert!(f.all_segments_back());
+}

@@ -240,7 +240,24 @@ impl LocalBufferPool {
     /// waits for them up to `exclusive-buffers-request-timeout-ms`. Fails when the pool is
     /// destroyed or the time is up.
     pub fn request_segment_blocking(&self, timeout: Duration) -> Result<PooledSegment, PoolError> {
-        self.wait_for(timeout, || self.try_segment())
+        self.request_segment_blocking_unless(timeout, &|| false)
+    }
+
+    /// [`request_segment_blocking`](Self::request_segment_blocking) that ends with
+    /// [`PoolError::Cancelled`] once `cancelled` holds. It is looked at before each look for
+    /// a segment, so whoever makes it true wakes this pool's waiters
+    /// ([`PoolWaiters::wake`]) to end the wait at once.
+    pub(crate) fn request_segment_blocking_unless(
+        &self,
+        timeout: Duration,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<PooledSegment, PoolError> {
+        self.wait_for(timeout, || {
+            if cancelled() {
+                return Err(PoolError::Cancelled);
+            }
+            self.try_segment()
+        })
     }
 
     /// Threads waiting in this pool now (for a segment, or for room in a partition's queues).

@@ -139,4 +139,7 @@ pub enum PoolError {
     /// The listener queue is full: more listeners than the pool was sized for.
     #[error("the buffer pool has no room for another listener")]
     TooManyListeners,
+    /// A blocking request was called off by its owner (the gate it was for was closed).
+    #[error("the buffer request was cancelled")]
+    Cancelled,
 }

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::Waker;
 use std::time::Duration;
 
+use crate::buffer::PoolWaiters;
 use crate::partition::AvailabilityListener;
 use crate::sync::{
     fence, ArrayQueue, AtomicBool, AtomicUsize, AtomicWaker, Condvar, Mutex, Ordering,
@@ -26,6 +27,10 @@ pub struct ChannelQueue {
     waker: AtomicWaker,
     /// A union gate's queue, told (with this gate's index) whenever a channel is queued here.
     parent: OnceLock<(Arc<ChannelQueue>, u32)>,
+    /// The gate's pool, whose waiters (a setup waiting for exclusive segments) a close wakes.
+    /// A lock, not a `OnceLock`: a close that finds it empty has set `closed` before the
+    /// setup's store here, so the setup's wait sees `closed` when it looks.
+    pool_waiters: Mutex<Option<PoolWaiters>>,
 }
 
 impl fmt::Debug for ChannelQueue {
@@ -51,6 +56,7 @@ impl ChannelQueue {
             cond: Condvar::new(),
             waker: AtomicWaker::new(),
             parent: OnceLock::new(),
+            pool_waiters: Mutex::new(None),
         })
     }
 
@@ -134,11 +140,20 @@ impl ChannelQueue {
         !self.priority.is_empty()
     }
 
+    /// Makes [`close`](Self::close) wake `waiters` too.
+    pub(crate) fn wake_on_close(&self, waiters: PoolWaiters) {
+        *self.pool_waiters.lock().expect("not poisoned") = Some(waiters);
+    }
+
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         drop(self.lock.lock().expect("not poisoned"));
         self.cond.notify_all();
         self.waker.wake();
+        let pool_waiters = self.pool_waiters.lock().expect("not poisoned").take();
+        if let Some(waiters) = pool_waiters {
+            waiters.wake();
+        }
         // A union reads its members only when they are queued: queue this one there, so the
         // union's reader reads it, and its read reports the close.
         if let Some((parent, gate)) = self.parent.get() {

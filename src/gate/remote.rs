@@ -97,17 +97,33 @@ impl BufferManager {
         max_floating: usize,
         timeout: Duration,
     ) -> Result<Arc<Self>, GateError> {
+        Self::new_unless(channel, pool, exclusive, max_floating, timeout, &|| false)
+    }
+
+    /// [`new`](Self::new), whose wait ends with [`GateError::Closed`] once `closed` holds
+    /// (the gate was closed from another thread, which wakes the pool's waiters).
+    pub(crate) fn new_unless(
+        channel: usize,
+        pool: Arc<LocalBufferPool>,
+        exclusive: usize,
+        max_floating: usize,
+        timeout: Duration,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<Arc<Self>, GateError> {
         let mut segments = Vec::with_capacity(exclusive);
         let deadline = Instant::now() + timeout;
         for _ in 0..exclusive {
             let segment = if pool.requested_segments() >= pool.spec().max_segments {
                 pool.request_segment()
             } else {
-                match pool
-                    .request_segment_blocking(deadline.saturating_duration_since(Instant::now()))
-                {
+                match pool.request_segment_blocking_unless(
+                    deadline.saturating_duration_since(Instant::now()),
+                    closed,
+                ) {
                     Ok(segment) => Some(segment),
-                    Err(crate::buffer::PoolError::Destroyed) => return Err(GateError::Closed),
+                    Err(
+                        crate::buffer::PoolError::Destroyed | crate::buffer::PoolError::Cancelled,
+                    ) => return Err(GateError::Closed),
                     Err(_) => None,
                 }
             };

@@ -108,7 +108,8 @@ impl SingleInputGate {
     /// Creates the gate's pool (exclusive buffers for every channel that is or may become
     /// remote, plus the floating ones) and the channels. Blocks while the global pool has no
     /// segments for the remote channels' exclusive buffers, up to
-    /// `exclusive-buffers-request-timeout-ms` per channel (as Flink's setup does).
+    /// `exclusive-buffers-request-timeout-ms` per channel (as Flink's setup does), or until
+    /// the gate is closed through a [`closer`](Self::closer) (`GateError::Closed`).
     pub fn setup(&mut self) -> Result<(), GateError> {
         if !self.channels.is_empty() || self.pool.is_some() {
             // Flink: "Bug in input gate setup logic: Already registered buffer pool."
@@ -121,7 +122,10 @@ impl SingleInputGate {
             .count();
         if non_local > 0 {
             let spec = LocalPoolSpec::for_gate(non_local, &self.config);
-            self.pool = Some(Arc::new(self.network.create_local_pool(spec)?));
+            let pool = Arc::new(self.network.create_local_pool(spec)?);
+            // A closer (task cancellation) then ends a wait for exclusive segments at once.
+            self.queue.wake_on_close(pool.waiters());
+            self.pool = Some(pool);
         }
         for index in 0..self.specs.len() {
             let channel = self.make_channel(index, self.specs[index].location.clone())?;
@@ -156,7 +160,7 @@ impl SingleInputGate {
     /// The producer of an unknown channel was located: the channel becomes local or remote,
     /// is requested if partitions were, and receives the pending task events. A channel
     /// turning remote takes its exclusive buffers as [`setup`](Self::setup) does, and may
-    /// block as long.
+    /// block as long (a close through a [`closer`](Self::closer) ends the wait).
     pub fn update_channel(
         &mut self,
         index: usize,
@@ -464,12 +468,14 @@ impl SingleInputGate {
             ChannelLocation::Remote => {
                 let pool = self.pool.clone().ok_or(GateError::UnknownChannel(index))?;
                 let max = pool.spec().max_segments;
-                let buffers = BufferManager::new(
+                let queue = &self.queue;
+                let buffers = BufferManager::new_unless(
                     index,
                     pool,
                     self.config.buffers_per_channel,
                     self.config.max_buffers_per_channel,
                     self.config.buffer_request_timeout,
+                    &|| queue.is_closed(),
                 )?;
                 InputChannel::Remote(RemoteInputChannel::new(
                     index,
