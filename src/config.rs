@@ -131,10 +131,11 @@ pub struct NetworkConfig {
     /// hold, so a skewed one backpressures instead of taking the whole pool (default 10).
     pub max_buffers_per_channel: usize,
     /// `taskmanager.network.memory.max-overdraft-buffers-per-gate`: segments a result
-    /// partition may take beyond its pool to finish a record it already started when the pool
-    /// is used up (default 5), so its task does not stop inside a record under back pressure;
-    /// a new record still waits for the pool. 0: a record waits in the middle, as before
-    /// Flink 1.16.
+    /// partition may take beyond its pool (at most the pool's maximum, counted with events'
+    /// overdraft) to finish a record it already started when the pool is used up (default
+    /// 5), so its task does not stop inside a record under back pressure; a record that
+    /// needs a new buffer still waits for the pool before it starts. 0: a record longer than
+    /// the segment it found waits in the middle, as before Flink 1.16.
     pub max_overdraft_buffers_per_gate: usize,
     /// `taskmanager.network.memory.exclusive-buffers-request-timeout-ms` (default 30 s).
     pub buffer_request_timeout: Duration,

@@ -1454,6 +1454,13 @@ fn subpartition_with_a_full_lane() -> (
     config
         .set("taskmanager.network.memory.buffers-per-channel", "1")
         .unwrap();
+    // No overdraft: the lane then has room for two buffers.
+    config
+        .set(
+            "taskmanager.network.memory.max-overdraft-buffers-per-gate",
+            "0",
+        )
+        .unwrap();
     let (pool, mut partition, view) = subpartition_with_view(config);
     partition.broadcast_record(&[1u8; 4000][..]).unwrap();
     partition.broadcast_record(&[2u8; 4000][..]).unwrap();

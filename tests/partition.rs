@@ -1507,7 +1507,7 @@ fn a_broadcast_fails_once_every_subpartition_is_released() {
 }
 
 /// A one-subpartition partition whose pool holds two 4 KiB segments, with `overdraft`
-/// overdraft buffers, and a record that needs four segments (with the 7-byte one before it).
+/// overdraft buffers (capped at the pool's two).
 fn two_segment_partition(overdraft: &str) -> (NetworkBufferPool, ResultPartition) {
     let (network, mut config) = setup(64);
     for (key, value) in [
@@ -1525,35 +1525,42 @@ fn two_segment_partition(overdraft: &str) -> (NetworkBufferPool, ResultPartition
     (network, partition)
 }
 
-const SPANNING: usize = 14_000;
-
 #[test]
 fn a_record_started_under_back_pressure_finishes_in_overdraft_segments() {
     // Flink's overdraft buffers: a record the writer has started goes on beyond the pool's
-    // quota instead of stopping the task inside it; the next record waits for the pool,
-    // which is where the task stops.
+    // quota instead of stopping the task inside it. The next record that will not fit the
+    // open buffer waits for the pool before its first byte, where a Flink task stops too,
+    // though overdraft is left (the pool's two segments cap it at two; one is used).
     let (network, mut partition) = two_segment_partition("5");
     let handle = partition.handle();
     let (mut view, signal) = view(&partition, 0);
-    let (started_tx, started_rx) = mpsc::channel();
+    let (written_tx, written_rx) = mpsc::channel();
     let writer = thread::spawn(move || {
         partition.emit_record(&[1u8; 7][..], 0)?;
-        partition.emit_record(&vec![2u8; SPANNING][..], 0)?;
-        started_tx.send(()).unwrap();
-        partition.emit_record(&[3u8; 100][..], 0)?;
+        // Three segments: the pool's two and one of overdraft.
+        partition.emit_record(&vec![2u8; 10_000][..], 0)?;
+        written_tx.send(2).unwrap();
+        // Runs past the third segment's end.
+        partition.emit_record(&vec![3u8; 3_000][..], 0)?;
+        written_tx.send(3).unwrap();
         partition.finish()?;
         Ok::<_, PartitionError>(partition)
     });
-    assert!(
-        started_rx.recv_timeout(LONG).is_ok(),
+    assert_eq!(
+        written_rx.recv_timeout(LONG),
+        Ok(2),
         "the writer stopped inside the record with the pool used up"
     );
     assert!(
         common::wait_until(LONG, || handle.is_back_pressured()),
-        "the next record did not wait for the pool"
+        "the writer never waited"
+    );
+    assert!(
+        written_rx.try_recv().is_err(),
+        "the next record took overdraft instead of waiting for the pool"
     );
     let (spanning, events) = read_to_end(&mut view, &signal);
-    assert_eq!(spanning.records, [(7, 1), (SPANNING, 2), (100, 3)]);
+    assert_eq!(spanning.records, [(7, 1), (10_000, 2), (3_000, 3)]);
     assert_eq!(events, [Event::EndOfPartition]);
     let partition = writer.join().unwrap().unwrap();
     assert_eq!(partition.pool().overdraft_segments(), 0);
@@ -1564,7 +1571,8 @@ fn a_record_started_under_back_pressure_finishes_in_overdraft_segments() {
 #[test]
 fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader() {
     // Two pool segments and at most one overdraft segment (or none) are fewer than the four
-    // the record needs: the writer waits in the middle of it until the reader takes.
+    // the record needs (with the 7-byte one before it): the writer waits in the middle of it
+    // until the reader takes.
     for overdraft in ["0", "1"] {
         let (network, mut partition) = two_segment_partition(overdraft);
         let handle = partition.handle();
@@ -1572,7 +1580,7 @@ fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader()
         let (written_tx, written_rx) = mpsc::channel();
         let writer = thread::spawn(move || {
             partition.emit_record(&[1u8; 7][..], 0)?;
-            partition.emit_record(&vec![2u8; SPANNING][..], 0)?;
+            partition.emit_record(&vec![2u8; 14_000][..], 0)?;
             written_tx.send(()).unwrap();
             partition.finish()?;
             Ok::<_, PartitionError>(partition)
@@ -1586,7 +1594,7 @@ fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader()
             "with overdraft {overdraft}, the record was written past what the pool and the overdraft hold"
         );
         let (spanning, events) = read_to_end(&mut view, &signal);
-        assert_eq!(spanning.records, [(7, 1), (SPANNING, 2)]);
+        assert_eq!(spanning.records, [(7, 1), (14_000, 2)]);
         assert_eq!(events, [Event::EndOfPartition]);
         let partition = writer.join().unwrap().unwrap();
         drop((view, partition));

@@ -215,24 +215,46 @@ impl LocalBufferPool {
 
     /// A builder for the rest of a record that `subpartition` already started (Flink's
     /// overdraft buffers, `max-overdraft-buffers-per-gate`): a segment of the pool if one is
-    /// at hand, else one of at most `max_overdraft` taken from the global pool beyond the
-    /// pool's quota, so the writer finishes the record instead of stopping inside it under
-    /// back pressure. Only with neither does it wait, up to `timeout`, as
-    /// [`request_buffer_builder_blocking`](Self::request_buffer_builder_blocking) does. A
-    /// new record never takes overdraft: it waits for the pool, which is where the writer
-    /// stops.
+    /// at hand, even past `max-buffers-per-channel` (counted all the same, as Flink's pool
+    /// hands it out), else one of at most `max_overdraft` taken from the global pool beyond
+    /// the pool's quota, so the writer finishes the record instead of stopping inside it
+    /// under back pressure. Only with neither does it wait, up to `timeout`, as
+    /// [`request_buffer_builder_blocking`](Self::request_buffer_builder_blocking) does. The
+    /// writer waits for the pool before a record that needs a new buffer
+    /// ([`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand)), so overdraft only
+    /// serves a record longer than the segment it found.
     pub fn request_continuation_builder_blocking(
         &self,
         subpartition: usize,
         max_overdraft: usize,
         timeout: Duration,
     ) -> Result<BufferBuilder, PoolError> {
+        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
         self.wait_for(timeout, || {
-            Ok(self.try_builder(subpartition)?.or_else(|| {
-                self.overdraft_segment_within(max_overdraft)
-                    .map(|segment| segment.into_builder(DataType::DataBuffer))
-            }))
+            let segment = match self.shared.take_past_channel_limit(channel)? {
+                Some(segment) => PooledSegment::new(self.shared.clone(), segment),
+                None => match self.overdraft_segment_within(max_overdraft) {
+                    Some(segment) => segment,
+                    None => return Ok(None),
+                },
+            };
+            Ok(Some(segment.into_builder(DataType::DataBuffer)))
         })
+    }
+
+    /// Waits up to `timeout` until a segment for `subpartition` is at hand: free in the pool
+    /// (taken from the global pool into it if need be) and the subpartition under
+    /// `max-buffers-per-channel`. This is Flink's output availability, which a task waits
+    /// for before it starts a record: a record that will not fit the open buffer waits here
+    /// before its first byte, so it can only need overdraft for segments beyond the one it
+    /// found. Returns at once when the pool was destroyed (the write then fails).
+    pub fn wait_until_segment_at_hand(
+        &self,
+        subpartition: usize,
+        timeout: Duration,
+    ) -> Result<(), PoolError> {
+        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        self.wait_until(timeout, || self.shared.stock_one(channel).unwrap_or(true))
     }
 
     /// A segment, waiting up to `timeout` while none is free and the pool cannot grow (the
@@ -663,15 +685,34 @@ impl LocalPoolShared {
     /// A free segment for `channel`: from the local free list, else grown from the global
     /// pool up to the maximum. `Ok(None)` when none is at hand now.
     fn take(&self, channel: u32) -> Result<Option<Segment>, PoolError> {
+        if !self.under_channel_limit(channel)? {
+            return Ok(None);
+        }
+        self.take_past_channel_limit(channel)
+    }
+
+    /// Whether `channel` may take one more segment (`max-buffers-per-channel`); fails once
+    /// the pool is destroyed.
+    fn under_channel_limit(&self, channel: u32) -> Result<bool, PoolError> {
+        if self.destroyed.load(Ordering::Relaxed) {
+            return Err(PoolError::Destroyed);
+        }
+        Ok(self
+            .per_channel
+            .get(channel as usize)
+            .is_none_or(|counter| {
+                (counter.load(Ordering::Relaxed) as usize) < self.spec.max_segments_per_channel
+            }))
+    }
+
+    /// [`take`](Self::take) without the per-channel limit (the segment still counts for
+    /// `channel`): the rest of a started record, as Flink's pool hands it out and only marks
+    /// itself unavailable.
+    fn take_past_channel_limit(&self, channel: u32) -> Result<Option<Segment>, PoolError> {
         if self.destroyed.load(Ordering::Relaxed) {
             return Err(PoolError::Destroyed);
         }
         let counter = self.per_channel.get(channel as usize);
-        if let Some(counter) = counter {
-            if counter.load(Ordering::Relaxed) as usize >= self.spec.max_segments_per_channel {
-                return Ok(None);
-            }
-        }
         let Some(segment) = self.available.pop().or_else(|| self.grow()) else {
             return Ok(None);
         };
@@ -680,6 +721,27 @@ impl LocalPoolShared {
         }
         self.network.memory().set_tag(&segment, channel);
         Ok(Some(segment))
+    }
+
+    /// True when a segment for `channel` is at hand: the channel under its limit and a
+    /// segment free here, taken from the global pool into the free list if none was.
+    fn stock_one(&self, channel: u32) -> Result<bool, PoolError> {
+        if !self.under_channel_limit(channel)? {
+            return Ok(false);
+        }
+        if self.available.len() > 0 {
+            return Ok(true);
+        }
+        let Some(segment) = self.grow() else {
+            return Ok(false);
+        };
+        // The free list holds every segment the pool may have (`grow` counted this one
+        // against the maximum).
+        if let Err(segment) = self.available.push(segment) {
+            self.give_back(segment);
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Takes one more segment from the global pool if under the maximum.

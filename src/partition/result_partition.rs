@@ -294,6 +294,17 @@ impl ResultPartition {
         if self.barrier_timer.is_some() {
             self.fire_barrier_timer();
         }
+        let open = self.unicast.get(target).and_then(Option::as_ref);
+        if self.crosses(record, open) {
+            if self.pool.spec().max_segments_per_channel <= 1 {
+                // The open buffer is all the subpartition may hold, and its reader cannot give
+                // it back before it is finished: finish it now, and the record starts in a
+                // fresh buffer, for which it waits as any request does.
+                self.finish_unicast_builder(target);
+            } else {
+                self.wait_for_segment_at_hand(target)?;
+            }
+        }
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Unicast(target))?;
         record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
@@ -344,6 +355,9 @@ impl ResultPartition {
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
         self.finish_unicast_builders();
+        if self.crosses(record, self.broadcast.as_ref()) {
+            self.wait_for_segment_at_hand(UNACCOUNTED)?;
+        }
         let max_record_bytes = self.max_record_bytes;
         let mut sink = self.sink(Target::Broadcast)?;
         record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
@@ -352,6 +366,32 @@ impl ResultPartition {
         }
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
+    }
+
+    /// True when `record` starts in the open builder `open` and runs past its end. (A record
+    /// without an open builder waits for its first segment like any request.)
+    fn crosses<R: Record + ?Sized>(&self, record: &R, open: Option<&BufferBuilder>) -> bool {
+        open.is_some_and(|builder| {
+            let len = record.encoded_len();
+            !builder.is_full()
+                && len <= self.max_record_bytes
+                && record::framed_len(len) > builder.remaining()
+        })
+    }
+
+    /// Before a record that will run past the open buffer: waits until a segment for it is
+    /// at hand, as a Flink task waits for its output to be available before it processes a
+    /// record. So the record stops before its first byte under back pressure, not inside
+    /// itself, and needs overdraft only for segments beyond that one.
+    fn wait_for_segment_at_hand(&mut self, channel: usize) -> Result<(), PartitionError> {
+        let (pool, subpartitions) = (&self.pool, &self.handle.shared.subpartitions[..]);
+        until_available_timed(
+            &mut self.barrier_timer,
+            pool,
+            subpartitions,
+            self.request_timeout,
+            |wait| pool.wait_until_segment_at_hand(channel, wait),
+        )
     }
 
     /// Queues `event` in every subpartition after what was written so far; a priority event
