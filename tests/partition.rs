@@ -1601,3 +1601,35 @@ fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader()
         assert_eq!(network.available_segments(), network.total_segments());
     }
 }
+
+#[test]
+fn records_running_past_the_one_buffer_a_subpartition_may_hold_go_on_as_its_reader_takes() {
+    // With `max-buffers-per-channel` 1 the open buffer is all a subpartition may hold, and its
+    // reader cannot give it back while it is open: a record that would run past its end
+    // sends it first and starts in the next buffer once the reader gave this one back.
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    const RECORDS: u8 = 20;
+    let writer = thread::spawn(move || {
+        let mut partition = partition;
+        let mut peak = 0;
+        for i in 0..RECORDS {
+            partition.emit_record(&vec![i; 3_000][..], 0)?;
+            peak = peak.max(partition.pool().segments_of(0));
+        }
+        partition.finish()?;
+        Ok::<_, PartitionError>((partition, peak))
+    });
+    let (spanning, events) = read_to_end(&mut view, &signal);
+    let expected: Vec<_> = (0..RECORDS).map(|i| (3_000, i)).collect();
+    assert_eq!(spanning.records, expected);
+    assert_eq!(events, [Event::EndOfPartition]);
+    let (partition, peak) = writer.join().unwrap().unwrap();
+    assert_eq!(peak, 1, "the subpartition held more than its one buffer");
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
