@@ -10,12 +10,12 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use fluxgate::buffer::{Buffer, NetworkBufferPool};
+use fluxgate::buffer::NetworkBufferPool;
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
-    AlignmentMode, Backoff, BufferOrEvent, ChannelLocation, ChannelSpec, ChannelStateSink,
-    CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate, ReaderItem,
-    RecordReader, SingleInputGate, UnionInputGate,
+    AlignmentMode, Backoff, BufferOrEvent, ChannelLocation, ChannelSpec, CheckpointedInputGate,
+    ConsumedSubpartition, GateError, GateItem, InputGate, ReaderItem, RecordReader,
+    SingleInputGate, UnionInputGate,
 };
 use fluxgate::partition::{
     PartitionError, PartitionManager, ResultPartition, ResultPartitionId, TaskEventListener,
@@ -485,43 +485,7 @@ fn a_failed_partition_request_is_reported_again_on_the_next_call() {
     );
 }
 
-#[derive(Default)]
-struct Sink {
-    data: Mutex<Vec<(u64, usize, Vec<u8>)>>,
-    /// Partial records, then buffers, per checkpoint and channel in the order they came.
-    stream: Mutex<Vec<(u64, usize, Vec<u8>)>>,
-    complete: Mutex<Vec<u64>>,
-    aborted: Mutex<Vec<u64>>,
-}
-
-impl ChannelStateSink for Sink {
-    fn add_input_data(&self, checkpoint_id: u64, channel: usize, buffer: Buffer) {
-        let bytes = buffer.as_slice().to_vec();
-        self.stream
-            .lock()
-            .unwrap()
-            .push((checkpoint_id, channel, bytes.clone()));
-        self.data
-            .lock()
-            .unwrap()
-            .push((checkpoint_id, channel, bytes));
-    }
-
-    fn add_partial_record(&self, checkpoint_id: u64, channel: usize, bytes: &[u8]) {
-        self.stream
-            .lock()
-            .unwrap()
-            .push((checkpoint_id, channel, bytes.to_vec()));
-    }
-
-    fn input_complete(&self, checkpoint_id: u64) {
-        self.complete.lock().unwrap().push(checkpoint_id);
-    }
-
-    fn abort(&self, checkpoint_id: u64) {
-        self.aborted.lock().unwrap().push(checkpoint_id);
-    }
-}
+use common::RecordingSink as Sink;
 
 /// `N` producers, partitions `first..first + N` of one subpartition each, and an unaligned
 /// checkpointed gate of one local channel per producer, requested, with its sink.
@@ -541,19 +505,6 @@ fn unaligned_gate<const N: usize>(
     let checkpointed =
         CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
     (producers, checkpointed, sink)
-}
-
-impl Sink {
-    /// The channel state of `channel` for `checkpoint`, as one byte stream in order.
-    fn channel_state(&self, checkpoint: u64, channel: usize) -> Vec<u8> {
-        self.stream
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(id, c, _)| (*id, *c) == (checkpoint, channel))
-            .flat_map(|(_, _, bytes)| bytes.iter().copied())
-            .collect()
-    }
 }
 
 #[test]

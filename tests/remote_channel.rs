@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
-    ChannelLocation, ChannelSpec, ConsumedSubpartition, CreditListener, GateError, GateItem,
-    InputGate, RemoteChannelShared, SingleInputGate, UnionInputGate, UNCREDITED_EVENTS,
+    AlignmentMode, ChannelLocation, ChannelSpec, CheckpointedInputGate, ConsumedSubpartition,
+    CreditListener, GateError, GateItem, InputGate, RemoteChannelShared, SingleInputGate,
+    UnionInputGate, UNCREDITED_EVENTS,
 };
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
@@ -1185,4 +1186,131 @@ fn exclusive_segments_wait_for_segments_another_pool_gives_back() {
     manager.release();
     drop((manager, pool, hog));
     assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+impl Sender {
+    /// Receives `event` as an item of `data_type` (in a segment of its own, without credit)
+    /// that overtook `overtaken` items the sender still held.
+    fn send_event(&mut self, event: &Event, data_type: DataType, overtaken: usize) {
+        let segment = self.shared.buffers().event_segment(64).unwrap();
+        let sequence = self.sequence;
+        self.deliver(segment, &encoded(event), data_type, sequence, 0, overtaken)
+            .unwrap();
+    }
+}
+
+/// A two-remote-channel gate checkpointed unaligned into a recording sink, with each
+/// channel's sender.
+fn unaligned_remote_gate(
+    f: &Fixture,
+) -> (
+    CheckpointedInputGate<SingleInputGate>,
+    Arc<common::RecordingSink>,
+    [Sender; 2],
+) {
+    let gate = f.remote_gate(2);
+    let senders = [0, 1].map(|i| Sender::new(&attach(&gate, i).0));
+    let sink = Arc::new(common::RecordingSink::default());
+    let gate = CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    (gate, sink, senders)
+}
+
+fn persisted(sink: &common::RecordingSink) -> Vec<(u64, usize, Vec<u8>)> {
+    sink.data.lock().unwrap().clone()
+}
+
+#[test]
+fn a_barrier_received_behind_data_goes_ahead_of_it_when_its_alignment_times_out() {
+    // Flink's convertToPriorityEvent: an aligned barrier with a timeout that a channel holds
+    // behind data the task has not read moves ahead of it once the alignment times out. The
+    // data goes to the checkpoint at once, and the checkpoint completes without waiting for
+    // the task to read it.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    sender1.send(b"two", DataType::DataBuffer, 0).unwrap();
+    sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(
+        matches!(
+            first.item,
+            GateItem::Event { event: Event::CheckpointBarrier(b), .. }
+                if b.id == 5 && b.alignment == Alignment::Unaligned
+        ),
+        "{first:?}"
+    );
+    let one = gate.poll_next().unwrap().expect("channel 1's data");
+    assert_eq!((one.channel, data(&one.item)), (1, b"one".to_vec()));
+    assert_eq!(
+        persisted(&sink),
+        [(5, 1, b"one".to_vec()), (5, 1, b"two".to_vec())],
+        "the data before channel 1's barrier is in the checkpoint before the task read it"
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    for shared in [&sender0.shared, &sender1.shared] {
+        assert!(shared.take_resume_request(), "both senders resume");
+    }
+    let two = gate.poll_next().unwrap().expect("channel 1's data");
+    assert_eq!((two.channel, data(&two.item)), (1, b"two".to_vec()));
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "the barrier moved ahead is not read again"
+    );
+    assert_eq!(persisted(&sink).len(), 2, "nothing persisted twice");
+    drop((first, one, two, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn the_data_a_priority_barrier_overtook_here_is_persisted_when_the_barrier_comes() {
+    // As Flink's channel hands its queued buffers to the channel-state writer when an
+    // unaligned barrier comes: what the channel received before the barrier goes to the
+    // checkpoint at once; what the sender still held (one item) as it arrives and is read.
+    let f = fixture();
+    let (mut gate, sink, [mut other, mut sender]) = unaligned_remote_gate(&f);
+    sender.send(b"one", DataType::DataBuffer, 1).unwrap();
+    sender.send(b"two", DataType::DataBuffer, 1).unwrap();
+    sender.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 1);
+
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(matches!(
+        first.item,
+        GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.id == 6
+    ));
+    let one = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&one.item), b"one");
+    assert_eq!(
+        persisted(&sink),
+        [(6, 1, b"one".to_vec()), (6, 1, b"two".to_vec())]
+    );
+    let two = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&two.item), b"two");
+    assert!(
+        sink.complete.lock().unwrap().is_empty(),
+        "the item the sender held is in flight still"
+    );
+    sender.announce();
+    sender.send(b"three", DataType::DataBuffer, 0).unwrap();
+    let three = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&three.item), b"three");
+    assert_eq!(
+        persisted(&sink),
+        [
+            (6, 1, b"one".to_vec()),
+            (6, 1, b"two".to_vec()),
+            (6, 1, b"three".to_vec())
+        ]
+    );
+    assert!(sink.complete.lock().unwrap().is_empty(), "channel 0 is due");
+    other.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 0);
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "a later barrier is swallowed"
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), [6]);
+    drop((first, one, two, three, gate, other, sender));
+    assert_eq!(f.leased(), 0);
 }

@@ -60,6 +60,20 @@ enum Persist {
     UntilBarrier,
     /// This many more data buffers (the ones its barrier overtook).
     Next(usize),
+    /// The next `skip` data-lane items were taken ahead of their turn and persisted when the
+    /// barrier came; the `then` after them are in flight still.
+    Skip { skip: usize, then: usize },
+}
+
+impl Persist {
+    /// What is left to persist of `then` items after `skip` already persisted.
+    fn after(skip: usize, then: usize) -> Self {
+        match (skip, then) {
+            (_, 0) => Persist::Done,
+            (0, n) => Persist::Next(n),
+            (skip, then) => Persist::Skip { skip, then },
+        }
+    }
 }
 
 /// A gate whose barriers are aligned (or not) before the task sees them.
@@ -89,6 +103,11 @@ pub struct CheckpointedInputGate<G> {
     /// Channels whose upstream finished sending recovered channel state (EndOfChannelState
     /// blocks each until every channel got there: Flink's `UpstreamRecoveryTracker`).
     recovered: Vec<bool>,
+    /// Channels that took data ahead of its turn for the running checkpoint (behind a
+    /// priority barrier, or a barrier moved ahead at the alignment's timeout), still to be
+    /// persisted: after the barrier that came out to the task, on the next read, so a record
+    /// reader's half-read records reach the sink first; before the checkpoint completes.
+    taken_ahead: Vec<usize>,
 }
 
 impl<G> fmt::Debug for CheckpointedInputGate<G> {
@@ -120,6 +139,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             deferred: None,
             alignment_deadline: None,
             recovered: vec![false; channels],
+            taken_ahead: Vec::with_capacity(channels),
         }
     }
 
@@ -156,6 +176,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if let Some(item) = self.deferred.take() {
             return Ok(Some(item));
         }
+        self.persist_taken_ahead()?;
         if let Some(item) = self.time_out_alignment_if_due() {
             return Ok(Some(item));
         }
@@ -167,6 +188,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             if let Some(item) = self.handle(item)? {
                 return Ok(Some(item));
             }
+            // A swallowed barrier's data taken ahead: before the next read takes any of it.
+            self.persist_taken_ahead()?;
             // A swallowed barrier may have started an alignment already past its timeout
             // (usual under back pressure): the switch comes first, not after the gate's items.
             if let Some(item) = self.time_out_alignment_if_due() {
@@ -191,6 +214,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return Ok(Some(item));
         }
         loop {
+            self.persist_taken_ahead()?;
             if let Some(item) = self.time_out_alignment_if_due() {
                 return Ok(Some(item));
             }
@@ -249,9 +273,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return None;
         }
         self.turn_unaligned();
+        let converted = self.convert_received_barriers(barrier.id);
         tracing::debug!(
             checkpoint = barrier.id,
             blocked = self.blocked.len(),
+            converted,
             "alignment timed out; the checkpoint turns unaligned"
         );
         Some(BufferOrEvent {
@@ -282,6 +308,59 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
     }
 
+    /// The running checkpoint turned unaligned: every channel still to deliver its barrier
+    /// that holds it received, behind data the task has not read, moves it ahead of that
+    /// data (Flink's `convertToPriorityEvent` after `alignedCheckpointTimeout`). The data goes
+    /// to the sink now rather than as the task reads it, and the channel stays blocked (its
+    /// sender stopped behind the barrier) until the checkpoint completes. Returns how many
+    /// channels did.
+    fn convert_received_barriers(&mut self, id: u64) -> usize {
+        let mut converted = 0;
+        for c in 0..self.persist.len() {
+            if self.persist[c] != Persist::UntilBarrier {
+                continue;
+            }
+            if let Some(ahead) = self.gate.convert_barrier_to_priority(c, id) {
+                self.on_barrier_moved_ahead(c, ahead);
+                converted += 1;
+            }
+        }
+        converted
+    }
+
+    /// `channel`'s aligned barrier of the running unaligned checkpoint went ahead of the
+    /// `ahead` items before it.
+    fn on_barrier_moved_ahead(&mut self, channel: usize, ahead: usize) {
+        self.barrier_seen[channel] = true;
+        if !self.blocked.contains(&channel) {
+            self.blocked.push(channel);
+        }
+        self.persist[channel] = Persist::Done;
+        if ahead > 0 && !self.taken_ahead.contains(&channel) {
+            self.taken_ahead.push(channel);
+        }
+    }
+
+    /// Hands the sink what channels took ahead of its turn for the running checkpoint, then
+    /// completes the checkpoint if that was all it waited for.
+    fn persist_taken_ahead(&mut self) -> Result<(), GateError> {
+        if self.taken_ahead.is_empty() {
+            return Ok(());
+        }
+        let channels = std::mem::take(&mut self.taken_ahead);
+        if let (Some(id), Some(sink)) = (self.current, self.sink.as_ref()) {
+            for &channel in &channels {
+                self.gate.for_each_taken_ahead(channel, &mut |buffer| {
+                    sink.add_input_data(id, channel, buffer.clone())
+                });
+            }
+        }
+        // Kept for its allocation.
+        self.taken_ahead = channels;
+        self.taken_ahead.clear();
+        self.check_complete().map(drop)
+    }
+
     fn handle(&mut self, item: BufferOrEvent) -> Result<Option<BufferOrEvent>, GateError> {
         let channel = item.channel;
         if let GateItem::Event {
@@ -295,6 +374,18 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         match &item.item {
             GateItem::Buffer(buffer) => {
                 self.persist_if_in_flight(channel, Some(buffer))?;
+                // A barrier that arrived after its alignment timed out goes ahead of the data
+                // before it too, once the channel has it.
+                if self.persist[channel] == Persist::UntilBarrier {
+                    if let Some(id) = self.current {
+                        if let Some(ahead) = self.gate.convert_barrier_to_priority(channel, id) {
+                            self.on_barrier_moved_ahead(channel, ahead);
+                            if ahead == 0 {
+                                self.check_complete()?;
+                            }
+                        }
+                    }
+                }
                 Ok(Some(item))
             }
             GateItem::Event {
@@ -473,9 +564,15 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
         self.barrier_seen[channel] = true;
         // An aligned barrier came in order: what its channel sent before it was read, and
-        // persisted as read. An unaligned one overtook `overtaken` items still to be read.
+        // persisted as read. An unaligned one overtook `overtaken` items still to be read:
+        // those the channel received already are taken ahead of their turn and persisted
+        // now; the rest, still on their way, as they are read.
         self.persist[channel] = if overtaken > 0 && !blocks {
-            Persist::Next(overtaken)
+            let ahead = self.gate.take_unread_before_priority(channel);
+            if ahead > 0 && !self.taken_ahead.contains(&channel) {
+                self.taken_ahead.push(channel);
+            }
+            Persist::after(ahead, overtaken.saturating_sub(ahead))
         } else {
             Persist::Done
         };
@@ -523,6 +620,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         };
         match self.persist[channel] {
             Persist::Done => return Ok(()),
+            Persist::Skip { skip, then } => {
+                // Persisted when it was taken ahead.
+                self.persist[channel] = Persist::after(skip - 1, then);
+                return Ok(());
+            }
             Persist::UntilBarrier => {}
             Persist::Next(n) => {
                 self.persist[channel] = if n > 1 {
@@ -562,7 +664,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return Ok(false);
         }
         if self.unaligned {
-            if self.persist.iter().any(|p| *p != Persist::Done) {
+            if !self.taken_ahead.is_empty() || self.persist.iter().any(|p| *p != Persist::Done) {
                 return Ok(false);
             }
             if let Some(sink) = &self.sink {
@@ -586,6 +688,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     }
 
     fn finish_checkpoint(&mut self, id: u64) -> Result<(), GateError> {
+        // An aborted checkpoint's data taken ahead is read as any, and persisted for none.
+        self.taken_ahead.clear();
         self.current = None;
         self.unaligned = false;
         self.held_barrier = None;

@@ -130,6 +130,31 @@ impl InputChannel {
         Ok(read)
     }
 
+    /// See [`RemoteInputChannel::take_unread_before_priority`]; other channels queue nothing
+    /// of their own (a local one reads its producer's queue, where its barrier overtook).
+    pub(crate) fn take_unread_before_priority(&mut self) -> usize {
+        match self {
+            InputChannel::Remote(c) => c.take_unread_before_priority(),
+            _ => 0,
+        }
+    }
+
+    /// See [`RemoteInputChannel::convert_barrier_to_priority`]; a local channel's barrier is
+    /// turned in its producer's queue instead (the producer's own timer).
+    pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> Option<usize> {
+        match self {
+            InputChannel::Remote(c) => c.convert_barrier_to_priority(checkpoint),
+            _ => None,
+        }
+    }
+
+    /// See [`RemoteInputChannel::for_each_taken_ahead`].
+    pub(crate) fn for_each_taken_ahead(&self, f: &mut dyn FnMut(&crate::buffer::Buffer)) {
+        if let InputChannel::Remote(c) = self {
+            c.for_each_taken_ahead(f);
+        }
+    }
+
     pub(crate) fn resume_consumption(&mut self) -> Result<bool, GateError> {
         match self {
             InputChannel::Local(c) => Ok(c.resume_consumption()),

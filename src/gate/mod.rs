@@ -201,6 +201,23 @@ pub trait InputGate {
     fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {
         None
     }
+    /// Right after a priority barrier of `channel` was read: takes the data the channel
+    /// received before it and has not returned yet off its queue, ahead of its turn (it is
+    /// read next, in order), to be persisted now
+    /// ([`for_each_taken_ahead`](Self::for_each_taken_ahead)). Returns how many items are
+    /// taken ahead, events included; 0 for a channel that queues nothing of its own.
+    fn take_unread_before_priority(&mut self, _channel: usize) -> usize {
+        0
+    }
+    /// Moves the aligned barrier of `checkpoint` that `channel` received, and nobody read
+    /// yet, ahead of the data before it (Flink's `convertToPriorityEvent`): that data is taken
+    /// ahead of its turn (read next, in order), the barrier dropped. Returns how many items
+    /// are taken ahead, or `None` when the channel holds no such barrier.
+    fn convert_barrier_to_priority(&mut self, _channel: usize, _checkpoint: u64) -> Option<usize> {
+        None
+    }
+    /// The data buffers `channel` took ahead of their turn and has not returned yet, in order.
+    fn for_each_taken_ahead(&self, _channel: usize, _f: &mut dyn FnMut(&Buffer)) {}
 }
 
 fn partition_error(channel: usize, source: PartitionError) -> GateError {

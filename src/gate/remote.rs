@@ -7,6 +7,7 @@
 //! segment it holds free is one credit. Credit is *unannounced* until the transport sends it
 //! in an AddCredit message; exactly one announcement is due when it goes from 0 to positive.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -18,6 +19,7 @@ use super::queue::ChannelQueue;
 use super::{ChannelRead, ConsumedSubpartition, GateError};
 use crate::buffer::segment_internals::{FreeList, SegmentMemory};
 use crate::buffer::{Buffer, BufferListener, LocalBufferPool, PooledSegment, Recycler, Segment};
+use crate::event::Event;
 use crate::sync::{ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 /// Told when a channel has something for the transport to send: credit to announce, a
@@ -480,7 +482,24 @@ pub struct RemoteChannelShared {
     /// after a refusal.
     retries: AtomicU64,
     metrics: ChannelMetrics,
+    /// The newest aligned barrier with a timeout received into the data lane (Flink's
+    /// `EventAnnouncement`): where it is, so the gate can move it ahead of the data before it
+    /// when its alignment times out.
+    announced: Mutex<Option<Announced>>,
+    /// `announced`'s checkpoint, or `NO_ANNOUNCEMENT`: a read that looks for an announcement
+    /// takes the lock only when there is one.
+    announced_checkpoint: AtomicU64,
 }
+
+/// An aligned barrier with a timeout waiting in a channel's data lane.
+#[derive(Clone, Copy, Debug)]
+struct Announced {
+    /// Its index among the data-lane items the channel received.
+    position: u64,
+    checkpoint: u64,
+}
+
+const NO_ANNOUNCEMENT: u64 = u64::MAX;
 
 /// Task events one remote channel keeps for its transport at most; more are dropped (logged)
 /// rather than held without bound while the connection is not there.
@@ -569,10 +588,25 @@ impl RemoteChannelShared {
             // after it; the sender's data for that credit would then find no segment.
             self.buffers.release_floating();
         }
+        let announced = item.buffer.data_type().requires_announcement();
+        let announced_checkpoint = match announced.then(|| Event::decode(item.buffer.as_slice())) {
+            Some(Ok(Event::CheckpointBarrier(barrier))) => Some(barrier.id),
+            // Not a barrier after all: the gate's read of it reports the error.
+            _ => None,
+        };
         if lane.push(item).is_err() {
             let error = GateError::CreditExceeded(self.channel);
             self.fail(error.clone());
             return Err(error);
+        }
+        if let Some(checkpoint) = announced_checkpoint {
+            // After the push: a gate that sees the announcement finds the barrier queued.
+            *self.announced.lock().expect("not poisoned") = Some(Announced {
+                position: data_before,
+                checkpoint,
+            });
+            self.announced_checkpoint
+                .store(checkpoint, Ordering::Release);
         }
         if !is_blocking {
             // Every response, a backlog of 0 too, as Flink's `onBuffer`: a channel keeps
@@ -641,10 +675,16 @@ impl RemoteChannelShared {
 pub struct RemoteInputChannel {
     shared: Arc<RemoteChannelShared>,
     requested: bool,
-    /// Items the gate took off `received` so far (returned, not stashed).
-    data_read: u64,
+    /// Data-lane items the gate took off `received` so far: returned, moved to `pending`, or
+    /// dropped (a barrier moved ahead); not the stashed one. The index of the next one.
+    data_taken: u64,
     /// A data item taken off `received` while a priority item came in: returned after it.
     stashed: Option<Received>,
+    /// Data-lane items taken off `received` ahead of their turn, to persist them as a
+    /// checkpoint's in-flight data at once; read, in order, before anything after them.
+    pending: VecDeque<Received>,
+    /// Unread data-lane items that came before the priority item read last.
+    unread_before_priority: usize,
 }
 
 impl fmt::Debug for RemoteInputChannel {
@@ -683,10 +723,14 @@ impl RemoteInputChannel {
                 task_events_queued: AtomicBool::new(false),
                 retries: AtomicU64::new(0),
                 metrics: ChannelMetrics::default(),
+                announced: Mutex::new(None),
+                announced_checkpoint: AtomicU64::new(NO_ANNOUNCEMENT),
             }),
             requested: false,
-            data_read: 0,
+            data_taken: 0,
             stashed: None,
+            pending: VecDeque::with_capacity(max_received.max(1) + UNCREDITED_EVENTS),
+            unread_before_priority: 0,
         }
     }
 
@@ -728,6 +772,10 @@ impl RemoteInputChannel {
         let item = match shared.received_priority.pop() {
             Some(item) => item,
             None => {
+                // Items taken ahead of their turn came before everything still queued.
+                if let Some(data) = self.pending.pop_front() {
+                    return Ok(Some(self.read_of(data.buffer, 0)));
+                }
                 let Some(data) = self.stashed.take().or_else(|| shared.received.pop()) else {
                     return Ok(None);
                 };
@@ -736,7 +784,7 @@ impl RemoteInputChannel {
                 // which may be after it on the wire, would be read before the barrier that it
                 // follows.
                 let Some(item) = shared.received_priority.pop() else {
-                    self.data_read += 1;
+                    self.data_taken += 1;
                     return Ok(Some(self.read_of(data.buffer, 0)));
                 };
                 self.stashed = Some(data);
@@ -746,19 +794,94 @@ impl RemoteInputChannel {
         // The sender counted the data it still held behind the priority item; what it had
         // sent before is queued here, unread, and is overtaken as well (the gate reads this
         // lane first). Everything received before the item was pushed before it, by the
-        // transport's one thread, so the item's count covers it.
-        let unread_before = item.data_before.saturating_sub(self.data_read) as usize;
+        // transport's one thread, so the item's count covers it; the items taken ahead of
+        // their turn all came before it.
+        let unread_before =
+            item.data_before.saturating_sub(self.data_taken) as usize + self.pending.len();
+        self.unread_before_priority = unread_before;
         Ok(Some(self.read_of(
             item.buffer,
             item.overtaken.saturating_add(unread_before),
         )))
     }
 
+    /// After a priority barrier was read: takes the unread data-lane items that came before
+    /// it off the queue, ahead of their turn (they are read next, in order), so the gate can
+    /// persist them as the checkpoint's in-flight data now ([`for_each_taken_ahead`]), as
+    /// Flink's channel gives its queued buffers to the channel-state writer when the barrier
+    /// comes instead of when the task gets to them. Returns how many items (events included)
+    /// are taken ahead now.
+    ///
+    /// [`for_each_taken_ahead`]: Self::for_each_taken_ahead
+    pub(crate) fn take_unread_before_priority(&mut self) -> usize {
+        let wanted = std::mem::take(&mut self.unread_before_priority);
+        self.take_ahead(wanted.saturating_sub(self.pending.len()));
+        self.pending.len()
+    }
+
+    /// Flink's `convertToPriorityEvent`: the aligned barrier of `checkpoint`, received and not
+    /// read yet, goes ahead of the data before it once its alignment timed out. That data is
+    /// taken off the queue ahead of its turn (read next, in order; the gate persists it as
+    /// in-flight data), and the barrier itself is dropped: the gate turned the checkpoint
+    /// unaligned already. Returns how many items are taken ahead now, or `None` when the
+    /// channel does not hold that barrier unread.
+    pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> Option<usize> {
+        let shared = self.shared.clone();
+        if shared.announced_checkpoint.load(Ordering::Acquire) != checkpoint {
+            return None;
+        }
+        let position = {
+            let mut announced = shared.announced.lock().expect("not poisoned");
+            match *announced {
+                Some(a) if a.checkpoint == checkpoint && a.position >= self.data_taken => {
+                    *announced = None;
+                    shared
+                        .announced_checkpoint
+                        .store(NO_ANNOUNCEMENT, Ordering::Release);
+                    a.position
+                }
+                _ => return None,
+            }
+        };
+        // Everything up to the barrier was pushed before the announcement.
+        let before = (position - self.data_taken) as usize;
+        if self.take_ahead(before) < before {
+            return None;
+        }
+        let barrier = self.stashed.take().or_else(|| shared.received.pop())?;
+        self.data_taken += 1;
+        debug_assert!(barrier.buffer.data_type().requires_announcement());
+        drop(barrier);
+        Some(self.pending.len())
+    }
+
+    /// The data buffers among the items taken ahead of their turn, in order.
+    pub(crate) fn for_each_taken_ahead(&self, f: &mut dyn FnMut(&Buffer)) {
+        self.pending
+            .iter()
+            .filter(|item| item.buffer.data_type().is_buffer())
+            .for_each(|item| f(&item.buffer));
+    }
+
+    /// Moves up to `count` data-lane items, in order, from the queue to `pending`; returns how
+    /// many it moved (fewer only when the queue ran out, which a released channel's does).
+    fn take_ahead(&mut self, count: usize) -> usize {
+        for moved in 0..count {
+            let Some(item) = self.stashed.take().or_else(|| self.shared.received.pop()) else {
+                return moved;
+            };
+            self.data_taken += 1;
+            self.pending.push_back(item);
+        }
+        count
+    }
+
     fn read_of(&self, buffer: Buffer, overtaken: usize) -> ChannelRead {
         let shared = &self.shared;
         ChannelRead {
             buffer,
-            more_available: self.stashed.is_some()
+            more_available: !self.pending.is_empty()
+                || self.stashed.is_some()
                 || !shared.received.is_empty()
                 || !shared.received_priority.is_empty(),
             next_is_priority: !shared.received_priority.is_empty(),
@@ -800,6 +923,7 @@ impl RemoteInputChannel {
 
     pub(crate) fn release(&mut self) {
         self.stashed = None;
+        self.pending.clear();
         let shared = &self.shared;
         shared.released.store(true, Ordering::SeqCst);
         while shared.received.pop().is_some() {}

@@ -628,6 +628,27 @@ impl InputGate for SingleInputGate {
         self.specs.len()
     }
 
+    fn take_unread_before_priority(&mut self, channel: usize) -> usize {
+        self.channels
+            .get_mut(channel)
+            .map_or(0, InputChannel::take_unread_before_priority)
+    }
+
+    fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> Option<usize> {
+        if self.finished.get(channel).copied().unwrap_or(true) {
+            return None;
+        }
+        self.channels
+            .get_mut(channel)?
+            .convert_barrier_to_priority(checkpoint)
+    }
+
+    fn for_each_taken_ahead(&self, channel: usize, f: &mut dyn FnMut(&crate::buffer::Buffer)) {
+        if let Some(c) = self.channels.get(channel) {
+            c.for_each_taken_ahead(f);
+        }
+    }
+
     fn is_finished(&self) -> bool {
         self.finished_count == self.specs.len()
     }

@@ -178,6 +178,23 @@ impl InputGate for UnionInputGate {
         self.gates.iter().map(|g| g.channel_count()).sum()
     }
 
+    fn take_unread_before_priority(&mut self, channel: usize) -> usize {
+        self.locate(channel).map_or(0, |(gate, local)| {
+            self.gates[gate].take_unread_before_priority(local)
+        })
+    }
+
+    fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> Option<usize> {
+        let (gate, local) = self.locate(channel)?;
+        self.gates[gate].convert_barrier_to_priority(local, checkpoint)
+    }
+
+    fn for_each_taken_ahead(&self, channel: usize, f: &mut dyn FnMut(&crate::buffer::Buffer)) {
+        if let Some((gate, local)) = self.locate(channel) {
+            self.gates[gate].for_each_taken_ahead(local, f);
+        }
+    }
+
     fn is_finished(&self) -> bool {
         self.gates.iter().all(|g| g.is_finished())
     }

@@ -281,3 +281,57 @@ pub fn timeoutable_barrier(
         alignment: Alignment::AlignedWithTimeout { timeout_ms },
     })
 }
+
+/// A channel-state sink that records what it was given.
+#[allow(dead_code)]
+#[derive(Default)]
+pub struct RecordingSink {
+    pub data: std::sync::Mutex<Vec<(u64, usize, Vec<u8>)>>,
+    /// Partial records, then buffers, per checkpoint and channel in the order they came.
+    pub stream: std::sync::Mutex<Vec<(u64, usize, Vec<u8>)>>,
+    pub complete: std::sync::Mutex<Vec<u64>>,
+    pub aborted: std::sync::Mutex<Vec<u64>>,
+}
+
+impl fluxgate::gate::ChannelStateSink for RecordingSink {
+    fn add_input_data(&self, checkpoint_id: u64, channel: usize, buffer: fluxgate::buffer::Buffer) {
+        let bytes = buffer.as_slice().to_vec();
+        self.stream
+            .lock()
+            .unwrap()
+            .push((checkpoint_id, channel, bytes.clone()));
+        self.data
+            .lock()
+            .unwrap()
+            .push((checkpoint_id, channel, bytes));
+    }
+
+    fn add_partial_record(&self, checkpoint_id: u64, channel: usize, bytes: &[u8]) {
+        self.stream
+            .lock()
+            .unwrap()
+            .push((checkpoint_id, channel, bytes.to_vec()));
+    }
+
+    fn input_complete(&self, checkpoint_id: u64) {
+        self.complete.lock().unwrap().push(checkpoint_id);
+    }
+
+    fn abort(&self, checkpoint_id: u64) {
+        self.aborted.lock().unwrap().push(checkpoint_id);
+    }
+}
+
+#[allow(dead_code)]
+impl RecordingSink {
+    /// The channel state of `channel` for `checkpoint`, as one byte stream in order.
+    pub fn channel_state(&self, checkpoint: u64, channel: usize) -> Vec<u8> {
+        self.stream
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(id, c, _)| (*id, *c) == (checkpoint, channel))
+            .flat_map(|(_, _, bytes)| bytes.iter().copied())
+            .collect()
+    }
+}
