@@ -1633,3 +1633,64 @@ fn records_running_past_the_one_buffer_a_subpartition_may_hold_go_on_as_its_read
     drop((view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+/// An unaligned barrier (in priority) with the number of data items its reader sends after
+/// it that were queued before it.
+fn priority_barrier_overtaking(view: &mut SubpartitionView) -> (Event, usize) {
+    let item = view.poll_next().expect("the priority barrier");
+    assert_eq!(item.buffer.data_type(), DataType::PrioritizedEventBuffer);
+    (event_of(&item), item.overtaken)
+}
+
+#[test]
+fn a_priority_barrier_does_not_count_an_empty_buffer_its_reader_never_sends() {
+    // A record whose encoding failed in a fresh buffer leaves it empty; the reader drops it
+    // unsent, so an unaligned barrier overtaking it overtakes only the full one before it.
+    // Counted, the consumer would persist the first item after the barrier as in-flight data.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    // 4094 bytes with their 2-byte prefix fill a segment.
+    partition.emit_record(&[1u8; 4094][..], 0).unwrap();
+    let failed = FailingRecord {
+        declared: 100,
+        written: 40,
+    };
+    assert!(partition.emit_record(&failed, 0).is_err());
+    let barrier = barrier(8, Alignment::Unaligned);
+    partition.broadcast_event(&barrier, true).unwrap();
+    partition.emit_record(&[2u8; 5][..], 0).unwrap();
+    partition.finish().unwrap();
+    assert_eq!(priority_barrier_overtaking(&mut view), (barrier, 1));
+    let (spanning, events) = read_to_end(&mut view, &signal);
+    assert_eq!(spanning.records, [(4094, 1), (5, 2)]);
+    assert_eq!(events, [Event::EndOfPartition]);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_priority_barrier_does_not_count_a_turned_barrier_its_reader_drops() {
+    // An aligned barrier whose timeout turned it leaves its original queued, which the reader
+    // drops unsent: an unaligned barrier queued after that does not overtake it.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    let turned = timeoutable_barrier(4, 60_000);
+    partition.broadcast_event(&turned, false).unwrap();
+    assert_eq!(partition.aligned_barrier_timeout(4), 1);
+    let next = barrier(5, Alignment::Unaligned);
+    partition.broadcast_event(&next, true).unwrap();
+    partition.finish().unwrap();
+    assert_eq!(
+        priority_barrier_overtaking(&mut view),
+        (unaligned(&turned), 1)
+    );
+    assert_eq!(priority_barrier_overtaking(&mut view), (next, 1));
+    let (spanning, events) = read_to_end(&mut view, &signal);
+    assert_eq!(spanning.records, [(100, 1)]);
+    assert_eq!(events, [Event::EndOfPartition]);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}

@@ -679,6 +679,9 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
     // Counted before the finish publishes the buffer, or a reader could take it out and count
     // it down first (the backlog wrapped below zero: a sender once announced 2^32 - 1).
     readers.iter().for_each(|s| s.count_finishing_buffer());
+    if builder.written() == 0 {
+        readers.iter().for_each(|s| s.count_empty_buffer());
+    }
     let bytes = builder.finish();
     drop(builder);
     // A broadcast buffer counts once per subpartition, as Flink counts it: these are what the

@@ -60,10 +60,11 @@ pub(crate) enum Queued {
     PriorityEvent,
 }
 
-/// A priority item and how many data-lane items had been enqueued when it was added.
+/// A priority item and how many data-lane items that the reader sends (not the ones it
+/// drops unsent) had been enqueued before it.
 struct PriorityItem {
     consumer: BufferConsumer,
-    data_enqueued: u64,
+    sent_before: u64,
 }
 
 /// The shared state of one subpartition (producer side and reader side meet here).
@@ -75,6 +76,13 @@ pub(crate) struct PipelinedSubpartition {
     priority: ArrayQueue<PriorityItem>,
     /// Items pushed to the data lane so far (written by the producer only).
     data_enqueued: AtomicU64,
+    /// Of those, the ones the reader drops without sending: buffers finished empty (a record
+    /// whose encoding failed was taken back out) and aligned barriers whose unaligned copy
+    /// went ahead. A priority item overtakes only the others (written by the producer only).
+    unsent_enqueued: AtomicU64,
+    /// `unsent_enqueued` when the aligned barrier with a timeout in `timeoutable` was queued:
+    /// its unaligned copy overtakes the items before it less these.
+    timeoutable_unsent: AtomicU64,
     /// Finished data buffers not yet fully taken by the reader (and, for a moment, the one
     /// being finished: see [`PipelinedSubpartition::count_finishing_buffer`]).
     backlog: AtomicUsize,
@@ -135,6 +143,8 @@ impl PipelinedSubpartition {
             buffer_room: buffer_room.clamp(1, capacity),
             priority: ArrayQueue::new(capacity),
             data_enqueued: AtomicU64::new(0),
+            unsent_enqueued: AtomicU64::new(0),
+            timeoutable_unsent: AtomicU64::new(0),
             backlog: AtomicUsize::new(0),
             queued_events: AtomicUsize::new(0),
             flush_requested: AtomicBool::new(false),
@@ -165,6 +175,11 @@ impl PipelinedSubpartition {
         self.backlog.fetch_add(1, Ordering::Release);
     }
 
+    /// The producer finished the data builder at the tail empty: its reader drops it unsent.
+    pub(crate) fn count_empty_buffer(&self) {
+        self.unsent_enqueued.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The producer finished the data builder at the tail (counted just before).
     pub(crate) fn on_data_finished(&self) {
         self.notify_if_waiting();
@@ -182,7 +197,8 @@ impl PipelinedSubpartition {
         if priority {
             let item = PriorityItem {
                 consumer,
-                data_enqueued: self.data_enqueued.load(Ordering::Relaxed),
+                sent_before: self.data_enqueued.load(Ordering::Relaxed)
+                    - self.unsent_enqueued.load(Ordering::Relaxed),
             };
             if self.priority.push(item).is_err() {
                 unreachable!("the writer queues only after it saw room, and only it queues");
@@ -201,6 +217,10 @@ impl PipelinedSubpartition {
             let position = self.data_enqueued.load(Ordering::Relaxed);
             self.timeoutable_checkpoint
                 .store(checkpoint, Ordering::Relaxed);
+            self.timeoutable_unsent.store(
+                self.unsent_enqueued.load(Ordering::Relaxed),
+                Ordering::Relaxed,
+            );
             self.timeoutable.store(position + 1, Ordering::Release);
         }
         self.push_data(consumer)?;
@@ -248,9 +268,11 @@ impl PipelinedSubpartition {
         let position = state - 1;
         let item = PriorityItem {
             consumer: unaligned(),
-            // Overtakes exactly the items before the aligned barrier.
-            data_enqueued: position,
+            // Overtakes exactly the items before the aligned barrier (the ones sent).
+            sent_before: position - self.timeoutable_unsent.load(Ordering::Relaxed),
         };
+        // The original is dropped unsent: later priority items do not overtake it.
+        self.unsent_enqueued.fetch_add(1, Ordering::Relaxed);
         if self.priority.push(item).is_err() {
             unreachable!("the writer queues only after it saw room, and only it queues");
         }
@@ -391,6 +413,7 @@ impl PipelinedSubpartition {
             subpartition: self.clone(),
             head: None,
             data_taken: 0,
+            unsent_taken: 0,
             sequence_number: 0,
             blocked: false,
         };
@@ -409,6 +432,8 @@ pub struct SubpartitionView {
     head: Option<BufferConsumer>,
     /// Data-lane items fully taken.
     data_taken: u64,
+    /// Of those, the ones dropped unsent (see `PipelinedSubpartition::unsent_enqueued`).
+    unsent_taken: u64,
     sequence_number: u64,
     blocked: bool,
 }
@@ -554,21 +579,25 @@ impl SubpartitionView {
         let next_data = self.peek_data_type();
         if let Some(PriorityItem {
             mut consumer,
-            data_enqueued,
+            sent_before,
         }) = self.subpartition.priority.pop()
         {
             self.subpartition.room_made();
             // The producer finished every builder before queueing the event, so a head already
             // read to its end is done: it is not among the overtaken.
-            if self
+            if let Some(head) = self
                 .head
                 .as_ref()
-                .is_some_and(|h| h.is_finished() && !h.is_data_available())
+                .filter(|h| h.is_finished() && !h.is_data_available())
             {
+                if head.written_bytes() == 0 {
+                    self.unsent_taken += 1;
+                }
                 self.take_head_out();
             }
             let buffer = consumer.build();
-            let overtaken = data_enqueued.saturating_sub(self.data_taken) as usize;
+            let overtaken =
+                sent_before.saturating_sub(self.data_taken - self.unsent_taken) as usize;
             return Some(self.emit(buffer, overtaken));
         }
         if next_data == DataType::None {
@@ -651,6 +680,11 @@ impl SubpartitionView {
             let head = self.head.as_ref().expect("set above");
             if head.is_finished() {
                 if head.data_type().is_buffer() && !head.is_data_available() {
+                    // Finished empty, never sent; or read to its end by flushes before it was
+                    // finished, sent already.
+                    if head.written_bytes() == 0 {
+                        self.unsent_taken += 1;
+                    }
                     self.take_head_out();
                     continue;
                 }
@@ -659,6 +693,7 @@ impl SubpartitionView {
                     match self.claim_timeoutable_head() {
                         Claim::Keep => {}
                         Claim::Drop => {
+                            self.unsent_taken += 1;
                             self.take_head_out();
                             continue;
                         }
