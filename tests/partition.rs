@@ -772,7 +772,7 @@ fn releasing_returns_every_segment_even_with_data_queued() {
 fn releasing_wakes_a_parked_reader_so_it_lets_go_of_its_segment() {
     // A reader (a server's, for a remote consumer) that read everything and parked must hear
     // of the release: else it never looks again, its consumer is not told, and the segment
-    // under its half-read head stays out of the pool.
+    // under its half-read head stays out of the pool. Its next look gives that segment back.
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, signal) = view(&partition, 0);
@@ -786,9 +786,12 @@ fn releasing_wakes_a_parked_reader_so_it_lets_go_of_its_segment() {
     assert!(view.is_released());
     assert!(view.poll_next().is_none());
     drop(partition);
-    assert!(network.available_segments() < network.total_segments());
+    assert_eq!(
+        network.available_segments(),
+        network.total_segments(),
+        "the reader let go of its half-read head when it saw the release"
+    );
     drop(view);
-    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1692,5 +1695,72 @@ fn a_priority_barrier_does_not_count_a_turned_barrier_its_reader_drops() {
     assert_eq!(spanning.records, [(100, 1)]);
     assert_eq!(events, [Event::EndOfPartition]);
     drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_writer_waiting_for_the_segment_its_reader_holds_fails_once_the_subpartition_is_released() {
+    // With one buffer per subpartition, the writer waits for the one the reader is reading.
+    // A release (the consumer went away) must end that wait with Released: the reader gives
+    // the buffer back when it sees the release, not only when its view is dropped.
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let handle = partition.handle();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    partition.flush(0);
+    drop(view.poll_next().expect("the flushed record"));
+    let (done_tx, done_rx) = mpsc::channel();
+    let writer = thread::spawn(move || {
+        let mut result = Ok(());
+        // More than the rest of the buffer: the writer needs the next one.
+        for _ in 0..100 {
+            result = partition.emit_record(&[2u8; 100][..], 0);
+            if result.is_err() {
+                break;
+            }
+        }
+        done_tx.send(result).unwrap();
+        partition
+    });
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    handle.release();
+    assert!(view.poll_next().is_none());
+    let result = done_rx.recv_timeout(LONG).expect("the writer still waits");
+    assert!(
+        matches!(result, Err(PartitionError::Released)),
+        "{result:?}"
+    );
+    drop((view, writer.join().unwrap()));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_buffer_a_failed_record_padded_to_its_end_is_readable_at_once() {
+    // The record crosses into a second buffer, fails there, and is padded to its declared
+    // length, which ends exactly at that buffer's end: the full buffer is finished (readable
+    // without a flush) like any full buffer, though the record's write failed.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    // 2002 bytes with the prefix leave 2094 in the first buffer; 6188 with a 2-byte prefix
+    // fill those and the whole second one.
+    partition.emit_record(&[1u8; 2000][..], 0).unwrap();
+    let failed = FailingRecord {
+        declared: 6188,
+        written: 3000,
+    };
+    assert!(partition.emit_record(&failed, 0).is_err());
+    let first = view.poll_next().expect("the first buffer");
+    assert_eq!(first.buffer.len(), 4096);
+    let second = view.poll_next().expect("the padded buffer, finished");
+    assert_eq!(second.buffer.len(), 4096);
+    drop((first, second, view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
 }

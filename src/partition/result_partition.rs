@@ -306,11 +306,17 @@ impl ResultPartition {
             }
         }
         let max_record_bytes = self.max_record_bytes;
-        let mut sink = self.sink(Target::Unicast(target))?;
-        record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
+        let written = record::serialize(
+            record,
+            &mut self.sink(Target::Unicast(target))?,
+            max_record_bytes,
+        );
+        // Also after a record that failed once its bytes were committed (padded to its
+        // declared length): a buffer it filled is finished, readable, at once.
         if self.unicast[target].as_ref().is_some_and(|b| b.is_full()) {
             self.finish_unicast_builder(target);
         }
+        written.map_err(released_or)?;
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
     }
@@ -359,11 +365,12 @@ impl ResultPartition {
             self.wait_for_segment_at_hand(UNACCOUNTED)?;
         }
         let max_record_bytes = self.max_record_bytes;
-        let mut sink = self.sink(Target::Broadcast)?;
-        record::serialize(record, &mut sink, max_record_bytes).map_err(released_or)?;
+        let written =
+            record::serialize(record, &mut self.sink(Target::Broadcast)?, max_record_bytes);
         if self.broadcast.as_ref().is_some_and(|b| b.is_full()) {
             self.finish_broadcast_builder();
         }
+        written.map_err(released_or)?;
         self.handle.shared.metrics.num_records_out.add(1);
         Ok(())
     }
@@ -557,9 +564,12 @@ impl ResultPartition {
     /// Drops everything queued and every builder; segments go back to the pool. Readers see
     /// the partition as released.
     pub fn release(&mut self) {
+        // Released first: a builder dropped finishes its buffer without counting it in the
+        // backlog, and a reader that took that buffer out before the release would count the
+        // backlog down below zero.
+        self.handle.release();
         self.unicast.iter_mut().for_each(|b| *b = None);
         self.broadcast = None;
-        self.handle.release();
         self.pool.destroy();
     }
 

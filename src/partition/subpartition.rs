@@ -312,6 +312,9 @@ impl PipelinedSubpartition {
     pub(crate) fn release(&self) {
         self.released.store(true, Ordering::SeqCst);
         self.drain();
+        // A writer waiting for room, or for a segment the drain (or the reader's dropped head)
+        // gives back, looks again: its next queueing fails as Released.
+        self.room_waiters.wake();
         // A parked reader would never look again: wake it, so it sees the release (a server
         // answers its consumer with ProducerFailed and drops the view with the segment it
         // holds; a local channel fails its next read with Released).
@@ -569,7 +572,13 @@ impl SubpartitionView {
     }
 
     fn take(&mut self) -> Option<BufferAndBacklog> {
-        if self.subpartition.is_released() || self.blocked {
+        if self.subpartition.is_released() {
+            // The buffer being read goes back to its pool now, not when the view is dropped:
+            // a writer may wait for it.
+            self.head = None;
+            return None;
+        }
+        if self.blocked {
             return None;
         }
         // The data lane's next item first, then the priority lane: a data item the producer
@@ -655,7 +664,11 @@ impl SubpartitionView {
 
     /// The type of the next readable item, `DataType::None` if nothing is readable.
     fn peek_type(&mut self) -> DataType {
-        if self.subpartition.is_released() || self.blocked {
+        if self.subpartition.is_released() {
+            self.head = None;
+            return DataType::None;
+        }
+        if self.blocked {
             return DataType::None;
         }
         if !self.subpartition.priority.is_empty() {

@@ -110,7 +110,10 @@ impl<R: ?Sized, F: FnMut(&R) -> u64> ChannelSelector<R> for KeyHashSelector<F> {
     fn select(&mut self, record: &R, channels: usize) -> Selection {
         let hash = (self.key_hash)(record);
         let group = self.key_group(hash);
-        Selection::Channel(group * channels / self.max_parallelism)
+        // Flink's `keyGroup * parallelism / maxParallelism`, wide enough for any sizes.
+        Selection::Channel(
+            (group as u128 * channels as u128 / self.max_parallelism as u128) as usize,
+        )
     }
 }
 
