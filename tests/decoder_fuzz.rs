@@ -60,7 +60,7 @@ use fluxgate::protocol::auth::{Nonce, Proof, Transcript, PROOF_LEN};
 use fluxgate::protocol::frame::{
     decode_buffer_response, decode_header, encode_header, BufferResponseHeader, FrameHeader,
     BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER, HANDSHAKE_BODY, MAGIC,
-    MAX_CONTROL_FRAME, MAX_ERROR_MESSAGE, VERSION,
+    MAX_CONTROL_FRAME, MAX_ERROR_MESSAGE, MAX_OVERTAKEN, VERSION,
 };
 use fluxgate::protocol::{
     ClientConfig, ClientConnection, DecodeError, ErrorKind, Message, MessageId, ProtocolError,
@@ -1761,7 +1761,7 @@ fn message() -> impl Strategy<Value = Message> {
             data_type,
             any::<bool>(),
             0..=SEGMENT as u32,
-            any::<u32>()
+            0..=MAX_OVERTAKEN
         )
             .prop_map(
                 |(receiver, sequence_number, backlog, data_type, compressed, size, overtaken)| {
@@ -2526,4 +2526,91 @@ fn a_payload_destination_taken_out_stays_out_of_the_pool_when_the_connection_is_
     drop(destination);
     drop(client);
     nets.assert_all_back("destination given back by its holder");
+}
+
+/// Events need no credit, so a producer could send them faster than the consumer's task
+/// reads them, each into memory of its own once the overdraft is used up. One more than
+/// `UNCREDITED_EVENTS` unread fails only that channel (its payload discarded unread); the
+/// connection and its other channels go on, and no memory is taken for the flood.
+#[test]
+fn a_flood_of_events_fails_its_channel_before_taking_memory_for_it() {
+    let nets = Networks::new();
+    let mut flooded = remote_gate(&nets, PARTITION);
+    let other_partition = ResultPartitionId {
+        partition: 1,
+        producer: 1,
+    };
+    let mut healthy = remote_gate(&nets, other_partition);
+    let mut client = ClientConnection::new(2, 4, SEGMENT);
+    let flooded_receiver = register(&mut client, &flooded);
+    let healthy_receiver = register(&mut client, &healthy);
+    client_writes(&mut client);
+    let mut input = handshake();
+    let limit = fluxgate::gate::UNCREDITED_EVENTS as u64;
+    for sequence in 0..=limit {
+        let marker = Event::CancelCheckpointMarker(sequence);
+        input.extend(event_frame(flooded_receiver, sequence, &marker, false));
+    }
+    input.extend(buffer_frame(
+        healthy_receiver,
+        0,
+        DataType::DataBuffer,
+        b"credited",
+    ));
+    assert_eq!(
+        client_reads(&mut client, &input),
+        Ok(()),
+        "the connection goes on"
+    );
+    let shared = flooded.remote_channel(0).expect("remote").shared().clone();
+    assert_eq!(shared.unread_events(), fluxgate::gate::UNCREDITED_EVENTS);
+    let mut read = 0;
+    let failure = loop {
+        match flooded.poll_next() {
+            Ok(Some(_)) => read += 1,
+            Ok(None) => panic!("the flooded channel did not fail"),
+            Err(error) => break error,
+        }
+    };
+    assert!(
+        matches!(failure, GateError::CreditExceeded(0)),
+        "{failure:?} after {read} events"
+    );
+    let item = healthy
+        .poll_next()
+        .expect("the other channel is healthy")
+        .expect("its buffer arrived");
+    assert!(matches!(item.item, GateItem::Buffer(ref b) if b.as_slice() == b"credited"));
+    drop((item, client, flooded, healthy, shared));
+    nets.assert_all_back("a flood of events");
+}
+
+/// A priority event claiming to overtake more than a sender's queue can hold is a decode
+/// error (a typed error and a closed connection), not an instruction to persist every later
+/// buffer of its channel as in-flight data.
+#[test]
+fn a_buffer_response_overtaking_more_than_a_queue_holds_is_refused() {
+    for (overtaken, accepted) in [(MAX_OVERTAKEN, true), (MAX_OVERTAKEN + 1, false)] {
+        let header = BufferResponseHeader {
+            receiver: RECEIVER,
+            sequence_number: 0,
+            backlog: 0,
+            data_type: DataType::PrioritizedEventBuffer,
+            compressed: false,
+            size: 0,
+            overtaken,
+        };
+        let bytes = frame(&Message::BufferResponse(header));
+        let frame_header =
+            decode_header(bytes[..FRAME_HEADER].try_into().unwrap(), SEGMENT).unwrap();
+        let body: &[u8; BUFFER_RESPONSE_BODY] = bytes[FRAME_HEADER..BUFFER_RESPONSE_HEADER]
+            .try_into()
+            .unwrap();
+        let decoded = decode_buffer_response(&frame_header, body);
+        assert_eq!(
+            decoded.is_ok(),
+            accepted,
+            "overtaken {overtaken}: {decoded:?}"
+        );
+    }
 }

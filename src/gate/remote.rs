@@ -213,8 +213,8 @@ impl BufferManager {
     /// overdraft segment of the global pool, or with the whole network memory in use, memory
     /// mapped for this event alone (not the gate's own free segments: its channels waiting for
     /// floating ones need those). A barrier that arrives while back pressure holds every
-    /// segment must not fail its channel. That memory stays bounded: a channel holds at most
-    /// its credit plus [`UNCREDITED_EVENTS`] received items.
+    /// segment must not fail its channel. That memory stays bounded: the transport takes it
+    /// only while the channel holds fewer than [`UNCREDITED_EVENTS`] events unread.
     pub fn event_segment(&self, size: usize) -> Option<PooledSegment> {
         // `None` once the gate closed (the pool is gone; the channel takes nothing more).
         let pool = self.pool.upgrade()?;
@@ -442,10 +442,10 @@ impl BufferListener for BufferManager {
     }
 }
 
-/// Received items a remote channel queues beyond the segments of its gate's pool: events (end
+/// Events a remote channel holds unread beyond the segments of its gate's pool: events (end
 /// of partition, barriers) are sent without credit, so a channel whose every credited segment
-/// waits in its queue must still take them. More than this many fail the channel with
-/// [`GateError::CreditExceeded`] (a sender flooding events).
+/// waits in its queue must still take them. One more fails the channel with
+/// [`GateError::CreditExceeded`] before its memory is taken (a sender flooding events).
 pub const UNCREDITED_EVENTS: usize = 16;
 
 /// A received item with its sequence number checked.
@@ -489,6 +489,9 @@ pub struct RemoteChannelShared {
     /// `announced`'s checkpoint, or `NO_ANNOUNCEMENT`: a read that looks for an announcement
     /// takes the lock only when there is one.
     announced_checkpoint: AtomicU64,
+    /// Events received and not yet read by the gate: they take memory outside the gate's
+    /// quota (no credit bounds them), so more than [`UNCREDITED_EVENTS`] fail the channel.
+    unread_events: AtomicUsize,
 }
 
 /// An aligned barrier with a timeout waiting in a channel's data lane.
@@ -529,6 +532,11 @@ impl RemoteChannelShared {
     /// The channel's segments and credit.
     pub fn buffers(&self) -> &Arc<BufferManager> {
         &self.buffers
+    }
+
+    /// Events received and not yet read by the gate (see [`UNCREDITED_EVENTS`]).
+    pub fn unread_events(&self) -> usize {
+        self.unread_events.load(Ordering::Relaxed)
     }
 
     /// Items received and not yet read by the gate.
@@ -588,6 +596,7 @@ impl RemoteChannelShared {
             // after it; the sender's data for that credit would then find no segment.
             self.buffers.release_floating();
         }
+        let event = item.buffer.data_type().is_event();
         let announced = item.buffer.data_type().requires_announcement();
         let announced_checkpoint = match announced.then(|| Event::decode(item.buffer.as_slice())) {
             Some(Ok(Event::CheckpointBarrier(barrier))) => Some(barrier.id),
@@ -598,6 +607,9 @@ impl RemoteChannelShared {
             let error = GateError::CreditExceeded(self.channel);
             self.fail(error.clone());
             return Err(error);
+        }
+        if event {
+            self.unread_events.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(checkpoint) = announced_checkpoint {
             // After the push: a gate that sees the announcement finds the barrier queued.
@@ -725,6 +737,7 @@ impl RemoteInputChannel {
                 metrics: ChannelMetrics::default(),
                 announced: Mutex::new(None),
                 announced_checkpoint: AtomicU64::new(NO_ANNOUNCEMENT),
+                unread_events: AtomicUsize::new(0),
             }),
             requested: false,
             data_taken: 0,
@@ -851,6 +864,7 @@ impl RemoteInputChannel {
         let barrier = self.stashed.take().or_else(|| shared.received.pop())?;
         self.data_taken += 1;
         debug_assert!(barrier.buffer.data_type().requires_announcement());
+        shared.unread_events.fetch_sub(1, Ordering::Relaxed);
         drop(barrier);
         Some(self.pending.len())
     }
@@ -878,6 +892,9 @@ impl RemoteInputChannel {
 
     fn read_of(&self, buffer: Buffer, overtaken: usize) -> ChannelRead {
         let shared = &self.shared;
+        if buffer.data_type().is_event() {
+            shared.unread_events.fetch_sub(1, Ordering::Relaxed);
+        }
         ChannelRead {
             buffer,
             more_available: !self.pending.is_empty()

@@ -15,7 +15,9 @@ use super::inbound::{FrameReader, Step};
 use super::outbound::Outbound;
 use super::{HandshakeDeadline, ProtocolError};
 use crate::buffer::BufferBuilder;
-use crate::gate::{Backoff, ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared};
+use crate::gate::{
+    Backoff, ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared, UNCREDITED_EVENTS,
+};
 use crate::partition::{PartitionError, ResultPartitionId};
 
 /// Bytes of discarded payload read per step (payloads for channels already gone).
@@ -690,8 +692,14 @@ impl ClientConnection {
                 None
             }
             Some(channel) => {
+                // Events come without credit: a sender that sends more than a channel holds
+                // unread is flooding it, and gets no memory for it.
+                let flooded = !header.data_type.is_buffer()
+                    && channel.shared.unread_events() >= UNCREDITED_EVENTS;
                 let segment = if header.data_type.is_buffer() {
                     channel.shared.buffers().take_segment()
+                } else if flooded {
+                    None
                 } else {
                     channel.shared.buffers().event_segment(header.size as usize)
                 };
@@ -710,7 +718,15 @@ impl ClientConnection {
                             .take()
                             .and_then(|s| self.remove_channel(s))
                             .expect("a channel was found in it");
-                        if !channel.shared.is_released() {
+                        if flooded {
+                            tracing::warn!(
+                                ?receiver,
+                                "{UNCREDITED_EVENTS} events unread and one more; failing its channel"
+                            );
+                            channel
+                                .shared
+                                .fail(GateError::CreditExceeded(channel.shared.channel()));
+                        } else if !channel.shared.is_released() {
                             tracing::warn!(
                                 ?receiver,
                                 "no memory for an incoming event; failing its channel"

@@ -369,8 +369,14 @@ pub fn encode_buffer_response(
     body[34..38].copy_from_slice(&header.overtaken.to_be_bytes());
 }
 
+/// Most data items a priority event can overtake: all a sender's subpartition queue holds,
+/// which is twice `max-buffers-per-channel`, plus `max-overdraft-buffers-per-gate`, plus its
+/// event reserve, each option at most 65536. More is a corrupt or hostile frame: the consumer
+/// would persist every later buffer of the channel as in-flight data.
+pub const MAX_OVERTAKEN: u32 = 3 * (1 << 16) + 8;
+
 /// Parses a BufferResponse's fixed header (the bytes after the frame header) and checks it
-/// against the frame length.
+/// against the frame length (and `overtaken` against [`MAX_OVERTAKEN`]).
 pub fn decode_buffer_response(
     frame: &FrameHeader,
     body: &[u8; BUFFER_RESPONSE_BODY],
@@ -395,6 +401,12 @@ pub fn decode_buffer_response(
     }
     let size = r.u32();
     let overtaken = r.u32();
+    if overtaken > MAX_OVERTAKEN {
+        return Err(DecodeError::InvalidField {
+            field: "overtaken",
+            value: overtaken.into(),
+        });
+    }
     // In u64: on a 32-bit target the sum in usize could wrap to a short frame's length.
     if u64::from(frame.length) != BUFFER_RESPONSE_HEADER as u64 + u64::from(size) {
         return Err(DecodeError::BodyLength {
