@@ -3,7 +3,7 @@
 //! clock.
 
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread;
 use std::time::Duration;
 
@@ -32,15 +32,18 @@ impl OutputFlusher {
             .name("fluxgate-flusher".into())
             .spawn(move || {
                 let (lock, cond) = &*signal;
-                let mut stopped = lock.lock().expect("not poisoned");
-                while !*stopped {
-                    stopped = cond
-                        .wait_timeout(stopped, interval)
-                        .expect("not poisoned")
-                        .0;
-                    if !*stopped {
-                        partition.flush_all();
+                loop {
+                    let stopped = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                    let (stopped, _) = cond
+                        .wait_timeout_while(stopped, interval, |stopped| !*stopped)
+                        .unwrap_or_else(PoisonError::into_inner);
+                    if *stopped {
+                        return;
                     }
+                    // Not under the lock: a flush that panics (a reader's listener) ends this
+                    // thread without poisoning what the writer's drop takes.
+                    drop(stopped);
+                    partition.flush_all();
                 }
             })
             .expect("spawning the output flusher thread");
@@ -53,7 +56,7 @@ impl OutputFlusher {
 
 impl Drop for OutputFlusher {
     fn drop(&mut self) {
-        *self.stop.0.lock().expect("not poisoned") = true;
+        *self.stop.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.stop.1.notify_all();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
