@@ -1314,3 +1314,61 @@ fn the_data_a_priority_barrier_overtook_here_is_persisted_when_the_barrier_comes
     drop((first, one, two, three, gate, other, sender));
     assert_eq!(f.leased(), 0);
 }
+
+#[test]
+fn a_timed_out_alignment_whose_barriers_had_nothing_before_them_completes() {
+    // Channel 1's barrier waits at the head of its queue when channel 0's alignment times
+    // out: it moves ahead of nothing, and no item would ever come to complete the checkpoint
+    // (both senders stopped behind their aligned barriers). The next read completes it.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(matches!(
+        first.item,
+        GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.alignment == Alignment::Unaligned
+    ));
+    assert!(gate.poll_next().unwrap().is_none(), "nothing else was sent");
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    for shared in [&sender0.shared, &sender1.shared] {
+        assert!(shared.take_resume_request(), "both senders resume");
+    }
+    drop((first, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn a_barrier_arriving_after_its_alignment_timed_out_goes_ahead_of_the_data_before_it() {
+    // Channel 1's barrier was still on its way when the alignment timed out: the channel's
+    // data is then persisted as it is read, until the barrier arrives behind more of it; that
+    // rest goes to the checkpoint at once, without waiting for the task to read it.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(matches!(
+        first.item,
+        GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.alignment == Alignment::Unaligned
+    ));
+    sender1.send(b"two", DataType::DataBuffer, 0).unwrap();
+    sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let one = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&one.item), b"one");
+    let two = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&two.item), b"two");
+    assert_eq!(
+        persisted(&sink),
+        [(5, 1, b"one".to_vec()), (5, 1, b"two".to_vec())]
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "the barrier is not read again"
+    );
+    drop((first, one, two, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}

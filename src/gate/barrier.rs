@@ -320,23 +320,26 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             if self.persist[c] != Persist::UntilBarrier {
                 continue;
             }
-            if let Some(ahead) = self.gate.convert_barrier_to_priority(c, id) {
-                self.on_barrier_moved_ahead(c, ahead);
+            if self.gate.convert_barrier_to_priority(c, id).is_some() {
+                self.on_barrier_moved_ahead(c);
                 converted += 1;
             }
         }
         converted
     }
 
-    /// `channel`'s aligned barrier of the running unaligned checkpoint went ahead of the
-    /// `ahead` items before it.
-    fn on_barrier_moved_ahead(&mut self, channel: usize, ahead: usize) {
+    /// `channel`'s aligned barrier of the running unaligned checkpoint went ahead of the items
+    /// before it (taken ahead, persisted on the next read).
+    fn on_barrier_moved_ahead(&mut self, channel: usize) {
         self.barrier_seen[channel] = true;
         if !self.blocked.contains(&channel) {
             self.blocked.push(channel);
         }
         self.persist[channel] = Persist::Done;
-        if ahead > 0 && !self.taken_ahead.contains(&channel) {
+        // Listed with nothing ahead too: the next read then completes the checkpoint if this
+        // was the last barrier it waited for (its senders, stopped behind their aligned
+        // barriers, send nothing that would).
+        if !self.taken_ahead.contains(&channel) {
             self.taken_ahead.push(channel);
         }
     }
@@ -378,11 +381,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 // before it too, once the channel has it.
                 if self.persist[channel] == Persist::UntilBarrier {
                     if let Some(id) = self.current {
-                        if let Some(ahead) = self.gate.convert_barrier_to_priority(channel, id) {
-                            self.on_barrier_moved_ahead(channel, ahead);
-                            if ahead == 0 {
-                                self.check_complete()?;
-                            }
+                        if self.gate.convert_barrier_to_priority(channel, id).is_some() {
+                            self.on_barrier_moved_ahead(channel);
                         }
                     }
                 }
@@ -556,6 +556,9 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 self.start(id);
             }
             self.turn_unaligned();
+            // An alignment with a timeout turned by this barrier: the aligned barriers other
+            // channels hold go ahead of their data too (Flink's `prioritizeAllAnnouncements`).
+            self.convert_received_barriers(id);
         }
         // Not "barrier not seen yet": a peer that sends an aligned barrier after the channel's
         // unaligned one blocks the channel too, and it must resume with the others.
