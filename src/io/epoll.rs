@@ -284,8 +284,11 @@ impl Loop {
             let wait = self.waker.prepare_wait(&mut busy_poll, now, || {
                 let mut busy = !self.commands.is_empty();
                 for conn in self.connections.values() {
-                    busy |=
-                        conn.connection.set_waker(&self.std_waker) || conn.connection.has_pending();
+                    // Registered for the wake-up; work only what the next turn can send
+                    // (`has_pending`, looked at after the registration): a ready reader behind
+                    // a full outgoing queue is no reason not to park.
+                    conn.connection.set_waker(&self.std_waker);
+                    busy |= conn.connection.has_pending();
                 }
                 busy
             });

@@ -722,8 +722,12 @@ impl Loop {
                 let mut busy = !self.commands.is_empty();
                 for conn in self.conns.iter().flatten() {
                     if conn.closing.is_none() {
-                        busy |= conn.connection.set_waker(&self.std_waker)
-                            || conn.connection.has_pending();
+                        // Registered for the wake-up; work only what the next turn can send
+                        // (`has_pending`, looked at after the registration): a ready reader
+                        // behind a full outgoing queue, or on a connection closing after its
+                        // last write, is no reason not to park.
+                        conn.connection.set_waker(&self.std_waker);
+                        busy |= !conn.close_after_write && conn.connection.has_pending();
                     }
                 }
                 busy
