@@ -826,6 +826,70 @@ on_both_drivers!(
     an_error_found_while_a_write_is_stuck_is_answered_after_it_uring
 );
 
+/// A peer that sends a bad frame while it reads nothing: the error response the server
+/// queued can never go out, so the server closes the connection anyway after a while
+/// (`ERROR_RESPONSE_LINGER`, 5 s), freeing its slot, instead of keeping it for good (TCP's
+/// user timeout, which would end it too, is off here).
+fn a_peer_that_never_reads_its_error_response_is_closed_anyway(transport: Transport) {
+    let producer = start(
+        1,
+        transport,
+        &[("fluxgate.network.tcp.user-timeout-ms", "0")],
+    );
+    let partition = producer.create_partition(CHAOS, 1).unwrap();
+    let writer = thread::spawn(move || {
+        let mut writer = RecordWriter::new(
+            partition,
+            RoundRobinSelector::default(),
+            BufferTimeout::from_millis(1),
+        );
+        // Bounded: far more than the sockets hold; the writer blocks until the connection
+        // closes, which releases the subpartition and fails the next emit.
+        for seq in 0..1_000_000u64 {
+            if writer.emit(&[seq as u8; 1000][..]).is_err() {
+                return;
+            }
+        }
+    });
+    let mut peer = RawPeer::handshaken(producer.local_addr(), None);
+    peer.send(&frame(&Message::PartitionRequest {
+        partition: CHAOS,
+        subpartition: 0,
+        receiver: ReceiverId(1),
+        credit: 1 << 20,
+    }));
+    let stat = |pick: fn(&DriverStats) -> u64| producer.driver_stats().map_or(0, |s| pick(&s));
+    assert!(
+        common::wait_until(LONG, || stat(|s| s.short_writes) > 0),
+        "the server's writes fill the socket"
+    );
+    let mut bad_magic = frame(&Message::AddCredit {
+        receiver: ReceiverId(1),
+        credit: 1,
+    });
+    bad_magic[4] ^= 0xFF;
+    peer.send(&bad_magic);
+    assert!(
+        common::wait_until(LONG, || stat(|s| s.protocol_errors) > 0),
+        "the server found the bad frame"
+    );
+    assert!(
+        common::wait_until(LONG, || stat(|s| s.open_connections) == 0),
+        "the connection stays open while its peer reads nothing"
+    );
+    writer.join().expect("the writer does not panic");
+    drop(peer);
+    assert!(
+        common::wait_until(LONG, || common::pool_full(&producer)),
+        "producer segments leaked"
+    );
+}
+on_both_drivers!(
+    a_peer_that_never_reads_its_error_response_is_closed_anyway,
+    a_peer_that_never_reads_its_error_response_is_closed_anyway_epoll,
+    a_peer_that_never_reads_its_error_response_is_closed_anyway_uring
+);
+
 #[test]
 fn authentication_on_without_a_secret_refuses_to_start() {
     let missing = std::env::temp_dir().join("fluxgate-chaos-no-such-secret-file");

@@ -127,11 +127,6 @@ struct Conn {
     close_by: Option<Instant>,
 }
 
-/// How long a connection closing after a protocol error may take to write the ErrorResponse
-/// it queued for its peer, behind what its socket already held (a peer that stopped reading
-/// fills it), before it is closed anyway.
-const ERROR_RESPONSE_LINGER: Duration = Duration::from_secs(5);
-
 /// What a TLS connection adds to a plain one.
 struct TlsLink {
     session: rustls::Connection,
@@ -629,13 +624,14 @@ impl Loop {
 
     /// A protocol error was found on `token`: the ErrorResponse its state machine queued must
     /// still reach the peer, behind whatever the socket's send buffer holds, so the
-    /// connection stays until its writes are out (or [`ERROR_RESPONSE_LINGER`] passed),
+    /// connection stays until its writes are out (or [`ERROR_RESPONSE_LINGER`](super::ERROR_RESPONSE_LINGER) passed),
     /// reading and discarding what the peer sends meanwhile. Closed at once, it lost the
     /// response whenever the socket was full.
     fn close_after_error(&mut self, token: Token, now: Instant) {
         self.protocol_errors += 1;
         if let Some(conn) = self.connections.get_mut(&token) {
-            conn.close_by.get_or_insert(now + ERROR_RESPONSE_LINGER);
+            conn.close_by
+                .get_or_insert(now + super::ERROR_RESPONSE_LINGER);
         }
         self.transmit(token, now);
     }

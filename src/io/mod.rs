@@ -39,6 +39,11 @@ use crate::gate::RemoteChannelShared;
 use crate::protocol::{auth, ClientConfig, ClientConnection, ServerConfig};
 use crate::sync::ArrayQueue;
 
+/// How long a connection closing after a protocol error may take to write the ErrorResponse
+/// it queued for its peer, behind what its socket already held (a peer that stopped reading
+/// fills it), before it is closed anyway.
+pub(crate) const ERROR_RESPONSE_LINGER: Duration = Duration::from_secs(5);
+
 /// Pause before accepting again after an accept error other than a transient one (out of
 /// file descriptors or memory): the connections the kernel queued meanwhile are taken then.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);

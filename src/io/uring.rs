@@ -361,6 +361,11 @@ struct Conn {
     stop_reading: bool,
     /// A protocol error: close once the queued error response is written (one attempt).
     close_after_write: bool,
+    /// When a connection closing after a protocol error closes even if its peer never read
+    /// enough for the error response to go out ([`ERROR_RESPONSE_LINGER`]).
+    ///
+    /// [`ERROR_RESPONSE_LINGER`]: super::ERROR_RESPONSE_LINGER
+    close_by: Option<Instant>,
     /// The write in flight was submitted after `close_after_write` was set: the error
     /// response's one attempt.
     writing_after_error: bool,
@@ -845,7 +850,7 @@ impl Loop {
             .iter()
             .flatten()
             .filter(|c| c.closing.is_none())
-            .filter_map(|c| c.connection.poll_timeout())
+            .flat_map(|c| c.connection.poll_timeout().into_iter().chain(c.close_by))
             .chain(self.accept_paused_until)
             .chain(self.refused.next_due())
             .chain(self.pending.next_overdue())
@@ -1012,6 +1017,7 @@ impl Loop {
             zc_next: 0,
             stop_reading: false,
             close_after_write: false,
+            close_by: None,
             writing_after_error: false,
             closing: None,
             cancelled: false,
@@ -1083,6 +1089,14 @@ impl Loop {
         if conn.closing.is_some() {
             self.cancel(slot);
             self.finish_close(slot);
+            return;
+        }
+        if conn.close_by.is_some_and(|by| now >= by) {
+            // The peer never read the error response: close anyway (cancelling the write).
+            self.begin_close(
+                slot,
+                "protocol error; its response was not read in time".into(),
+            );
             return;
         }
         if !conn.close_after_write {
@@ -1371,12 +1385,15 @@ impl Loop {
                     -result,
                     libc::EOPNOTSUPP | libc::EINVAL | libc::ENOMEM | libc::ENOBUFS
                 );
-                let result = if refused && conn.zero_copy {
+                // Whatever `zero_copy` says now: a notification of an earlier send may have
+                // switched it off while this one was in flight.
+                let result = if refused {
                     // The kernel would not send this zero-copy (e.g. the locked-memory limit
                     // its pinned pages count against): plain writes from now on; the bytes go
                     // with the next one.
-                    conn.zero_copy = false;
-                    self.stats.zc_switched_off += 1;
+                    if std::mem::take(&mut conn.zero_copy) {
+                        self.stats.zc_switched_off += 1;
+                    }
                     if !ZC_REFUSED.swap(true, Ordering::Relaxed) {
                         tracing::info!(
                             error = %io::Error::from_raw_os_error(-result),
@@ -1570,6 +1587,7 @@ impl Loop {
                     // Send the queued ErrorResponse if the socket takes it, then close.
                     conn.stop_reading = true;
                     conn.close_after_write = true;
+                    conn.close_by = Some(now + super::ERROR_RESPONSE_LINGER);
                     self.stats.protocol_errors += 1;
                 }
                 if full {
