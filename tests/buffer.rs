@@ -535,3 +535,65 @@ fn an_unpooled_segment_carries_its_bytes() {
     let buffer = consumer.build();
     assert_eq!(buffer.as_slice(), &[7; 40][..]);
 }
+
+/// Keeps what it is offered and hands back a segment of other memory instead.
+struct Swapper {
+    kept: Mutex<Vec<PooledSegment>>,
+}
+
+impl BufferListener for Swapper {
+    fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment> {
+        self.kept.lock().unwrap().push(segment);
+        Err(PooledSegment::unpooled(8).unwrap())
+    }
+
+    fn on_pool_destroyed(&self) {}
+}
+
+#[test]
+fn a_segment_of_other_memory_a_listener_hands_back_never_enters_the_pool() {
+    // Its index would name one of the pool's own segments, which would then have two owners.
+    let (network, _) = network(4);
+    let pool = network.create_local_pool(spec(1, 1)).unwrap();
+    let held = pool.request_segment().unwrap();
+    let swapper = Arc::new(Swapper {
+        kept: Mutex::new(Vec::new()),
+    });
+    let listener: Arc<dyn BufferListener> = swapper.clone();
+    assert!(pool.request_segment_or_listen(&listener).unwrap().is_none());
+    drop(held);
+    assert_eq!(
+        swapper.kept.lock().unwrap().len(),
+        1,
+        "the listener kept it"
+    );
+    assert_eq!(
+        pool.available_segments(),
+        0,
+        "nothing came back in its place"
+    );
+    swapper.kept.lock().unwrap().clear();
+    assert_eq!(pool.available_segments(), 1);
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn an_unpooled_segment_stays_below_the_finished_mark() {
+    assert!(matches!(
+        PooledSegment::unpooled(1 << 31),
+        Err(PoolError::Allocation { .. })
+    ));
+}
+
+#[test]
+#[should_panic(expected = "write to a finished BufferBuilder")]
+fn a_finished_builder_takes_no_more_bytes_by_advance() {
+    let (network, _) = network(4);
+    let mut builder = network
+        .request_segment()
+        .unwrap()
+        .into_builder(DataType::DataBuffer);
+    builder.finish();
+    builder.advance(0);
+}

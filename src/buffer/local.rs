@@ -880,7 +880,15 @@ impl LocalPoolShared {
             self.network.memory().set_tag(&segment, NO_CHANNEL);
             match listener.on_segment_available(PooledSegment::new(me.clone(), segment)) {
                 Ok(()) => return None,
-                Err(rejected) => segment = rejected.into_segment(),
+                Err(rejected) => match rejected.into_segment_of(&me) {
+                    Ok(returned) => segment = returned,
+                    // Not this pool's: the listener kept the one offered and handed back
+                    // another, which goes back to its own pool as it drops.
+                    Err(foreign) => {
+                        drop(foreign);
+                        return None;
+                    }
+                },
             }
         }
         Some(segment)

@@ -220,9 +220,9 @@ impl SegmentMemory {
     /// The first payload byte of a segment.
     fn payload(&self, index: u32) -> NonNull<u8> {
         let (arena, offset) = self.locate(index);
-        // SAFETY: `locate` keeps `offset + segment_size <= arena_len` for every valid index (the
-        // `states` indexing above panics first on an invalid one), so the pointer stays inside
-        // the arena's mapping.
+        // SAFETY: `bases[arena]` is bounds-checked, and `locate` gives a slot below the arena's
+        // segment count, so `offset + segment_size <= arena_len`: the pointer stays inside the
+        // arena's mapping.
         unsafe { self.bases[arena].add(offset) }
     }
 
@@ -295,10 +295,13 @@ fn retain(state: NonNull<SegmentState>) {
     let state = unsafe { state.as_ref() };
     // Relaxed is enough for an increment made by a holder of an existing lease (as in `Arc`).
     let previous = state.refs.fetch_add(1, Ordering::Relaxed);
-    assert!(
-        previous > 0 && previous < u32::MAX / 2,
-        "lease count broken"
-    );
+    if previous >= u32::MAX / 2 {
+        // Leases leaked by the billion (`mem::forget`): a count that went on could wrap and
+        // recycle the segment under live readers. As `Arc` does, stop the process; a panic
+        // could be caught and the increment retried.
+        std::process::abort();
+    }
+    debug_assert!(previous > 0, "a lease taken on a segment nobody holds");
 }
 
 struct Owned {
@@ -342,6 +345,20 @@ impl PooledSegment {
         self.owned.take().expect("present until consumed").segment
     }
 
+    /// [`into_segment`](Self::into_segment) if the segment is `recycler`'s; else gives it back
+    /// untouched (a segment of other memory, which a pool must never take for one of its own:
+    /// its index would name a different segment there).
+    pub(crate) fn into_segment_of(self, recycler: &Arc<dyn Recycler>) -> Result<Segment, Self> {
+        let mine = self.owned.as_ref().is_some_and(|owned| {
+            std::ptr::addr_eq(Arc::as_ptr(&owned.recycler), Arc::as_ptr(recycler))
+        });
+        if mine {
+            Ok(self.into_segment())
+        } else {
+            Err(self)
+        }
+    }
+
     /// Starts writing the segment.
     pub fn into_builder(mut self, data_type: DataType) -> BufferBuilder {
         let Owned { recycler, segment } = self.owned.take().expect("present until consumed");
@@ -375,10 +392,14 @@ impl PooledSegment {
     /// Flink reads into unpooled memory: an incoming event when the whole network memory is in
     /// use.
     pub fn unpooled(size: usize) -> Result<Self, PoolError> {
-        let size = u32::try_from(size.max(1)).map_err(|_| PoolError::Allocation {
-            bytes: size,
-            reason: "larger than a segment can be".to_owned(),
-        })?;
+        // Below the marker's FINISHED bit: a position at or past it would read as finished.
+        let size = u32::try_from(size.max(1))
+            .ok()
+            .filter(|&size| size < FINISHED)
+            .ok_or_else(|| PoolError::Allocation {
+                bytes: size,
+                reason: "larger than a segment can be".to_owned(),
+            })?;
         let (memory, free) = SegmentMemory::map(1, size, HEADROOM + size as usize)?;
         let segment = free.pop().expect("one segment was mapped");
         Ok(Self::new(Arc::new(Unpooled { memory }), segment))
@@ -409,7 +430,8 @@ pub struct BufferBuilder {
 }
 
 // SAFETY: `payload` points into memory kept alive by `recycler`; the builder is the segment's
-// only writer wherever it runs, and it is not `Sync`-shared (no `&BufferBuilder` writes).
+// only writer wherever it runs: every write takes `&mut self`, so a `&BufferBuilder` shared
+// with another thread cannot write.
 unsafe impl Send for BufferBuilder {}
 // SAFETY: every `&self` method only reads the builder's own fields or the atomics.
 unsafe impl Sync for BufferBuilder {}
@@ -430,8 +452,18 @@ impl BufferBuilder {
     fn new(recycler: Arc<dyn Recycler>, segment: Segment, data_type: DataType) -> Self {
         let memory = recycler.memory();
         let state = memory.state(segment.index);
-        let previous = state.refs.swap(1, Ordering::Relaxed);
-        assert_eq!(previous, 0, "segment {} handed out twice", segment.index);
+        // Not a swap: a segment handed out twice must not have its first owner's count
+        // overwritten on the way to the panic.
+        if let Err(previous) =
+            state
+                .refs
+                .compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            panic!(
+                "segment {} handed out twice ({previous} leases)",
+                segment.index
+            );
+        }
         state.marker.store(0, Ordering::Relaxed);
         let capacity = memory.segment_size;
         let payload = memory.payload(segment.index);
@@ -536,6 +568,8 @@ impl BufferBuilder {
 
     /// Marks `n` bytes after the position as written (after [`unfilled_mut`](Self::unfilled_mut)).
     pub fn advance(&mut self, n: usize) {
+        // A finished buffer stays finished: a commit after it would clear the mark.
+        self.assert_writable();
         assert!(n <= self.remaining(), "advance past the segment's end");
         self.position += n as u32;
     }
