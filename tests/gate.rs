@@ -1412,3 +1412,59 @@ fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
     drop((gate, pool, held, hog));
     assert!(f.all_segments_back());
 }
+
+#[test]
+fn a_union_of_a_gate_closed_before_it_reports_the_close() {
+    // The member was closed before the union existed, so its close could not queue it at the
+    // union: the union still reads it once, and its read reports the close instead of the
+    // union waiting for good.
+    let f = fixture();
+    let _producer = f.producer(1, 1);
+    let member = f.gate(&[(1, 0)], ChannelLocation::Local);
+    member.closer().close();
+    let mut union = UnionInputGate::new(vec![member]);
+    assert!(matches!(union.next_timeout(LONG), Err(GateError::Closed)));
+}
+
+#[test]
+fn a_union_closer_ends_a_members_wait_for_exclusive_segments() {
+    // Cancelling the task closes the union, which closes its members too: a member's channel
+    // turning remote stops waiting for exclusive segments other pools hold.
+    let f = fixture();
+    let member = f.gate(&[(2, 0)], ChannelLocation::Unknown);
+    let pool = member
+        .pool()
+        .expect("a pool for the channel that may turn remote")
+        .clone();
+    let mut union = UnionInputGate::new(vec![member]);
+    let hog = f
+        .network
+        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
+            min_segments: 1,
+            max_segments: usize::MAX,
+            subpartitions: 0,
+            max_segments_per_channel: usize::MAX,
+            max_listeners: 1,
+            max_overdraft_segments: 0,
+        })
+        .unwrap();
+    let held: Vec<_> = std::iter::from_fn(|| hog.request_segment()).collect();
+    let closer = union.closer();
+    let update = thread::spawn(move || {
+        let result =
+            union.gates_mut()[0].update_channel(0, ChannelLocation::Remote, Instant::now());
+        (union, result)
+    });
+    assert!(
+        common::wait_until(LONG, || pool.waiting_requests() > 0),
+        "the channel never waited for its exclusive segments"
+    );
+    closer.close();
+    let (union, result) = update.join().unwrap();
+    assert!(
+        matches!(result, Err(GateError::Closed)),
+        "the wait ended with {result:?}, not as closed"
+    );
+    drop((union, pool, held, hog));
+    assert!(f.all_segments_back());
+}

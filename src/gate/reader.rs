@@ -152,6 +152,9 @@ impl<G: InputGate> RecordReader<G> {
     /// [`read`](Self::read) for every case: buffer ends, spanning records, events, waiting.
     #[inline(never)]
     fn read_general(&mut self, wait: Wait) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        // One deadline for the whole call, fixed when it first has to wait: buffers that
+        // bring no whole record do not restart the timeout.
+        let mut deadline = None;
         loop {
             if let Some(channel) = self.current {
                 let found = self.deserializers[channel]
@@ -171,7 +174,8 @@ impl<G: InputGate> RecordReader<G> {
                 (None, Wait::Poll) => None,
                 (None, Wait::Forever) => self.gate.next_until(None)?,
                 (None, Wait::For(timeout)) => {
-                    self.gate.next_until(Some(Instant::now() + timeout))?
+                    let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
+                    self.gate.next_until(Some(deadline))?
                 }
             };
             let Some(item) = next else {

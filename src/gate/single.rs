@@ -397,7 +397,7 @@ impl SingleInputGate {
                 }
             }
             // Bounded: each round either returns or registers and finds nothing queued.
-            for _ in 0..2 {
+            for round in 0..2 {
                 match self.poll_next() {
                     Ok(None) if !self.is_finished() => {}
                     other => {
@@ -410,6 +410,11 @@ impl SingleInputGate {
                 }
                 if !self.queue.register_waker(cx.waker()) {
                     break;
+                }
+                if round == 1 {
+                    // Channels still queued after both rounds (notified again while read):
+                    // nothing else would wake this future for them.
+                    cx.waker().wake_by_ref();
                 }
             }
             idle_since.get_or_insert_with(Instant::now);
@@ -552,17 +557,27 @@ fn send_event(channel: &InputChannel, event: &Event) {
 #[derive(Clone, Debug)]
 pub struct GateCloser {
     queue: Arc<ChannelQueue>,
+    /// A union's member gates: closed too, so a member's wait for exclusive segments (its
+    /// setup, a channel turning remote) ends as well.
+    members: Vec<Arc<ChannelQueue>>,
 }
 
 impl GateCloser {
     pub(crate) fn new(queue: Arc<ChannelQueue>) -> Self {
-        Self { queue }
+        Self::with_members(queue, Vec::new())
+    }
+
+    pub(crate) fn with_members(queue: Arc<ChannelQueue>, members: Vec<Arc<ChannelQueue>>) -> Self {
+        Self { queue, members }
     }
 
     /// Closes the gate: the reader's next read fails with [`GateError::Closed`] and releases
     /// the channels.
     pub fn close(&self) {
         self.queue.close();
+        for member in &self.members {
+            member.close();
+        }
     }
 }
 

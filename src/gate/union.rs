@@ -41,10 +41,10 @@ impl UnionInputGate {
             offsets.push(next);
             next += gate.channel_count();
             gate.queue().set_parent(queue.clone(), index as u32);
-            // Data queued before the union existed.
-            if gate.queue().has_channels() {
-                queue.enqueue(index as u32, gate.queue().has_priority());
-            }
+            // Every member once, whatever it holds: data queued before the union existed, or
+            // a member closed already, whose read then reports it (a member looked at only
+            // when it had channels would be read never).
+            queue.enqueue(index as u32, gate.queue().has_priority());
         }
         Self {
             gates,
@@ -115,7 +115,10 @@ impl UnionInputGate {
     /// closes every member gate, releasing their channels. A member gate's own closer closes
     /// the union's reads the same way.
     pub fn closer(&self) -> GateCloser {
-        GateCloser::new(self.queue.clone())
+        GateCloser::with_members(
+            self.queue.clone(),
+            self.gates.iter().map(|g| g.queue().clone()).collect(),
+        )
     }
 }
 
@@ -140,6 +143,13 @@ impl InputGate for UnionInputGate {
                 read => read?,
             };
             let Some(mut item) = read else {
+                // Channels queued again while the member read (their flags set, so their
+                // next notifications are folded into these entries): the member stays in
+                // turn, or they would wait for good.
+                let gate = &self.gates[index as usize];
+                if gate.queue().has_channels() {
+                    self.queue.enqueue(index, gate.queue().has_priority());
+                }
                 continue;
             };
             let gate = &mut self.gates[index as usize];
