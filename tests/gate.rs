@@ -1468,3 +1468,22 @@ fn a_union_closer_ends_a_members_wait_for_exclusive_segments() {
     drop((union, pool, held, hog));
     assert!(f.all_segments_back());
 }
+
+#[test]
+fn a_union_names_a_members_failed_channel_in_its_own_numbering() {
+    let f = fixture();
+    let _a = f.producer(14, 2);
+    let b = f.producer(15, 1);
+    let mut g0 = f.gate(&[(14, 0), (14, 1)], ChannelLocation::Local);
+    let mut g1 = f.gate(&[(15, 0)], ChannelLocation::Local);
+    g0.request_partitions(Instant::now()).unwrap();
+    g1.request_partitions(Instant::now()).unwrap();
+    let mut union = UnionInputGate::new(vec![g0, g1]);
+    // The producer of the second gate's only channel, union channel 2, goes away.
+    b.handle().release();
+    let error = union.next_timeout(LONG).unwrap_err();
+    assert!(
+        matches!(error, GateError::Partition { channel: 2, .. }),
+        "{error:?}"
+    );
+}

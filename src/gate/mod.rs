@@ -220,6 +220,26 @@ pub trait InputGate {
     fn for_each_taken_ahead(&self, _channel: usize, _f: &mut dyn FnMut(&Buffer)) {}
 }
 
+impl GateError {
+    /// The same error with its channel index moved by `offset`: a union gate reports a
+    /// member's error in its own channel numbering.
+    pub(crate) fn offset_channel(mut self, offset: usize) -> Self {
+        match &mut self {
+            GateError::Partition { channel, .. }
+            | GateError::Reordering { channel, .. }
+            | GateError::Transport { channel, .. }
+            | GateError::ConnectionLost { channel, .. }
+            | GateError::Unauthenticated { channel, .. }
+            | GateError::Event { channel, .. }
+            | GateError::NoSuchChannel(channel)
+            | GateError::UnknownChannel(channel)
+            | GateError::CreditExceeded(channel) => *channel += offset,
+            _ => {}
+        }
+        self
+    }
+}
+
 fn partition_error(channel: usize, source: PartitionError) -> GateError {
     GateError::Partition { channel, source }
 }

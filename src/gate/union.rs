@@ -134,13 +134,14 @@ impl InputGate for UnionInputGate {
                 return Ok(None);
             };
             let gate = &mut self.gates[index as usize];
+            let offset = self.offsets[index as usize];
             let read = match gate.poll_next() {
                 Err(GateError::Closed) => {
                     // A member's closer cancels the whole union: it stays closed.
                     self.close();
                     return Err(GateError::Closed);
                 }
-                read => read?,
+                read => read.map_err(|error| error.offset_channel(offset))?,
             };
             let Some(mut item) = read else {
                 // Channels queued again while the member read (their flags set, so their
@@ -181,7 +182,9 @@ impl InputGate for UnionInputGate {
         let (gate, local) = self
             .locate(channel)
             .ok_or(GateError::NoSuchChannel(channel))?;
-        self.gates[gate].resume_consumption(local)
+        self.gates[gate]
+            .resume_consumption(local)
+            .map_err(|error| error.offset_channel(self.offsets[gate]))
     }
 
     fn channel_count(&self) -> usize {
@@ -215,8 +218,9 @@ impl InputGate for UnionInputGate {
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
-        for gate in self.gates.iter_mut() {
-            gate.handle_timeout(now)?;
+        for (gate, &offset) in self.gates.iter_mut().zip(&self.offsets) {
+            gate.handle_timeout(now)
+                .map_err(|error| error.offset_channel(offset))?;
         }
         Ok(())
     }
