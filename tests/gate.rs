@@ -1487,3 +1487,40 @@ fn a_union_names_a_members_failed_channel_in_its_own_numbering() {
         "{error:?}"
     );
 }
+
+#[test]
+fn task_events_sent_before_the_partition_exists_reach_it_once_found() {
+    // Sent before setup, and while the local channel's request waits for its partition to
+    // register: both reach the producer, in order, once the retried request finds it (they
+    // were dropped; Flink refuses such a send instead).
+    let f = fixture();
+    let spec = ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(16),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Local,
+    };
+    let mut gate =
+        SingleInputGate::new(vec![spec], f.manager.clone(), &f.network, &f.config).with_backoff(
+            Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
+        );
+    gate.send_task_event(&Event::Task(b"before setup".to_vec()));
+    gate.setup().unwrap();
+    let start = Instant::now();
+    gate.request_partitions(start).unwrap();
+    gate.send_task_event(&Event::Task(b"while missing".to_vec()));
+    let _producer = f.producer(16, 1);
+    let events = Arc::new(Events(Mutex::new(Vec::new())));
+    f.manager.subscribe_task_events(pid(16), events.clone());
+    assert!(events.0.lock().unwrap().is_empty());
+    gate.handle_timeout(start + Duration::from_millis(100))
+        .unwrap();
+    assert_eq!(
+        *events.0.lock().unwrap(),
+        [
+            Event::Task(b"before setup".to_vec()),
+            Event::Task(b"while missing".to_vec())
+        ]
+    );
+}

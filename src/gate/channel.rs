@@ -198,7 +198,14 @@ pub struct LocalInputChannel {
     /// Why its partition request failed for good: every later read fails with it.
     failed: Option<GateError>,
     metrics: ChannelMetrics,
+    /// Task events sent before the partition was found (its request waits for a retry):
+    /// published once it is, in order.
+    pending_events: Vec<Event>,
 }
+
+/// Task events one local channel keeps for a partition not found yet; more are dropped (logged)
+/// rather than held without bound.
+const MAX_PENDING_LOCAL_EVENTS: usize = 1024;
 
 impl LocalInputChannel {
     /// The view's queue state (or "not requested"), for diagnosing stalls.
@@ -243,6 +250,7 @@ impl LocalInputChannel {
             released: false,
             failed: None,
             metrics: ChannelMetrics::default(),
+            pending_events: Vec::new(),
         }
     }
 
@@ -272,6 +280,9 @@ impl LocalInputChannel {
             Ok(view) => {
                 self.failed = None;
                 self.view = Some(view);
+                for event in std::mem::take(&mut self.pending_events) {
+                    self.send_task_event(&event);
+                }
                 // Data may already be queued: let the gate look once.
                 self.notifier.queue.enqueue(self.index as u32, false);
                 Ok(())
@@ -321,10 +332,31 @@ impl LocalInputChannel {
             .is_some_and(|view| view.resume_consumption())
     }
 
-    /// Sends a task event to the producer through the partition manager.
-    pub(crate) fn send_task_event(&self, event: &Event) -> bool {
-        self.manager
+    /// Sends a task event to the producer through the partition manager; before the
+    /// partition was found (its request waits for a retry) the event waits for it.
+    pub(crate) fn send_task_event(&mut self, event: &Event) {
+        if self.view.is_none() && !self.released {
+            if self.pending_events.len() < MAX_PENDING_LOCAL_EVENTS {
+                self.pending_events.push(event.clone());
+            } else {
+                tracing::warn!(
+                    channel = self.index,
+                    "{MAX_PENDING_LOCAL_EVENTS} task events wait for a partition; one dropped"
+                );
+            }
+            return;
+        }
+        if !self
+            .manager
             .publish_task_event(self.consumed.partition, event)
+        {
+            // Flink fails the task here; the producer never registered for task events.
+            tracing::warn!(
+                channel = self.index,
+                partition = ?self.consumed.partition,
+                "no producer listens for task events; one dropped"
+            );
+        }
     }
 
     fn release(&mut self) {

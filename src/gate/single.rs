@@ -128,8 +128,19 @@ impl SingleInputGate {
             self.pool = Some(pool);
         }
         for index in 0..self.specs.len() {
-            let channel = self.make_channel(index, self.specs[index].location.clone())?;
+            let mut channel = self.make_channel(index, self.specs[index].location.clone())?;
+            // Task events sent before setup.
+            for event in &self.pending_events {
+                send_event(&mut channel, event);
+            }
             self.channels.push(channel);
+        }
+        if !self
+            .channels
+            .iter()
+            .any(|c| matches!(c, InputChannel::Unknown(_)))
+        {
+            self.pending_events.clear();
         }
         Ok(())
     }
@@ -182,7 +193,7 @@ impl SingleInputGate {
             channel.request(now)?;
         }
         for event in &self.pending_events {
-            send_event(&channel, event);
+            send_event(&mut channel, event);
         }
         self.channels[index] = channel;
         if !self
@@ -217,13 +228,15 @@ impl SingleInputGate {
 
     /// Sends a task event to every producer; channels not located yet get it on update.
     pub fn send_task_event(&mut self, event: &Event) {
-        for channel in &self.channels {
+        for channel in &mut self.channels {
             send_event(channel, event);
         }
-        if self
-            .channels
-            .iter()
-            .any(|c| matches!(c, InputChannel::Unknown(_)))
+        // Before setup there are no channels yet: every one gets it when created.
+        if self.channels.is_empty()
+            || self
+                .channels
+                .iter()
+                .any(|c| matches!(c, InputChannel::Unknown(_)))
         {
             self.pending_events.push(event.clone());
         }
@@ -542,7 +555,7 @@ impl SingleInputGate {
     }
 }
 
-fn send_event(channel: &InputChannel, event: &Event) {
+fn send_event(channel: &mut InputChannel, event: &Event) {
     match channel {
         InputChannel::Local(c) => {
             c.send_task_event(event);
