@@ -759,8 +759,13 @@ on_both_drivers!(
 /// that write is done, after the whole frame the write was in, and only then close. The
 /// io_uring driver once closed the connection as soon as the stuck write completed, so the
 /// consumer saw EOF without the error.
-fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transport) {
-    let producer = start(1, transport, &[]);
+/// A producer whose writer emits far more than the sockets hold to a raw peer that asked with
+/// ample credit and reads nothing: returned once the server's writes filled the socket.
+fn stuck_server(
+    transport: Transport,
+    options: &[(&str, &str)],
+) -> (ShuffleEnvironment, thread::JoinHandle<()>, RawPeer) {
+    let producer = start(1, transport, options);
     let partition = producer.create_partition(CHAOS, 1).unwrap();
     let writer = thread::spawn(move || {
         let mut writer = RecordWriter::new(
@@ -783,18 +788,30 @@ fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transpo
         receiver: ReceiverId(1),
         credit: 1 << 20,
     }));
-    let stat = |pick: fn(&DriverStats) -> u64| producer.driver_stats().map_or(0, |s| pick(&s));
     assert!(
-        common::wait_until(LONG, || stat(|s| s.short_writes) > 0),
+        common::wait_until(LONG, || producer
+            .driver_stats()
+            .is_some_and(|s| s.short_writes > 0)),
         "the server's writes fill the socket"
     );
-    // A frame with a bad magic: the server finds it while its write is stuck.
-    let mut bad_magic = frame(&Message::AddCredit {
+    (producer, writer, peer)
+}
+
+/// A frame with a bad magic.
+fn bad_magic() -> Vec<u8> {
+    let mut bytes = frame(&Message::AddCredit {
         receiver: ReceiverId(1),
         credit: 1,
     });
-    bad_magic[4] ^= 0xFF;
-    peer.send(&bad_magic);
+    bytes[4] ^= 0xFF;
+    bytes
+}
+
+fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transport) {
+    let (producer, writer, mut peer) = stuck_server(transport, &[]);
+    let stat = |pick: fn(&DriverStats) -> u64| producer.driver_stats().map_or(0, |s| pick(&s));
+    // A frame with a bad magic: the server finds it while its write is stuck.
+    peer.send(&bad_magic());
     // Read only once the server has found the error with its socket still full: closed
     // then, it lost the response (the epoll driver did, whenever it got there first).
     assert!(
@@ -831,44 +848,10 @@ on_both_drivers!(
 /// (`ERROR_RESPONSE_LINGER`, 5 s), freeing its slot, instead of keeping it for good (TCP's
 /// user timeout, which would end it too, is off here).
 fn a_peer_that_never_reads_its_error_response_is_closed_anyway(transport: Transport) {
-    let producer = start(
-        1,
-        transport,
-        &[("fluxgate.network.tcp.user-timeout-ms", "0")],
-    );
-    let partition = producer.create_partition(CHAOS, 1).unwrap();
-    let writer = thread::spawn(move || {
-        let mut writer = RecordWriter::new(
-            partition,
-            RoundRobinSelector::default(),
-            BufferTimeout::from_millis(1),
-        );
-        // Bounded: far more than the sockets hold; the writer blocks until the connection
-        // closes, which releases the subpartition and fails the next emit.
-        for seq in 0..1_000_000u64 {
-            if writer.emit(&[seq as u8; 1000][..]).is_err() {
-                return;
-            }
-        }
-    });
-    let mut peer = RawPeer::handshaken(producer.local_addr(), None);
-    peer.send(&frame(&Message::PartitionRequest {
-        partition: CHAOS,
-        subpartition: 0,
-        receiver: ReceiverId(1),
-        credit: 1 << 20,
-    }));
+    let (producer, writer, mut peer) =
+        stuck_server(transport, &[("fluxgate.network.tcp.user-timeout-ms", "0")]);
     let stat = |pick: fn(&DriverStats) -> u64| producer.driver_stats().map_or(0, |s| pick(&s));
-    assert!(
-        common::wait_until(LONG, || stat(|s| s.short_writes) > 0),
-        "the server's writes fill the socket"
-    );
-    let mut bad_magic = frame(&Message::AddCredit {
-        receiver: ReceiverId(1),
-        credit: 1,
-    });
-    bad_magic[4] ^= 0xFF;
-    peer.send(&bad_magic);
+    peer.send(&bad_magic());
     assert!(
         common::wait_until(LONG, || stat(|s| s.protocol_errors) > 0),
         "the server found the bad frame"

@@ -1377,26 +1377,28 @@ fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
     // whole network memory (up to `exclusive-buffers-request-timeout-ms`, 30 s here). A
     // cancelled task closes its gate from another thread: that ends the wait at once.
     let f = fixture();
-    let mut gate = f.gate(&[(2, 0)], ChannelLocation::Unknown);
-    let pool = gate
-        .pool()
-        .expect("a pool for the channel that may turn remote")
-        .clone();
-    let hog = f
-        .network
-        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
-            min_segments: 1,
-            max_segments: usize::MAX,
-            subpartitions: 0,
-            max_segments_per_channel: usize::MAX,
-            max_listeners: 1,
-            max_overdraft_segments: 0,
-        })
-        .unwrap();
-    let held: Vec<_> = std::iter::from_fn(|| hog.request_segment()).collect();
+    let gate = f.gate(&[(2, 0)], ChannelLocation::Unknown);
     let closer = gate.closer();
+    assert_close_ends_the_wait_for_exclusive_segments(&f, gate, closer, |gate| {
+        gate.update_channel(0, ChannelLocation::Remote, Instant::now())
+    });
+}
+
+/// Runs `turn_remote` (a channel of `gate` turning remote) on a thread while other pools hold
+/// every segment, closes through `closer` once it waits for its exclusive segments, and checks
+/// that the wait ended as closed, with every segment back in the end.
+fn assert_close_ends_the_wait_for_exclusive_segments<G: InputGate + Send + 'static>(
+    f: &Fixture,
+    mut gate: G,
+    closer: fluxgate::gate::GateCloser,
+    turn_remote: fn(&mut G) -> Result<(), GateError>,
+) where
+    G: HasGatePool,
+{
+    let pool = gate.gate_pool();
+    let (hog, held) = common::hog_every_segment(&f.network);
     let update = thread::spawn(move || {
-        let result = gate.update_channel(0, ChannelLocation::Remote, Instant::now());
+        let result = turn_remote(&mut gate);
         (gate, result)
     });
     assert!(
@@ -1411,6 +1413,25 @@ fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
     );
     drop((gate, pool, held, hog));
     assert!(f.all_segments_back());
+}
+
+/// The pool of a gate's (first) member, where its channels wait for exclusive segments.
+trait HasGatePool {
+    fn gate_pool(&self) -> Arc<fluxgate::buffer::LocalBufferPool>;
+}
+
+impl HasGatePool for SingleInputGate {
+    fn gate_pool(&self) -> Arc<fluxgate::buffer::LocalBufferPool> {
+        self.pool()
+            .expect("a pool for the channel that may turn remote")
+            .clone()
+    }
+}
+
+impl HasGatePool for UnionInputGate {
+    fn gate_pool(&self) -> Arc<fluxgate::buffer::LocalBufferPool> {
+        self.gates()[0].gate_pool()
+    }
 }
 
 #[test]
@@ -1431,42 +1452,11 @@ fn a_union_closer_ends_a_members_wait_for_exclusive_segments() {
     // Cancelling the task closes the union, which closes its members too: a member's channel
     // turning remote stops waiting for exclusive segments other pools hold.
     let f = fixture();
-    let member = f.gate(&[(2, 0)], ChannelLocation::Unknown);
-    let pool = member
-        .pool()
-        .expect("a pool for the channel that may turn remote")
-        .clone();
-    let mut union = UnionInputGate::new(vec![member]);
-    let hog = f
-        .network
-        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
-            min_segments: 1,
-            max_segments: usize::MAX,
-            subpartitions: 0,
-            max_segments_per_channel: usize::MAX,
-            max_listeners: 1,
-            max_overdraft_segments: 0,
-        })
-        .unwrap();
-    let held: Vec<_> = std::iter::from_fn(|| hog.request_segment()).collect();
+    let union = UnionInputGate::new(vec![f.gate(&[(2, 0)], ChannelLocation::Unknown)]);
     let closer = union.closer();
-    let update = thread::spawn(move || {
-        let result =
-            union.gates_mut()[0].update_channel(0, ChannelLocation::Remote, Instant::now());
-        (union, result)
+    assert_close_ends_the_wait_for_exclusive_segments(&f, union, closer, |union| {
+        union.gates_mut()[0].update_channel(0, ChannelLocation::Remote, Instant::now())
     });
-    assert!(
-        common::wait_until(LONG, || pool.waiting_requests() > 0),
-        "the channel never waited for its exclusive segments"
-    );
-    closer.close();
-    let (union, result) = update.join().unwrap();
-    assert!(
-        matches!(result, Err(GateError::Closed)),
-        "the wait ended with {result:?}, not as closed"
-    );
-    drop((union, pool, held, hog));
-    assert!(f.all_segments_back());
 }
 
 #[test]

@@ -1152,18 +1152,7 @@ fn a_barrier_in_a_buffer_of_the_wrong_type_fails_the_read() {
 #[test]
 fn exclusive_segments_wait_for_segments_another_pool_gives_back() {
     let f = fixture();
-    let hog = f
-        .network
-        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
-            min_segments: 1,
-            max_segments: usize::MAX,
-            subpartitions: 0,
-            max_segments_per_channel: usize::MAX,
-            max_listeners: 1,
-            max_overdraft_segments: 0,
-        })
-        .unwrap();
-    let held: Vec<_> = std::iter::from_fn(|| hog.request_segment()).collect();
+    let (hog, held) = common::hog_every_segment(&f.network);
     assert_eq!(f.network.available_segments(), 0);
     let pool = Arc::new(
         f.network

@@ -335,3 +335,26 @@ impl RecordingSink {
             .collect()
     }
 }
+
+/// A pool that takes every free segment of `network` and holds them (another task's pool
+/// that grew while the global pool had segments), with the segments it holds.
+#[allow(dead_code)]
+pub fn hog_every_segment(
+    network: &fluxgate::buffer::NetworkBufferPool,
+) -> (
+    fluxgate::buffer::LocalBufferPool,
+    Vec<fluxgate::buffer::PooledSegment>,
+) {
+    let hog = network
+        .create_local_pool(fluxgate::buffer::LocalPoolSpec {
+            min_segments: 1,
+            max_segments: usize::MAX,
+            subpartitions: 0,
+            max_segments_per_channel: usize::MAX,
+            max_listeners: 1,
+            max_overdraft_segments: 0,
+        })
+        .unwrap();
+    let held = std::iter::from_fn(|| hog.request_segment()).collect();
+    (hog, held)
+}
