@@ -797,6 +797,17 @@ fn stuck_server(
     (producer, writer, peer)
 }
 
+/// Once the server closed the connection: the writer ends (its next emit fails) and every
+/// segment is back.
+fn end_stuck_server(producer: &ShuffleEnvironment, writer: thread::JoinHandle<()>, peer: RawPeer) {
+    writer.join().expect("the writer does not panic");
+    drop(peer);
+    assert!(
+        common::wait_until(LONG, || common::pool_full(producer)),
+        "producer segments leaked"
+    );
+}
+
 /// A frame with a bad magic.
 fn bad_magic() -> Vec<u8> {
     let mut bytes = frame(&Message::AddCredit {
@@ -830,12 +841,7 @@ fn an_error_found_while_a_write_is_stuck_is_answered_after_it(transport: Transpo
         ),
         "the server answered {messages:?}"
     );
-    writer.join().expect("the writer does not panic");
-    drop(peer);
-    assert!(
-        common::wait_until(LONG, || common::pool_full(&producer)),
-        "producer segments leaked"
-    );
+    end_stuck_server(&producer, writer, peer);
 }
 on_both_drivers!(
     an_error_found_while_a_write_is_stuck_is_answered_after_it,
@@ -860,12 +866,7 @@ fn a_peer_that_never_reads_its_error_response_is_closed_anyway(transport: Transp
         common::wait_until(LONG, || stat(|s| s.open_connections) == 0),
         "the connection stays open while its peer reads nothing"
     );
-    writer.join().expect("the writer does not panic");
-    drop(peer);
-    assert!(
-        common::wait_until(LONG, || common::pool_full(&producer)),
-        "producer segments leaked"
-    );
+    end_stuck_server(&producer, writer, peer);
 }
 on_both_drivers!(
     a_peer_that_never_reads_its_error_response_is_closed_anyway,

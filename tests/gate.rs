@@ -1387,14 +1387,12 @@ fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
 /// Runs `turn_remote` (a channel of `gate` turning remote) on a thread while other pools hold
 /// every segment, closes through `closer` once it waits for its exclusive segments, and checks
 /// that the wait ended as closed, with every segment back in the end.
-fn assert_close_ends_the_wait_for_exclusive_segments<G: InputGate + Send + 'static>(
+fn assert_close_ends_the_wait_for_exclusive_segments<G: HasGatePool + Send + 'static>(
     f: &Fixture,
     mut gate: G,
     closer: fluxgate::gate::GateCloser,
     turn_remote: fn(&mut G) -> Result<(), GateError>,
-) where
-    G: HasGatePool,
-{
+) {
     let pool = gate.gate_pool();
     let (hog, held) = common::hog_every_segment(&f.network);
     let update = thread::spawn(move || {
