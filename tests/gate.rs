@@ -1512,3 +1512,55 @@ fn task_events_sent_before_the_partition_exists_reach_it_once_found() {
         ]
     );
 }
+
+#[test]
+fn a_released_partition_s_local_reader_gives_back_the_buffer_its_writer_waits_for() {
+    // With one buffer per subpartition, the writer waits for the buffer the local channel is
+    // reading. Its consumer's next read reports the release and lets go of that buffer, so
+    // the writer fails with Released instead of waiting until the gate closes.
+    let f = fixture();
+    let mut config = f.config.clone();
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut partition = ResultPartition::new(pid(17), 1, &f.network, &config).unwrap();
+    f.manager.register(partition.handle()).unwrap();
+    let handle = partition.handle();
+    let mut gate = f.gate(&[(17, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    send(&mut partition, b"partly read");
+    drop(
+        gate.next_timeout(LONG)
+            .unwrap()
+            .expect("the flushed record"),
+    );
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let writer = thread::spawn(move || {
+        let mut result = Ok(());
+        // More than the rest of the buffer: the writer needs the next one.
+        for _ in 0..100 {
+            result = partition.emit_record(&[2u8; 100][..], 0);
+            if result.is_err() {
+                break;
+            }
+        }
+        done_tx.send(result).unwrap();
+        partition
+    });
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    handle.release();
+    assert!(matches!(
+        gate.poll_next(),
+        Err(GateError::Partition { channel: 0, .. })
+    ));
+    let result = done_rx.recv_timeout(LONG).expect("the writer still waits");
+    assert!(
+        matches!(result, Err(PartitionError::Released)),
+        "{result:?}"
+    );
+    drop((writer.join().unwrap(), gate));
+    assert!(f.all_segments_back());
+}

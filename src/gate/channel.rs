@@ -316,7 +316,13 @@ impl LocalInputChannel {
             return Ok(None);
         };
         if view.is_released() {
-            return Err(partition_error(self.index, PartitionError::Released));
+            // For good: the view goes now, and with it the buffer it was reading, for which
+            // the producer's writer may wait.
+            let error = partition_error(self.index, PartitionError::Released);
+            self.view = None;
+            self.released = true;
+            self.failed = Some(error.clone());
+            return Err(error);
         }
         Ok(view.poll_next().map(|item| ChannelRead {
             more_available: item.next_data_type != DataType::None,

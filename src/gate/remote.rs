@@ -603,13 +603,14 @@ impl RemoteChannelShared {
             // Not a barrier after all: the gate's read of it reports the error.
             _ => None,
         };
+        // Counted before the push: a gate that reads the event at once counts it down after.
+        if event {
+            self.unread_events.fetch_add(1, Ordering::Relaxed);
+        }
         if lane.push(item).is_err() {
             let error = GateError::CreditExceeded(self.channel);
             self.fail(error.clone());
             return Err(error);
-        }
-        if event {
-            self.unread_events.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(checkpoint) = announced_checkpoint {
             // After the push: a gate that sees the announcement finds the barrier queued.

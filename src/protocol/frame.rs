@@ -369,11 +369,12 @@ pub fn encode_buffer_response(
     body[34..38].copy_from_slice(&header.overtaken.to_be_bytes());
 }
 
-/// Most data items a priority event can overtake: all a sender's subpartition queue holds,
-/// which is twice `max-buffers-per-channel`, plus `max-overdraft-buffers-per-gate`, plus its
-/// event reserve, each option at most 65536. More is a corrupt or hostile frame: the consumer
-/// would persist every later buffer of the channel as in-flight data.
-pub const MAX_OVERTAKEN: u32 = 3 * (1 << 16) + 8;
+/// Most data items a priority event can overtake, with room to spare: all a sender's
+/// subpartition queue holds (twice `max-buffers-per-channel`, plus
+/// `max-overdraft-buffers-per-gate`, plus its event reserve, each option at most 65536) and
+/// the item its reader is reading. More is a corrupt or hostile frame: the consumer would
+/// persist every later buffer of the channel as in-flight data.
+pub const MAX_OVERTAKEN: u32 = 4 * (1 << 16);
 
 /// Parses a BufferResponse's fixed header (the bytes after the frame header) and checks it
 /// against the frame length (and `overtaken` against [`MAX_OVERTAKEN`]).
