@@ -320,7 +320,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             if self.persist[c] != Persist::UntilBarrier {
                 continue;
             }
-            if self.gate.convert_barrier_to_priority(c, id).is_some() {
+            if self.gate.convert_barrier_to_priority(c, id) {
                 self.on_barrier_moved_ahead(c);
                 converted += 1;
             }
@@ -339,6 +339,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         // Listed with nothing ahead too: the next read then completes the checkpoint if this
         // was the last barrier it waited for (its senders, stopped behind their aligned
         // barriers, send nothing that would).
+        self.list_taken_ahead(channel);
+    }
+
+    /// `channel` has data taken ahead for the running checkpoint, persisted on the next read.
+    fn list_taken_ahead(&mut self, channel: usize) {
         if !self.taken_ahead.contains(&channel) {
             self.taken_ahead.push(channel);
         }
@@ -381,7 +386,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 // before it too, once the channel has it.
                 if self.persist[channel] == Persist::UntilBarrier {
                     if let Some(id) = self.current {
-                        if self.gate.convert_barrier_to_priority(channel, id).is_some() {
+                        if self.gate.convert_barrier_to_priority(channel, id) {
                             self.on_barrier_moved_ahead(channel);
                         }
                     }
@@ -572,8 +577,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         // now; the rest, still on their way, as they are read.
         self.persist[channel] = if overtaken > 0 && !blocks {
             let ahead = self.gate.take_unread_before_priority(channel);
-            if ahead > 0 && !self.taken_ahead.contains(&channel) {
-                self.taken_ahead.push(channel);
+            if ahead > 0 {
+                self.list_taken_ahead(channel);
             }
             Persist::after(ahead, overtaken.saturating_sub(ahead))
         } else {

@@ -141,10 +141,10 @@ impl InputChannel {
 
     /// See [`RemoteInputChannel::convert_barrier_to_priority`]; a local channel's barrier is
     /// turned in its producer's queue instead (the producer's own timer).
-    pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> Option<usize> {
+    pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> bool {
         match self {
             InputChannel::Remote(c) => c.convert_barrier_to_priority(checkpoint),
-            _ => None,
+            _ => false,
         }
     }
 

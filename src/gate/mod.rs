@@ -211,10 +211,10 @@ pub trait InputGate {
     }
     /// Moves the aligned barrier of `checkpoint` that `channel` received, and nobody read
     /// yet, ahead of the data before it (Flink's `convertToPriorityEvent`): that data is taken
-    /// ahead of its turn (read next, in order), the barrier dropped. Returns how many items
-    /// are taken ahead, or `None` when the channel holds no such barrier.
-    fn convert_barrier_to_priority(&mut self, _channel: usize, _checkpoint: u64) -> Option<usize> {
-        None
+    /// ahead of its turn (read next, in order), the barrier dropped. False when the channel
+    /// holds no such barrier.
+    fn convert_barrier_to_priority(&mut self, _channel: usize, _checkpoint: u64) -> bool {
+        false
     }
     /// The data buffers `channel` took ahead of their turn and has not returned yet, in order.
     fn for_each_taken_ahead(&self, _channel: usize, _f: &mut dyn FnMut(&Buffer)) {}

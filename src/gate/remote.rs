@@ -837,12 +837,11 @@ impl RemoteInputChannel {
     /// read yet, goes ahead of the data before it once its alignment timed out. That data is
     /// taken off the queue ahead of its turn (read next, in order; the gate persists it as
     /// in-flight data), and the barrier itself is dropped: the gate turned the checkpoint
-    /// unaligned already. Returns how many items are taken ahead now, or `None` when the
-    /// channel does not hold that barrier unread.
-    pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> Option<usize> {
+    /// unaligned already. False when the channel does not hold that barrier unread.
+    pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> bool {
         let shared = self.shared.clone();
         if shared.announced_checkpoint.load(Ordering::Acquire) != checkpoint {
-            return None;
+            return false;
         }
         let position = {
             let mut announced = shared.announced.lock().expect("not poisoned");
@@ -854,20 +853,22 @@ impl RemoteInputChannel {
                         .store(NO_ANNOUNCEMENT, Ordering::Release);
                     a.position
                 }
-                _ => return None,
+                _ => return false,
             }
         };
         // Everything up to the barrier was pushed before the announcement.
         let before = (position - self.data_taken) as usize;
         if self.take_ahead(before) < before {
-            return None;
+            return false;
         }
-        let barrier = self.stashed.take().or_else(|| shared.received.pop())?;
+        let Some(barrier) = self.stashed.take().or_else(|| shared.received.pop()) else {
+            return false;
+        };
         self.data_taken += 1;
         debug_assert!(barrier.buffer.data_type().requires_announcement());
         shared.unread_events.fetch_sub(1, Ordering::Relaxed);
         drop(barrier);
-        Some(self.pending.len())
+        true
     }
 
     /// The data buffers among the items taken ahead of their turn, in order.

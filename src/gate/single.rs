@@ -662,13 +662,12 @@ impl InputGate for SingleInputGate {
             .map_or(0, InputChannel::take_unread_before_priority)
     }
 
-    fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> Option<usize> {
-        if self.finished.get(channel).copied().unwrap_or(true) {
-            return None;
-        }
-        self.channels
-            .get_mut(channel)?
-            .convert_barrier_to_priority(checkpoint)
+    fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> bool {
+        !self.finished.get(channel).copied().unwrap_or(true)
+            && self
+                .channels
+                .get_mut(channel)
+                .is_some_and(|c| c.convert_barrier_to_priority(checkpoint))
     }
 
     fn for_each_taken_ahead(&self, channel: usize, f: &mut dyn FnMut(&crate::buffer::Buffer)) {

@@ -197,9 +197,10 @@ impl InputGate for UnionInputGate {
         })
     }
 
-    fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> Option<usize> {
-        let (gate, local) = self.locate(channel)?;
-        self.gates[gate].convert_barrier_to_priority(local, checkpoint)
+    fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> bool {
+        self.locate(channel).is_some_and(|(gate, local)| {
+            self.gates[gate].convert_barrier_to_priority(local, checkpoint)
+        })
     }
 
     fn for_each_taken_ahead(&self, channel: usize, f: &mut dyn FnMut(&crate::buffer::Buffer)) {

@@ -561,15 +561,15 @@ impl ResultPartition {
         Ok(())
     }
 
-    /// Drops everything queued and every builder; segments go back to the pool. Readers see
-    /// the partition as released.
+    /// Drops everything queued and finishes every builder; segments go back to the pool.
+    /// Readers see the partition as released.
     pub fn release(&mut self) {
-        // Released first: a builder dropped finishes its buffer without counting it in the
-        // backlog, and a reader that took that buffer out before the release would count the
-        // backlog down below zero.
+        // Released first, so readers stop taking; the builders are then finished as any
+        // (counted in the backlog before they show as finished): a read that began before the
+        // release and takes one out counts it down from there, not from zero.
         self.handle.release();
-        self.unicast.iter_mut().for_each(|b| *b = None);
-        self.broadcast = None;
+        self.finish_unicast_builders();
+        self.finish_broadcast_builder();
         self.pool.destroy();
     }
 
@@ -910,7 +910,7 @@ impl SegmentSink for PartitionSink<'_> {
                     subpartitions,
                     self.request_timeout,
                     |wait| {
-                        if continuing && max_overdraft > 0 {
+                        if continuing {
                             pool.request_continuation_builder_blocking(channel, max_overdraft, wait)
                         } else {
                             pool.request_buffer_builder_blocking(channel, wait)

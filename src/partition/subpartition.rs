@@ -636,13 +636,7 @@ impl SubpartitionView {
         let sub = &self.subpartition;
         self.data_taken += 1;
         if head.data_type().is_buffer() {
-            // Saturating: a buffer its builder finished as the partition was released (a
-            // dropped builder does not count it) may be taken by a read that began before.
-            let _ = sub
-                .backlog
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
-                    Some(b.saturating_sub(1))
-                });
+            sub.backlog.fetch_sub(1, Ordering::AcqRel);
         } else {
             sub.queued_events.fetch_sub(1, Ordering::AcqRel);
         }
