@@ -1534,19 +1534,8 @@ fn a_released_partition_s_local_reader_gives_back_the_buffer_its_writer_waits_fo
             .unwrap()
             .expect("the flushed record"),
     );
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let writer = thread::spawn(move || {
-        let mut result = Ok(());
-        // More than the rest of the buffer: the writer needs the next one.
-        for _ in 0..100 {
-            result = partition.emit_record(&[2u8; 100][..], 0);
-            if result.is_err() {
-                break;
-            }
-        }
-        done_tx.send(result).unwrap();
-        partition
-    });
+    // More than the rest of the buffer: the writer needs the next one.
+    let (writer, done_rx) = common::writer_until_failure(partition);
     assert!(
         common::wait_until(LONG, || handle.is_back_pressured()),
         "the writer never waited"

@@ -1713,19 +1713,8 @@ fn a_writer_waiting_for_the_segment_its_reader_holds_fails_once_the_subpartition
     partition.emit_record(&[1u8; 100][..], 0).unwrap();
     partition.flush(0);
     drop(view.poll_next().expect("the flushed record"));
-    let (done_tx, done_rx) = mpsc::channel();
-    let writer = thread::spawn(move || {
-        let mut result = Ok(());
-        // More than the rest of the buffer: the writer needs the next one.
-        for _ in 0..100 {
-            result = partition.emit_record(&[2u8; 100][..], 0);
-            if result.is_err() {
-                break;
-            }
-        }
-        done_tx.send(result).unwrap();
-        partition
-    });
+    // More than the rest of the buffer: the writer needs the next one.
+    let (writer, done_rx) = common::writer_until_failure(partition);
     assert!(
         common::wait_until(LONG, || handle.is_back_pressured()),
         "the writer never waited"

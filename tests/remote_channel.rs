@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
-    AlignmentMode, ChannelLocation, ChannelSpec, CheckpointedInputGate, ConsumedSubpartition,
-    CreditListener, GateError, GateItem, InputGate, RemoteChannelShared, SingleInputGate,
-    UnionInputGate, UNCREDITED_EVENTS,
+    AlignmentMode, BufferOrEvent, ChannelLocation, ChannelSpec, CheckpointedInputGate,
+    ConsumedSubpartition, CreditListener, GateError, GateItem, InputGate, RemoteChannelShared,
+    SingleInputGate, UnionInputGate, UNCREDITED_EVENTS,
 };
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
@@ -1204,6 +1204,24 @@ fn unaligned_remote_gate(
     (gate, sink, senders)
 }
 
+/// The first read: checkpoint `id`'s barrier, unaligned, as the timed-out alignment hands it
+/// to the task.
+fn unaligned_barrier_first(
+    gate: &mut CheckpointedInputGate<SingleInputGate>,
+    id: u64,
+) -> BufferOrEvent {
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(
+        matches!(
+            first.item,
+            GateItem::Event { event: Event::CheckpointBarrier(b), .. }
+                if b.id == id && b.alignment == Alignment::Unaligned
+        ),
+        "{first:?}"
+    );
+    first
+}
+
 fn persisted(sink: &common::RecordingSink) -> Vec<(u64, usize, Vec<u8>)> {
     sink.data.lock().unwrap().clone()
 }
@@ -1222,15 +1240,7 @@ fn a_barrier_received_behind_data_goes_ahead_of_it_when_its_alignment_times_out(
     sender1.send(b"two", DataType::DataBuffer, 0).unwrap();
     sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
 
-    let first = gate.poll_next().unwrap().expect("the barrier");
-    assert!(
-        matches!(
-            first.item,
-            GateItem::Event { event: Event::CheckpointBarrier(b), .. }
-                if b.id == 5 && b.alignment == Alignment::Unaligned
-        ),
-        "{first:?}"
-    );
+    let first = unaligned_barrier_first(&mut gate, 5);
     let one = gate.poll_next().unwrap().expect("channel 1's data");
     assert_eq!((one.channel, data(&one.item)), (1, b"one".to_vec()));
     assert_eq!(
@@ -1314,11 +1324,7 @@ fn a_timed_out_alignment_whose_barriers_had_nothing_before_them_completes() {
     let barrier = common::timeoutable_barrier(5, 10, 60_000);
     sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
     sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
-    let first = gate.poll_next().unwrap().expect("the barrier");
-    assert!(matches!(
-        first.item,
-        GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.alignment == Alignment::Unaligned
-    ));
+    let first = unaligned_barrier_first(&mut gate, 5);
     assert!(gate.poll_next().unwrap().is_none(), "nothing else was sent");
     assert_eq!(*sink.complete.lock().unwrap(), [5]);
     for shared in [&sender0.shared, &sender1.shared] {
@@ -1338,11 +1344,7 @@ fn a_barrier_arriving_after_its_alignment_timed_out_goes_ahead_of_the_data_befor
     let barrier = common::timeoutable_barrier(5, 10, 60_000);
     sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
     sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
-    let first = gate.poll_next().unwrap().expect("the barrier");
-    assert!(matches!(
-        first.item,
-        GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.alignment == Alignment::Unaligned
-    ));
+    let first = unaligned_barrier_first(&mut gate, 5);
     sender1.send(b"two", DataType::DataBuffer, 0).unwrap();
     sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
     let one = gate.poll_next().unwrap().expect("data");

@@ -358,3 +358,28 @@ pub fn hog_every_segment(
     let held = std::iter::from_fn(|| hog.request_segment()).collect();
     (hog, held)
 }
+
+/// A thread emitting 100-byte records to subpartition 0 of `partition` until one fails or
+/// 100 went out (more than a segment's rest), with where its last result arrives; the
+/// thread returns the partition.
+#[allow(dead_code)]
+pub fn writer_until_failure(
+    mut partition: fluxgate::partition::ResultPartition,
+) -> (
+    std::thread::JoinHandle<fluxgate::partition::ResultPartition>,
+    std::sync::mpsc::Receiver<Result<(), fluxgate::partition::PartitionError>>,
+) {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let writer = std::thread::spawn(move || {
+        let mut result = Ok(());
+        for _ in 0..100 {
+            result = partition.emit_record(&[2u8; 100][..], 0);
+            if result.is_err() {
+                break;
+            }
+        }
+        done_tx.send(result).unwrap();
+        partition
+    });
+    (writer, done_rx)
+}
