@@ -908,3 +908,78 @@ fn authentication_on_without_a_secret_refuses_to_start() {
         eprintln!("{SECRET_ENV} is set: the missing-secret case is not checked");
     }
 }
+
+/// Every SIGPIPE this test process receives (the tests' own raw peers write through `send`
+/// with `MSG_NOSIGNAL`, as `std` does, so only the engine's writes can raise one).
+fn sigpipes_seen() -> &'static Arc<std::sync::atomic::AtomicBool> {
+    static SEEN: std::sync::OnceLock<Arc<std::sync::atomic::AtomicBool>> =
+        std::sync::OnceLock::new();
+    SEEN.get_or_init(|| {
+        let seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        signal_hook::flag::register(libc::SIGPIPE, Arc::clone(&seen)).expect("a SIGPIPE handler");
+        seen
+    })
+}
+
+/// Whether every io_uring I/O thread of this process holds SIGPIPE blocked (and there is one),
+/// from `/proc/self/task/*/status`.
+fn io_uring_threads_block_sigpipe() -> bool {
+    let mut found = false;
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("fluxgate-io-uri") {
+            continue;
+        }
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue; // the thread ended meanwhile
+        };
+        let blocked = status
+            .lines()
+            .find_map(|line| line.strip_prefix("SigBlk:"))
+            .map(|mask| u64::from_str_radix(mask.trim(), 16).unwrap())
+            .expect("a SigBlk line");
+        if blocked & (1 << (libc::SIGPIPE - 1)) == 0 {
+            return false;
+        }
+        found = true;
+    }
+    found
+}
+
+/// A consumer that resets its connection while the server's write is stuck on it (closing a
+/// socket with unread data sends a reset): the server's next write finds a broken pipe. That
+/// must be an error on the connection, never a SIGPIPE, whose default action kills a host
+/// process that has not ignored it (Rust's runtime ignores it; a JVM or C host need not).
+fn a_reset_under_a_stuck_write_raises_no_sigpipe(transport: Transport) {
+    let seen = sigpipes_seen();
+    let (producer, writer, peer) = stuck_server(transport, &[]);
+    if transport == Transport::Uring {
+        // `Writev` and `WriteFixed` cannot say `MSG_NOSIGNAL`: the ring's thread must hold the
+        // signal blocked instead.
+        assert!(
+            io_uring_threads_block_sigpipe(),
+            "an io_uring I/O thread takes SIGPIPE"
+        );
+    }
+    // Unread data in the peer's receive buffer: its close sends a reset, not a FIN.
+    drop(peer.stream);
+    let stat = |pick: fn(&DriverStats) -> u64| producer.driver_stats().map_or(0, |s| pick(&s));
+    assert!(
+        common::wait_until(LONG, || stat(|s| s.open_connections) == 0),
+        "the server closes the reset connection"
+    );
+    writer.join().expect("the writer does not panic");
+    assert!(
+        common::wait_until(LONG, || common::pool_full(&producer)),
+        "producer segments leaked"
+    );
+    assert!(
+        !seen.load(Ordering::SeqCst),
+        "a write into the reset connection raised SIGPIPE"
+    );
+}
+on_both_drivers!(
+    a_reset_under_a_stuck_write_raises_no_sigpipe,
+    a_reset_under_a_stuck_write_raises_no_sigpipe_epoll,
+    a_reset_under_a_stuck_write_raises_no_sigpipe_uring
+);

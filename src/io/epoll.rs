@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
+use socket2::SockRef;
 
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
@@ -581,7 +582,7 @@ impl Loop {
             let mut slices = reuse_slices(std::mem::take(&mut scratch));
             conn.connection.write_slices(&mut slices, MAX_SLICES);
             let offered: usize = slices.iter().map(|slice| slice.len()).sum();
-            let written = conn.stream.write_vectored(&slices);
+            let written = NoSignal(&conn.stream).write_vectored(&slices);
             slices.clear();
             scratch = reuse_slices(slices);
             match written {
@@ -704,7 +705,7 @@ impl Loop {
                     Err(error) => {
                         // rustls queued an alert telling the peer why; it goes if the socket
                         // takes it.
-                        let _ = session.write_tls(stream);
+                        let _ = session.write_tls(&mut NoSignal(stream));
                         self.fail_tls(token, &error);
                         return;
                     }
@@ -767,7 +768,7 @@ impl Loop {
         // Bounded: each pass writes records, takes plaintext, or stops.
         for _ in 0..1024 {
             if session.wants_write() {
-                match session.write_tls(stream) {
+                match session.write_tls(&mut NoSignal(stream)) {
                     Ok(0) => break,
                     Ok(_) => {
                         self.worked = true;
@@ -816,7 +817,7 @@ impl Loop {
         {
             // Tells the peer the end is deliberate; best effort, as the close itself is.
             session.send_close_notify();
-            let _ = session.write_tls(&mut conn.stream);
+            let _ = session.write_tls(&mut NoSignal(&conn.stream));
             if conn.close_by.is_some() {
                 self.close_discarding_input(token);
             } else {
@@ -904,6 +905,26 @@ fn deliver_plaintext(
 
 /// Moves an empty slice vector's allocation to another lifetime (collected in place: same
 /// layout, no element, so no reallocation).
+/// A socket's writes with `MSG_NOSIGNAL`: a write into a connection its peer reset fails
+/// with `EPIPE` instead of raising SIGPIPE, whose default action ends the process. Rust's
+/// runtime ignores the signal, but a host that embeds the engine need not; plain `writev`
+/// cannot take the flag.
+struct NoSignal<'s>(&'s TcpStream);
+
+impl Write for NoSignal<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        SockRef::from(self.0).send_with_flags(buf, libc::MSG_NOSIGNAL)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        SockRef::from(self.0).send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 fn reuse_slices<'b>(slices: Vec<IoSlice<'_>>) -> Vec<IoSlice<'b>> {
     debug_assert!(slices.is_empty());
     slices

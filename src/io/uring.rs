@@ -209,6 +209,29 @@ fn probe_now() -> Result<(), String> {
 
 /// A ring with SINGLE_ISSUER and DEFER_TASKRUN when the kernel takes them, else a plain one.
 /// Must be built on the thread that submits (SINGLE_ISSUER binds the ring to it).
+/// Keeps SIGPIPE away from this thread. A write into a connection its peer reset (or that a
+/// cancel shut down) fails with `EPIPE`, and the kernel also raises SIGPIPE at the thread that
+/// issued it unless the write says `MSG_NOSIGNAL`, which `Writev` and `WriteFixed` cannot.
+/// The signal's default action ends the process; Rust's runtime ignores it, but a host that
+/// embeds the engine need not. Blocked here, the thread-directed signal stays pending on this
+/// thread and is never acted on. (io_uring's worker threads block every signal already.)
+fn block_sigpipe_on_this_thread() {
+    // SAFETY: `set` is initialised by `sigemptyset` before it is read, and
+    // `pthread_sigmask` changes only the calling thread's mask (no old mask is asked for).
+    let blocked = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGPIPE);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
+    };
+    if blocked != 0 {
+        tracing::warn!(
+            error = %io::Error::from_raw_os_error(blocked),
+            "io_uring: could not block SIGPIPE on the I/O thread"
+        );
+    }
+}
+
 fn build_ring() -> io::Result<IoUring> {
     let tuned = IoUring::builder()
         .setup_cqsize(CQ_ENTRIES)
@@ -289,6 +312,7 @@ impl UringDriver {
                 .name("fluxgate-io-uring".into())
                 .spawn(move || {
                     crate::buffer::mark_io_thread();
+                    block_sigpipe_on_this_thread();
                     let ring = match build_ring() {
                         Ok(ring) => ring,
                         Err(error) => {
