@@ -586,6 +586,41 @@ fn io_waker_does_not_signal_a_running_thread() {
     });
 }
 
+/// (io, stop) An I/O thread whose loop ends (an OS error stopped it) against a task thread's
+/// `submit`, as `DriverHandle::submit` makes it: the command is refused exactly once, by the
+/// stopping thread's last drain or by the submitter taking it back, and never stays in the
+/// queue, where nobody would take it (a channel waiting there to connect would wait for good).
+#[test]
+fn io_thread_stop_races_submit() {
+    bounded_model(|| {
+        let (waker, _eventfd) = io_waker();
+        let commands = Arc::new(ArrayQueue::<u32>::new(2));
+        let refused = Arc::new(AtomicUsize::new(0));
+        let io = {
+            let waker = waker.clone();
+            let commands = commands.clone();
+            let refused = refused.clone();
+            loom::thread::spawn(move || {
+                waker.stop(&commands, |_| {
+                    refused.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+        };
+        let refuse = |_| {
+            refused.fetch_add(1, Ordering::SeqCst);
+        };
+        match waker.submit(&commands, 7) {
+            Ok(()) => {
+                waker.take_back_if_stopped(&commands, refuse);
+            }
+            Err(command) => refuse(command),
+        }
+        io.join().unwrap();
+        assert_eq!(refused.load(Ordering::SeqCst), 1, "refused once");
+        assert!(commands.is_empty(), "the command stayed queued");
+    });
+}
+
 /// (p1) The global free list across threads: three threads (two spawned and this one) each
 /// take a segment from a two-segment pool while others give theirs back. No segment has two
 /// owners at once (a per-segment owner count, and the lease's own "no lease yet" assertion in

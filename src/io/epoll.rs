@@ -329,6 +329,7 @@ impl Loop {
         self.connections.clear();
         self.pending.fail_all(SHUTDOWN_REASON);
         self.refused.fail_all(SHUTDOWN_REASON);
+        super::io_thread_stopped(&self.commands, &self.waker);
     }
 
     fn next_timeout(&self, now: Instant) -> Duration {

@@ -286,33 +286,62 @@ pub(crate) struct DriverHandle {
 impl DriverHandle {
     /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
     /// False when the command was dropped (the queue stayed full: the I/O thread is stuck).
+    /// False when the command was dropped: the queue stayed full (the I/O thread is stuck),
+    /// or the thread has stopped.
     pub(crate) fn submit(&self, command: Command) -> bool {
-        let Err(command) = self.waker.submit(&self.commands, command) else {
-            return true;
-        };
-        tracing::error!(
-            ?command,
-            "the I/O thread's command queue stayed full; command dropped"
-        );
-        if let Command::Connect { peer, channel, .. } = command {
-            // Its channel would wait forever otherwise.
-            channel.fail(crate::gate::GateError::Transport {
-                channel: channel.channel(),
-                reason: format!("the I/O thread took no request to connect to {peer}"),
-            });
+        match self.waker.submit(&self.commands, command) {
+            Ok(()) => !self
+                .waker
+                .take_back_if_stopped(&self.commands, |command| refuse(command, STOPPED_REASON)),
+            Err(command) if self.waker.is_stopped() => {
+                refuse(command, STOPPED_REASON);
+                false
+            }
+            Err(command) => {
+                tracing::error!(
+                    ?command,
+                    "the I/O thread's command queue stayed full; command dropped"
+                );
+                refuse(command, "the I/O thread took no request to connect");
+                false
+            }
         }
-        false
     }
 }
 
 impl Drop for DriverHandle {
     fn drop(&mut self) {
         let queued = self.submit(Command::Shutdown);
-        if let Some(thread) = self.thread.take().filter(|_| queued) {
+        if let Some(thread) = self
+            .thread
+            .take()
+            .filter(|_| queued || self.waker.is_stopped())
+        {
             // A stuck thread that never took the shutdown is left behind, not waited for.
             let _ = thread.join();
         }
     }
+}
+
+/// Why a command met an I/O thread whose loop had ended (an OS error stopped it).
+const STOPPED_REASON: &str = "the I/O thread has stopped";
+
+/// A command no I/O thread will take, for `reason`: a channel waiting to connect fails (it
+/// would wait for good); anything else is dropped (a finished connect's socket closes, a
+/// diagnostics request gets no answer).
+fn refuse(command: Command, reason: &str) {
+    if let Command::Connect { peer, channel, .. } = command {
+        channel.fail(crate::gate::GateError::Transport {
+            channel: channel.channel(),
+            reason: format!("{reason} (connecting to {peer})"),
+        });
+    }
+}
+
+/// The end of an I/O thread's loop (either driver): commands still queued, or queued from now
+/// on, are refused.
+pub(crate) fn io_thread_stopped(commands: &ArrayQueue<Command>, waker: &IoWaker<WakeFn>) {
+    waker.stop(commands, |command| refuse(command, STOPPED_REASON));
 }
 
 /// A remote channel whose connection was refused, waiting to try again.
@@ -512,7 +541,12 @@ pub(crate) fn start_connect(
             // A full queue for about 10 s means a stuck I/O thread, and a cancelled helper's
             // thread has stopped draining it: either way the stream is closed with the
             // dropped command.
-            let _ = waker.submit_unless(&commands, connected, || cancelled.load(Ordering::Acquire));
+            if waker
+                .submit_unless(&commands, connected, || cancelled.load(Ordering::Acquire))
+                .is_ok()
+            {
+                waker.take_back_if_stopped(&commands, |command| refuse(command, STOPPED_REASON));
+            }
         })?;
     helpers.running.push(ConnectHelper { cancel, thread });
     Ok(())

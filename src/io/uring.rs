@@ -782,6 +782,7 @@ impl Loop {
             self.read_on();
         }
         self.shutdown();
+        super::io_thread_stopped(&self.commands, &self.waker);
     }
 
     /// Reads again, before the next turn's writes, from every socket whose last read filled

@@ -23,6 +23,8 @@ use crate::sync::{ArrayQueue, AtomicBool, Ordering};
 /// pattern). `tests/loom.rs` checks it with this type and the real queue code.
 pub struct IoWaker<W: Fn() + Send + Sync> {
     parked: AtomicBool,
+    /// The I/O thread's loop has ended: nobody takes commands any more.
+    stopped: AtomicBool,
     wake: W,
 }
 
@@ -39,6 +41,7 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
     pub fn new(wake: W) -> Self {
         Self {
             parked: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             wake,
         }
     }
@@ -106,14 +109,15 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
 
     /// A task thread hands `command` to the I/O thread through its bounded `queue` and wakes
     /// it if parked. Blocks (bounded) only if the queue is full; gives the command back when
-    /// the queue stayed full for about 10 s (the I/O thread is stuck).
+    /// the queue stayed full for about 10 s (the I/O thread is stuck) or the thread has
+    /// [stopped](Self::stop). A command it queued may still meet a thread that stopped
+    /// meanwhile: [`take_back_if_stopped`](Self::take_back_if_stopped) says.
     pub fn submit<T>(&self, queue: &ArrayQueue<T>, command: T) -> Result<(), T> {
         self.submit_unless(queue, command, || false)
     }
 
     /// [`submit`](Self::submit), giving up (and handing the command back) as soon as
-    /// `give_up` says so between attempts: for a submitter whose I/O thread may have stopped
-    /// draining the queue.
+    /// `give_up` says so between attempts: for a submitter whose own work may be cancelled.
     pub fn submit_unless<T>(
         &self,
         queue: &ArrayQueue<T>,
@@ -122,7 +126,7 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
     ) -> Result<(), T> {
         // Bounded: the I/O thread drains the queue every loop turn.
         for _ in 0..10_000 {
-            if give_up() {
+            if give_up() || self.is_stopped() {
                 return Err(command);
             }
             match queue.push(command) {
@@ -139,6 +143,45 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
             }
         }
         Err(command)
+    }
+}
+
+impl<W: Fn() + Send + Sync> IoWaker<W> {
+    /// The I/O thread's loop has ended, by shutdown or because an OS error stopped it: from
+    /// now on [`submit`](Self::submit) refuses commands, and each one still in `queue` goes
+    /// to `refuse` (a channel waiting to connect must fail, not wait for good).
+    pub fn stop<T>(&self, queue: &ArrayQueue<T>, mut refuse: impl FnMut(T)) {
+        // SeqCst, before the pops: against a submitter's push and then its load of `stopped`
+        // (the Dekker pattern of `parked` again), either these pops find its command or
+        // its `take_back_if_stopped` sees the flag.
+        self.stopped.store(true, Ordering::SeqCst);
+        // Bounded: the queue is bounded and nobody queues once `stopped` shows.
+        while let Some(command) = queue.pop() {
+            refuse(command);
+        }
+    }
+
+    /// Whether the I/O thread has [stopped](Self::stop).
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
+    /// Call after [`submit`](Self::submit) queued a command: if the thread stopped meanwhile,
+    /// its last look at `queue` may have come before the push, so every command left there
+    /// goes to `refuse` and this returns true (the command will not run).
+    pub fn take_back_if_stopped<T>(
+        &self,
+        queue: &ArrayQueue<T>,
+        mut refuse: impl FnMut(T),
+    ) -> bool {
+        if !self.is_stopped() {
+            return false;
+        }
+        // Bounded as in `stop`.
+        while let Some(command) = queue.pop() {
+            refuse(command);
+        }
+        true
     }
 }
 
