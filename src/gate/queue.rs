@@ -77,15 +77,27 @@ impl ChannelQueue {
         if lane.push(channel).is_err() {
             unreachable!("a lane holds each channel at most once and has room for all");
         }
+        if let Some((parent, gate)) = self.parent.get() {
+            parent.enqueue(*gate, priority);
+            return;
+        }
+        // No union yet: one being built may have set its link since, and then reads this
+        // gate once without having seen the push. The fences (here and in `set_parent`) order
+        // push-then-look against link-then-read (store buffering): one of the two sees the
+        // other's write. Off the union's path, so once per channel queued, not per record.
+        fence(Ordering::SeqCst);
         match self.parent.get() {
             Some((parent, gate)) => parent.enqueue(*gate, priority),
             None => self.wake(),
         }
     }
 
-    /// Makes this gate's queue report to a union gate's queue as entry `gate`.
+    /// Makes this gate's queue report to a union gate's queue as entry `gate`. The union
+    /// reads the gate once after this (see `enqueue` for why that read finds every channel
+    /// queued without a link).
     pub fn set_parent(&self, parent: Arc<ChannelQueue>, gate: u32) {
         let _ = self.parent.set((parent, gate));
+        fence(Ordering::SeqCst);
     }
 
     /// The next channel to read: priority lane first, then the data lane (FIFO: a channel that
