@@ -110,6 +110,9 @@ impl std::str::FromStr for ZeroCopySend {
 /// cannot overflow.
 const MAX_BUFFER_COUNT: usize = 1 << 16;
 
+/// Longest timeout an option may hold (a day): deadlines computed from it must not overflow.
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
+
 /// Network memory and exchange options of one process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetworkConfig {
@@ -603,6 +606,35 @@ impl NetworkConfig {
                 "must be at least 1 ms",
             );
         }
+        // Deadlines are computed from these (`now + timeout`, on the I/O thread for most), which
+        // must not overflow: a day at most, as `ShuffleEnvironment::start` asks of its own.
+        for (key, value) in [
+            (
+                "taskmanager.network.memory.exclusive-buffers-request-timeout-ms",
+                self.buffer_request_timeout,
+            ),
+            (
+                "taskmanager.network.request-backoff.max",
+                self.request_backoff_max,
+            ),
+            ("fluxgate.network.handshake-timeout", self.handshake_timeout),
+            (
+                "security.ssl.internal.handshake-timeout",
+                self.ssl_handshake_timeout,
+            ),
+            (
+                "fluxgate.network.io-thread.busy-poll-us",
+                self.io_thread_busy_poll,
+            ),
+        ] {
+            if value > MAX_TIMEOUT {
+                return invalid(
+                    key,
+                    value.as_millis().min(usize::MAX as u128) as usize,
+                    "must be at most a day (86400000 ms)",
+                );
+            }
+        }
         if self.partition_request_rate > 0 && self.partition_request_burst == 0 {
             return invalid(
                 "fluxgate.network.partition-request-burst",
@@ -824,6 +856,27 @@ mod tests {
         assert!(config
             .set("security.ssl.internal.server-name", "not a name")
             .is_err());
+    }
+
+    /// A timeout set past a day through the public fields (the string keys stop short of
+    /// overflowing anyway) is refused: the I/O thread computes `now + timeout` from it, which
+    /// would panic.
+    #[test]
+    fn timeouts_past_a_day_are_refused() {
+        let fields: [fn(&mut NetworkConfig) -> &mut Duration; 5] = [
+            |c| &mut c.buffer_request_timeout,
+            |c| &mut c.request_backoff_max,
+            |c| &mut c.handshake_timeout,
+            |c| &mut c.ssl_handshake_timeout,
+            |c| &mut c.io_thread_busy_poll,
+        ];
+        for field in fields {
+            let mut config = NetworkConfig::default();
+            *field(&mut config) = Duration::from_secs(86_400);
+            assert!(config.validate().is_ok(), "a day is allowed: {config:?}");
+            *field(&mut config) = Duration::MAX;
+            assert!(config.validate().is_err(), "refused: {config:?}");
+        }
     }
 
     #[test]
