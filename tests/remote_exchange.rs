@@ -997,6 +997,50 @@ on_both_drivers!(
     task_events_reach_a_remote_producer_uring
 );
 
+/// Task events, after a first one whose delivery panics (a producer's bug).
+#[derive(Default)]
+struct PanickingOnFirstTaskEvent(ReceivedTaskEvents, std::sync::atomic::AtomicBool);
+
+impl TaskEventListener for PanickingOnFirstTaskEvent {
+    fn on_task_event(&self, event: &Event) {
+        if !self.1.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            panic!("a producer's task event listener fails");
+        }
+        self.0.on_task_event(event);
+    }
+}
+
+/// A producer's task event listener runs on the I/O thread. Its panic costs that one event,
+/// not the I/O thread: before, the thread ended, and with it every connection it served.
+fn a_panicking_task_event_listener_leaves_the_io_thread_running(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    let listener = std::sync::Arc::new(PanickingOnFirstTaskEvent::default());
+    producer_env
+        .partition_manager()
+        .subscribe_task_events(pid(0), listener.clone());
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
+    gate.request_partitions(Instant::now()).unwrap();
+    let after = Event::Task(b"after the failing one".to_vec());
+    gate.send_task_event(&Event::Task(b"fails".to_vec()));
+    gate.send_task_event(&after);
+    wait_until("the producer received the next task event", || {
+        !listener.0 .0.lock().unwrap().is_empty()
+    });
+    assert_eq!(*listener.0 .0.lock().unwrap(), vec![after]);
+    partition.emit_record(&b"data"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"data");
+    drop(partition);
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_panicking_task_event_listener_leaves_the_io_thread_running,
+    a_panicking_task_event_listener_leaves_the_io_thread_running_epoll,
+    a_panicking_task_event_listener_leaves_the_io_thread_running_uring
+);
+
 fn open_connections(env: &ShuffleEnvironment) -> u64 {
     env.driver_stats()
         .map_or(u64::MAX, |stats| stats.open_connections)

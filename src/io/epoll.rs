@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::io::{self, BufRead, IoSlice, IoSliceMut, Read, Write};
 use std::net::SocketAddr;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::task::Waker;
 use std::thread;
@@ -99,7 +100,12 @@ impl EpollDriver {
             .name("fluxgate-io-epoll".into())
             .spawn(move || {
                 crate::buffer::mark_io_thread();
-                io_loop.run()
+                if panic::catch_unwind(AssertUnwindSafe(|| io_loop.run())).is_err() {
+                    // The hook reported the panic. The channels must still hear that nothing
+                    // serves them any more, or they wait for good.
+                    tracing::error!("the epoll I/O thread panicked; its channels fail");
+                    io_loop.end();
+                }
             })?;
         Ok(Self {
             handle: DriverHandle {
@@ -324,12 +330,17 @@ impl Loop {
                 }
             }
         }
-        // Shutdown: dropping the connections fails their channels and releases their views;
-        // channels still waiting for a connection fail too.
+        self.end();
+    }
+
+    /// The loop has ended (shutdown, an OS error, or a panic): commands are refused from now
+    /// on, dropping the connections fails their channels and releases their views, and
+    /// channels still waiting for a connection fail too.
+    fn end(&mut self) {
+        super::io_thread_stopped(&self.commands, &self.waker);
         self.connections.clear();
         self.pending.fail_all(SHUTDOWN_REASON);
         self.refused.fail_all(SHUTDOWN_REASON);
-        super::io_thread_stopped(&self.commands, &self.waker);
     }
 
     fn next_timeout(&self, now: Instant) -> Duration {
@@ -904,8 +915,6 @@ fn deliver_plaintext(
     Ok(())
 }
 
-/// Moves an empty slice vector's allocation to another lifetime (collected in place: same
-/// layout, no element, so no reallocation).
 /// A socket's writes with `MSG_NOSIGNAL`: a write into a connection its peer reset fails
 /// with `EPIPE` instead of raising SIGPIPE, whose default action ends the process. Rust's
 /// runtime ignores the signal, but a host that embeds the engine need not; plain `writev`
@@ -926,6 +935,8 @@ impl Write for NoSignal<'_> {
     }
 }
 
+/// Moves an empty slice vector's allocation to another lifetime (collected in place: same
+/// layout, no element, so no reallocation).
 fn reuse_slices<'b>(slices: Vec<IoSlice<'_>>) -> Vec<IoSlice<'b>> {
     debug_assert!(slices.is_empty());
     slices

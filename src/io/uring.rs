@@ -42,6 +42,7 @@ use std::fs::File;
 use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::task::Waker;
@@ -207,8 +208,6 @@ fn probe_now() -> Result<(), String> {
     Ok(())
 }
 
-/// A ring with SINGLE_ISSUER and DEFER_TASKRUN when the kernel takes them, else a plain one.
-/// Must be built on the thread that submits (SINGLE_ISSUER binds the ring to it).
 /// Keeps SIGPIPE away from this thread. A write into a connection its peer reset (or that a
 /// cancel shut down) fails with `EPIPE`, and the kernel also raises SIGPIPE at the thread that
 /// issued it unless the write says `MSG_NOSIGNAL`, which `Writev` and `WriteFixed` cannot.
@@ -232,6 +231,8 @@ fn block_sigpipe_on_this_thread() {
     }
 }
 
+/// A ring with SINGLE_ISSUER and DEFER_TASKRUN when the kernel takes them, else a plain one.
+/// Must be built on the thread that submits (SINGLE_ISSUER binds the ring to it).
 fn build_ring() -> io::Result<IoUring> {
     let tuned = IoUring::builder()
         .setup_cqsize(CQ_ENTRIES)
@@ -324,7 +325,14 @@ impl UringDriver {
                         Loop::new(ring, listener, wake_file, commands, waker, config, manager);
                     io_loop.setup();
                     let _ = ready_tx.send(Ok(()));
-                    io_loop.run();
+                    if panic::catch_unwind(AssertUnwindSafe(|| io_loop.run())).is_err() {
+                        // The hook reported the panic. The channels must still hear that
+                        // nothing serves them any more, or they wait for good; what is in
+                        // flight is cancelled (or leaked by `Drop`), never freed under the
+                        // kernel.
+                        tracing::error!("the io_uring I/O thread panicked; its channels fail");
+                        io_loop.end();
+                    }
                 })?
         };
         let started = ready_rx
@@ -781,8 +789,14 @@ impl Loop {
             }
             self.read_on();
         }
-        self.shutdown();
+        self.end();
+    }
+
+    /// The loop has ended (shutdown, an OS error, or a panic): commands are refused from now
+    /// on, and the connections close (see [`Loop::shutdown`]).
+    fn end(&mut self) {
         super::io_thread_stopped(&self.commands, &self.waker);
+        self.shutdown();
     }
 
     /// Reads again, before the next turn's writes, from every socket whose last read filled

@@ -545,7 +545,17 @@ impl ServerConnection {
                         value: event.len() as u64,
                     })
                 })?;
-                self.manager.publish_task_event(partition, &event);
+                // The listener is the producer's code, run on the I/O thread: its panic must
+                // not end the thread, and with it every connection the thread serves.
+                let published = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.manager.publish_task_event(partition, &event)
+                }));
+                if published.is_err() {
+                    tracing::error!(
+                        ?partition,
+                        "a task event listener panicked; the event is dropped"
+                    );
+                }
             }
             Message::CancelPartitionRequest { receiver } => {
                 self.pending.retain(|p| p.receiver != receiver);
