@@ -172,7 +172,7 @@ pub struct ServerConnection {
     readers: Vec<Option<Reader>>,
     by_receiver: HashMap<ReceiverId, u32>,
     /// Readers that may be able to send, fed by their views' listeners from any thread.
-    ready: ChannelQueueHandle,
+    ready: ReadyReaders,
     pending: Vec<PendingRequest>,
     next_retry: Option<Instant>,
     reader: FrameReader,
@@ -237,7 +237,10 @@ impl ServerConnection {
             },
         );
         Self {
-            ready: ChannelQueueHandle::new(config.max_channels),
+            ready: ReadyReaders {
+                queue: None,
+                capacity: config.max_channels,
+            },
             reader: FrameReader::new(config.segment_size, config.max_frame_size),
             readers: Vec::new(),
             by_receiver: HashMap::new(),
@@ -673,7 +676,7 @@ impl ServerConnection {
                 self.readers.len() - 1
             }
         } as u32;
-        let listener = self.ready.notifier(slot);
+        let listener = self.ready.listener(slot);
         match self
             .manager
             .create_view(request.partition, request.subpartition as usize, listener)
@@ -882,3 +885,54 @@ impl Drop for ServerConnection {
 
 // A BufferResponse header must fit the headroom every segment reserves for it.
 const _: () = assert!(BUFFER_RESPONSE_HEADER <= HEADROOM);
+
+/// The ready-reader queue of one connection, made with its first reader. It has a slot for
+/// each of `max_channels` readers (about 34 bytes each), which a connection that never asks
+/// for a partition (a silent or unauthenticated peer) should not hold: at the defaults,
+/// 1024 such connections would pin 140 MB.
+struct ReadyReaders {
+    queue: Option<ChannelQueueHandle>,
+    capacity: usize,
+}
+
+impl ReadyReaders {
+    /// The listener a new reader's view queues `slot` through; makes the queue.
+    fn listener(&mut self, slot: u32) -> Arc<dyn crate::partition::AvailabilityListener> {
+        let capacity = self.capacity;
+        self.queue
+            .get_or_insert_with(|| ChannelQueueHandle::new(capacity))
+            .notifier(slot)
+    }
+
+    /// Queues `slot`, a reader's: the queue was made with the first reader.
+    fn enqueue(&self, slot: u32) {
+        self.made().enqueue(slot);
+    }
+
+    /// Queues `slot` (a reader's) ahead of data.
+    fn enqueue_priority(&self, slot: u32) {
+        self.made().enqueue_priority(slot);
+    }
+
+    fn made(&self) -> &ChannelQueueHandle {
+        self.queue
+            .as_ref()
+            .expect("readers exist only after the queue was made")
+    }
+
+    fn pop(&self) -> Option<u32> {
+        self.queue.as_ref()?.pop()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.as_ref().is_none_or(ChannelQueueHandle::is_empty)
+    }
+
+    /// See [`ChannelQueueHandle::register_waker`]; with no queue yet nothing can be queued
+    /// before this thread makes it (on its own turn, awake).
+    fn register_waker(&self, waker: &Waker) -> bool {
+        self.queue
+            .as_ref()
+            .is_some_and(|queue| queue.register_waker(waker))
+    }
+}
