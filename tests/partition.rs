@@ -16,7 +16,7 @@ use fluxgate::partition::{
     PartitionManager, RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector,
     SubpartitionView,
 };
-use fluxgate::record::RecordDeserializer;
+use fluxgate::record::{RecordDeserializer, RecordError};
 use fluxgate::NetworkConfig;
 
 const LONG: Duration = Duration::from_secs(20);
@@ -250,6 +250,83 @@ impl fluxgate::record::Record for FailingRecord {
     ) -> Result<(), fluxgate::record::RecordError> {
         out.write(&vec![0xEE; self.written])?;
         Err(fluxgate::record::RecordError::Truncated)
+    }
+}
+
+/// A broken user type: its contiguous bytes are longer than the length it declares.
+struct LongerThanDeclared;
+
+impl fluxgate::record::Record for LongerThanDeclared {
+    fn encoded_len(&self) -> usize {
+        4
+    }
+
+    fn encode<S: fluxgate::record::SegmentSink>(
+        &self,
+        out: &mut fluxgate::record::RecordOutput<'_, S>,
+    ) -> Result<(), fluxgate::record::RecordError> {
+        out.write(&[0xEE; 8])
+    }
+
+    fn as_contiguous(&self) -> Option<&[u8]> {
+        Some(&[0xEE; 8])
+    }
+}
+
+/// The fast path writes a contiguous record only when its bytes have the declared length,
+/// the one its room and `max_record_bytes` were checked for. It used to write them whatever
+/// their length: here the caller was told of success for a record it declared otherwise,
+/// and with less room it panicked past the segment's end.
+#[test]
+fn contiguous_bytes_longer_than_declared_are_refused() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&[0x11; 6][..], 0).unwrap();
+    assert!(matches!(
+        partition.emit_record(&LongerThanDeclared, 0),
+        Err(PartitionError::Record(RecordError::LengthMismatch {
+            declared: 4,
+            written: 8
+        }))
+    ));
+    partition.emit_record(&[0x22; 5][..], 0).unwrap();
+    partition.flush(0);
+    let item = view.poll_next().expect("the flushed records");
+    assert_eq!(records_of(&item), [vec![0x11; 6], vec![0x22; 5]]);
+    drop((item, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// The segment fills exactly as the failing record's bytes go in, and `encode` fails before
+/// anything asks for the next segment: nothing is published yet, so the record is taken back
+/// too. (It used to count as crossed into another segment at once, and went out padded with
+/// zeros; or whole, though its caller was told it failed.)
+#[test]
+fn a_record_whose_encoding_fails_just_as_it_fills_the_segment_sends_nothing() {
+    // The 2-byte prefix alone fills it (declared 200); the record's one byte fills it.
+    for (declared, written) in [(200, 0), (1, 1)] {
+        let (network, config) = setup(64);
+        let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+        let (mut view, _signal) = view(&partition, 0);
+        // 2 + 4092 bytes: two bytes of the 4 KiB segment stay free.
+        partition.emit_record(&[0x11; 4092][..], 0).unwrap();
+        let failed = FailingRecord { declared, written };
+        assert!(partition.emit_record(&failed, 0).is_err());
+        partition.emit_record(&[0x22; 5][..], 0).unwrap();
+        partition.flush(0);
+        let mut reader = SpanningReader::new();
+        for _ in 0..16 {
+            let Some(item) = view.poll_next() else { break };
+            reader.read(&item);
+        }
+        assert_eq!(
+            reader.records,
+            [(4092, 0x11), (5, 0x22)],
+            "declared {declared}, written {written}"
+        );
+        drop((view, partition));
+        assert_eq!(network.available_segments(), network.total_segments());
     }
 }
 

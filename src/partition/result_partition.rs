@@ -257,8 +257,13 @@ impl ResultPartition {
         // The common case, kept small enough to inline into the caller's loop: a contiguous
         // record that fits the target's open builder is one framed copy and a publish. Every
         // other case (no builder, a full one, a spanning record, broadcast, errors) takes the
-        // general path, which checks the same conditions again.
-        if let Some(bytes) = record.as_contiguous() {
+        // general path, which checks the same conditions again. Bytes of another length than
+        // declared go there too, to be refused (for `[u8]` the two lengths are one value, and
+        // the comparison folds away).
+        if let Some(bytes) = record
+            .as_contiguous()
+            .filter(|bytes| bytes.len() == record.encoded_len())
+        {
             if let Some(Some(builder)) = self.unicast.get_mut(target) {
                 // A unicast builder exists only while the partition is unfinished and not
                 // broadcasting (finish and broadcast close them all), so neither is looked at.
@@ -346,9 +351,14 @@ impl ResultPartition {
             if !subpartition.has_room(Queued::Buffer) {
                 self.pool
                     .until_ready(|| subpartition.has_room_or_listen(Queued::Buffer))
-                    .await?;
+                    .await
+                    .map_err(released_if_destroyed)?;
             }
-            let builder = self.pool.request_builder(target).await?;
+            let builder = self
+                .pool
+                .request_builder(target)
+                .await
+                .map_err(released_if_destroyed)?;
             self.install_unicast(target, builder)?;
         }
         self.emit_record(record, target)
@@ -838,9 +848,16 @@ fn until_available<T>(
         match request() {
             Ok(found) => return Ok(found),
             Err(PoolError::Timeout(_)) => continue,
-            Err(PoolError::Destroyed) => return Err(PartitionError::Released),
-            Err(other) => return Err(other.into()),
+            Err(other) => return Err(released_if_destroyed(other)),
         }
+    }
+}
+
+/// The pool's destruction is the partition's release (as the blocking paths report it).
+fn released_if_destroyed(error: PoolError) -> PartitionError {
+    match error {
+        PoolError::Destroyed => PartitionError::Released,
+        other => other.into(),
     }
 }
 

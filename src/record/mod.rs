@@ -191,8 +191,10 @@ pub trait Record {
 pub struct RecordOutput<'a, S> {
     sink: &'a mut S,
     remaining: usize,
-    /// A builder filled up under this record: the next write finishes and publishes it, so
-    /// the record can no longer be taken back.
+    /// The builder filled up under this record; the next `writable` finishes and publishes
+    /// it. Until then the record can still be taken back.
+    filled: bool,
+    /// A builder holding part of this record was published: it can no longer be taken back.
     crossed: bool,
 }
 
@@ -208,12 +210,13 @@ impl<S: SegmentSink> RecordOutput<'_, S> {
         }
         self.remaining -= bytes.len();
         while !bytes.is_empty() {
+            // A full builder is finished (published, uncommitted bytes and all) by this
+            // `writable`.
+            self.crossed |= self.filled;
             let builder = self.sink.writable()?;
             let n = builder.append(bytes);
             bytes = &bytes[n..];
-            // A full builder is finished (published, uncommitted bytes and all) by the next
-            // `writable`, which this record or its `encode` may ask for.
-            self.crossed |= builder.remaining() == 0;
+            self.filled = builder.remaining() == 0;
         }
         Ok(())
     }
@@ -239,7 +242,9 @@ where
         });
     }
     if let Some(builder) = sink.current_with_room(framed_len(len)) {
-        if let Some(bytes) = record.as_contiguous() {
+        // Only bytes of the declared length: the room was checked for that (a type whose two
+        // lengths disagree goes through `encode`, which refuses the difference).
+        if let Some(bytes) = record.as_contiguous().filter(|bytes| bytes.len() == len) {
             builder.append_framed(bytes);
             return Ok(());
         }
@@ -261,6 +266,7 @@ where
     let mut out = RecordOutput {
         sink,
         remaining: prefix_bytes + len,
+        filled: false,
         crossed: false,
     };
     out.write(&prefix[..prefix_bytes])?;
