@@ -253,6 +253,44 @@ impl fluxgate::record::Record for FailingRecord {
     }
 }
 
+/// A user type whose encoding panics after writing part of it.
+struct PanickingRecord;
+
+impl fluxgate::record::Record for PanickingRecord {
+    fn encoded_len(&self) -> usize {
+        10
+    }
+
+    fn encode<S: fluxgate::record::SegmentSink>(
+        &self,
+        out: &mut fluxgate::record::RecordOutput<'_, S>,
+    ) -> Result<(), fluxgate::record::RecordError> {
+        out.write(&[0xEE; 3])?;
+        panic!("a user type's encoding fails");
+    }
+}
+
+/// A caller that catches a panic of its record's `encode` and goes on writing: the bytes the
+/// panicking record left in the segment are not published with the next record (they were,
+/// misframing everything after them).
+#[test]
+fn a_record_whose_encoding_panics_leaves_nothing_behind() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&[0x11; 6][..], 0).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = partition.emit_record(&PanickingRecord, 0);
+    }));
+    assert!(panicked.is_err(), "the panic reaches the caller");
+    partition.emit_record(&[0x22; 5][..], 0).unwrap();
+    partition.flush(0);
+    let item = view.poll_next().expect("the flushed records");
+    assert_eq!(records_of(&item), [vec![0x11; 6], vec![0x22; 5]]);
+    drop((item, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// A broken user type: its contiguous bytes are longer than the length it declares.
 struct LongerThanDeclared;
 

@@ -270,7 +270,16 @@ where
         crossed: false,
     };
     out.write(&prefix[..prefix_bytes])?;
-    let encoded = record.encode(&mut out);
+    // `encode` is the caller's code: if it panics and the caller catches the unwind, the next
+    // record must not publish the bytes it left behind (costs nothing unless it panics).
+    let encoded =
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record.encode(&mut out))) {
+            Ok(encoded) => encoded,
+            Err(panic) => {
+                out.sink.discard_uncommitted();
+                std::panic::resume_unwind(panic)
+            }
+        };
     let short = out.remaining;
     // A record that failed to encode is taken back while no part of it was published (as
     // Flink, which serializes into a separate buffer first, sends nothing of it).
