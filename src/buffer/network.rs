@@ -191,6 +191,13 @@ impl NetworkBufferPool {
     }
 }
 
+impl NetworkBufferPool {
+    /// Bytes committed so far in segment `index` (see [`SegmentMemory::written_bytes`]).
+    pub(crate) fn written_bytes(&self, index: u32) -> Option<u32> {
+        self.inner.memory.written_bytes(index)
+    }
+}
+
 impl NetworkInner {
     pub(crate) fn memory(&self) -> &SegmentMemory {
         &self.memory

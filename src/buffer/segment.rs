@@ -226,6 +226,14 @@ impl SegmentMemory {
         unsafe { self.bases[arena].add(offset) }
     }
 
+    /// Bytes committed so far in segment `index` (its builder's published position), `None`
+    /// for an index outside this memory. For a look from a thread that holds no lease of it:
+    /// the state outlives every lease, and the answer may be old by the time it is used.
+    pub(crate) fn written_bytes(&self, index: u32) -> Option<u32> {
+        let state = self.states.get(index as usize)?;
+        Some(state.marker.load(Ordering::Acquire) & !FINISHED)
+    }
+
     /// The tag the owning pool gave a segment.
     pub(crate) fn tag(&self, segment: &Segment) -> u32 {
         self.state(segment.index).tag.load(Ordering::Relaxed)
@@ -764,6 +772,16 @@ impl BufferConsumer {
     /// True when committed bytes wait to be built.
     pub fn is_data_available(&self) -> bool {
         self.marker() & !FINISHED > self.read
+    }
+
+    /// The segment this consumer reads (its index in the network memory).
+    pub(crate) fn segment_index(&self) -> u32 {
+        self.index
+    }
+
+    /// Bytes of the segment already built: where the next build starts.
+    pub(crate) fn read_position(&self) -> u32 {
+        self.read
     }
 
     /// Committed bytes not yet built.

@@ -193,6 +193,7 @@ impl ResultPartition {
                         buffer_room,
                         lane,
                         room_waiters.clone(),
+                        network.clone(),
                     ))
                 })
                 .collect(),

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwapOption;
 
 use super::{AvailabilityListener, BufferAndBacklog, PartitionError};
-use crate::buffer::{BufferConsumer, DataType, PoolWaiters};
+use crate::buffer::{BufferConsumer, DataType, NetworkBufferPool, PoolWaiters};
 use crate::sync::{fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Lane slots only events may take: room for them behind a data lane full of buffers.
@@ -92,6 +92,13 @@ pub(crate) struct PipelinedSubpartition {
     finished: AtomicBool,
     released: AtomicBool,
     reader_waiting: AtomicBool,
+    /// What the reader had read of its unfinished head when it last parked: the segment's
+    /// index plus one, and the read position, packed (0: no unfinished head). A flush with
+    /// nothing committed past it has nothing to make readable and leaves the reader parked.
+    parked_at: AtomicU64,
+    /// The network memory the data segments come from: a flush looks at the head's
+    /// committed position there.
+    network: NetworkBufferPool,
     view_taken: AtomicBool,
     listener: ArcSwapOption<ListenerSlot>,
     /// Set by the writer when it found the lane it queues to full, before it looks again and
@@ -135,6 +142,7 @@ impl PipelinedSubpartition {
         buffer_room: usize,
         capacity: usize,
         room_waiters: PoolWaiters,
+        network: NetworkBufferPool,
     ) -> Self {
         let capacity = capacity.max(1);
         Self {
@@ -151,6 +159,8 @@ impl PipelinedSubpartition {
             finished: AtomicBool::new(false),
             released: AtomicBool::new(false),
             reader_waiting: AtomicBool::new(false),
+            parked_at: AtomicU64::new(0),
+            network,
             view_taken: AtomicBool::new(false),
             listener: ArcSwapOption::empty(),
             room_wanted: AtomicBool::new(false),
@@ -289,10 +299,36 @@ impl PipelinedSubpartition {
         Conversion::Converted
     }
 
-    /// Makes the committed bytes of the unfinished tail buffer readable.
+    /// Makes the committed bytes of the unfinished tail buffer readable, and tells a parked
+    /// reader only if there are any it has not read (Flink's `flush` looks at the last
+    /// buffer's data too): an idle subpartition's reader is not woken every buffer timeout.
     pub(crate) fn flush(&self) {
         self.flush_requested.store(true, Ordering::Release);
+        // Pairs with the fence in `SubpartitionView::park`: either this sees the reader's
+        // `reader_waiting` (and with it the `parked_at` stored before), or the reader's look
+        // after it sees `flush_requested`.
+        fence(Ordering::SeqCst);
+        if !self.reader_waiting.load(Ordering::Acquire) || self.nothing_new_since_park() {
+            return;
+        }
         self.notify_if_waiting();
+    }
+
+    /// Whether the parked reader has read everything a flush could make readable: its
+    /// unfinished head holds no committed byte past its read position, or it has no head and
+    /// nothing is queued. (The head is the tail then: only the last item may be unfinished,
+    /// and the finish of a buffer notifies by itself.)
+    fn nothing_new_since_park(&self) -> bool {
+        match self.parked_at.load(Ordering::Relaxed) {
+            0 => self.data.is_empty(),
+            parked => {
+                let index = (parked >> 32) as u32 - 1;
+                let read = parked as u32;
+                self.network
+                    .written_bytes(index)
+                    .is_some_and(|written| written <= read)
+            }
+        }
     }
 
     /// Marks the end; the producer has queued EndOfPartition before.
@@ -760,9 +796,19 @@ impl SubpartitionView {
     /// Registers as waiting, then looks once more. Returns true when something became
     /// readable and this side cleared the flag itself (so no notification will come).
     fn park(&mut self) -> bool {
+        // Before `reader_waiting`, whose release store publishes it to a flush.
+        let parked_at = match &self.head {
+            Some(head) if !head.is_finished() => {
+                (u64::from(head.segment_index()) + 1) << 32 | u64::from(head.read_position())
+            }
+            _ => 0,
+        };
+        self.subpartition
+            .parked_at
+            .store(parked_at, Ordering::Relaxed);
         self.subpartition
             .reader_waiting
-            .store(true, Ordering::Relaxed);
+            .store(true, Ordering::Release);
         // Pairs with the fence in `notify_if_waiting`.
         fence(Ordering::SeqCst);
         if self.peek_type() != DataType::None {
