@@ -321,6 +321,58 @@ fn a_record_whose_encoding_panics_leaves_nothing_behind() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// A user type whose encoding panics after it wrote into a second segment.
+struct PanickingAcrossSegments;
+
+impl fluxgate::record::Record for PanickingAcrossSegments {
+    fn encoded_len(&self) -> usize {
+        100
+    }
+
+    fn encode<S: fluxgate::record::SegmentSink>(
+        &self,
+        out: &mut fluxgate::record::RecordOutput<'_, S>,
+    ) -> Result<(), fluxgate::record::RecordError> {
+        out.write(&[0xEE; 50])?;
+        panic!("a user type's encoding fails");
+    }
+}
+
+/// As above, once part of the record went out in a finished segment: the record is padded
+/// to its declared length, so the records after it stay framed (the reader sees a record of
+/// zeros after the bytes the encoding wrote, as for a failed encoding). Only the bytes in the
+/// open segment were taken back, and the next record continued the broken one.
+#[test]
+fn a_record_whose_encoding_panics_after_crossing_a_segment_keeps_the_stream_framed() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    // 3 + 4083 bytes: ten bytes of the 4 KiB segment stay free.
+    partition.emit_record(&[0x11; 4083][..], 0).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = partition.emit_record(&PanickingAcrossSegments, 0);
+    }));
+    assert!(panicked.is_err(), "the panic reaches the caller");
+    partition.emit_record(&[0x22; 5][..], 0).unwrap();
+    partition.flush(0);
+    let mut reader = RecordDeserializer::new(1 << 20);
+    let mut records = Vec::new();
+    let mut items = Vec::new();
+    for _ in 0..16 {
+        let Some(item) = view.poll_next() else { break };
+        reader.set_next_buffer(item.buffer.clone()).unwrap();
+        while let Some(record) = reader.next_record().unwrap() {
+            records.push(record.to_vec());
+        }
+        items.push(item);
+    }
+    let mut padded = vec![0xEE; 50];
+    padded.resize(100, 0);
+    assert_eq!(records, [vec![0x11; 4083], padded, vec![0x22; 5]]);
+    drop((items, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// A broken user type: its contiguous bytes are longer than the length it declares.
 struct LongerThanDeclared;
 
@@ -567,6 +619,35 @@ fn an_aligned_barrier_keeps_its_place_and_blocks_until_resumed() {
     assert!(view.resume_consumption());
     let after = view.poll_next().unwrap();
     assert_eq!(records_of(&after), vec![b"after".to_vec()]);
+}
+
+/// A view resumed after an aligned barrier whose look takes the buffer the writer started
+/// meanwhile (not flushed yet): the next flush must judge by that buffer. It judged by the
+/// "no buffer" the reader had parked with, and with nothing else queued stayed silent, the
+/// record unread until the buffer filled.
+#[test]
+fn a_flush_after_a_resume_tells_of_the_buffer_started_while_blocked() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition
+        .broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    let barrier_item = view.poll_next().expect("the barrier");
+    assert!(view.is_blocked());
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    assert!(!view.resume_consumption(), "the record is not flushed yet");
+    let heard = signal.notifications();
+    partition.flush(0);
+    assert_eq!(
+        signal.notifications(),
+        heard + 1,
+        "the flush tells the reader"
+    );
+    let after = view.poll_next().expect("the flushed record");
+    assert_eq!(records_of(&after), vec![b"after".to_vec()]);
+    drop((barrier_item, after, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A barrier aligned with a timeout, of a checkpoint that started now.

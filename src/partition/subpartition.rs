@@ -93,8 +93,9 @@ pub(crate) struct PipelinedSubpartition {
     released: AtomicBool,
     reader_waiting: AtomicBool,
     /// What the reader had read of its unfinished head when it last parked: the segment's
-    /// index plus one, and the read position, packed (0: no unfinished head). A flush with
-    /// nothing committed past it has nothing to make readable and leaves the reader parked.
+    /// index plus one, and the read position, packed (0: no unfinished head;
+    /// `PARKED_ANYWHERE`: not known). A flush with nothing committed past it has nothing to
+    /// make readable and leaves the reader parked.
     parked_at: AtomicU64,
     /// The network memory the data segments come from: a flush looks at the head's
     /// committed position there.
@@ -321,6 +322,7 @@ impl PipelinedSubpartition {
     fn nothing_new_since_park(&self) -> bool {
         match self.parked_at.load(Ordering::Relaxed) {
             0 => self.data.is_empty(),
+            PARKED_ANYWHERE => false,
             parked => {
                 let index = (parked >> 32) as u32 - 1;
                 let read = parked as u32;
@@ -529,7 +531,9 @@ impl SubpartitionView {
     /// Returns whether something is readable now.
     pub fn resume_consumption(&mut self) -> bool {
         self.blocked = false;
-        self.peek_type() != DataType::None
+        // Parks when nothing is readable: the look may have moved the head (popped the next
+        // item), and the next flush must judge by that head (see `park`).
+        self.peek_type() != DataType::None || self.park()
     }
 
     /// Data buffers readable but not yet taken (what a sender announces as backlog): the
@@ -796,20 +800,32 @@ impl SubpartitionView {
     /// Registers as waiting, then looks once more. Returns true when something became
     /// readable and this side cleared the flag itself (so no notification will come).
     fn park(&mut self) -> bool {
+        let parked_at = self.parked_position();
         // Before `reader_waiting`, whose release store publishes it to a flush.
-        let parked_at = match &self.head {
-            Some(head) if !head.is_finished() => {
-                (u64::from(head.segment_index()) + 1) << 32 | u64::from(head.read_position())
-            }
-            _ => 0,
-        };
         self.subpartition
             .parked_at
             .store(parked_at, Ordering::Relaxed);
         self.subpartition
             .reader_waiting
             .store(true, Ordering::Release);
-        // Pairs with the fence in `notify_if_waiting`.
+        // Pairs with the fences in `notify_if_waiting` and `flush`.
+        fence(Ordering::SeqCst);
+        if self.peek_type() != DataType::None {
+            return self
+                .subpartition
+                .reader_waiting
+                .swap(false, Ordering::AcqRel);
+        }
+        if self.parked_position() == parked_at {
+            return false;
+        }
+        // The look moved the head (took a finished one out, popped the next item, unflushed):
+        // a flush would judge by a head the reader no longer holds and could stay silent
+        // about the new one's bytes. Until the next park, every flush tells the reader; and
+        // a flush that came before this store is seen by the look after the fence.
+        self.subpartition
+            .parked_at
+            .store(PARKED_ANYWHERE, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         if self.peek_type() != DataType::None {
             return self
@@ -819,7 +835,22 @@ impl SubpartitionView {
         }
         false
     }
+
+    /// What a flush compares with while this reader is parked (see
+    /// `PipelinedSubpartition::parked_at`).
+    fn parked_position(&self) -> u64 {
+        match &self.head {
+            Some(head) if !head.is_finished() => {
+                (u64::from(head.segment_index()) + 1) << 32 | u64::from(head.read_position())
+            }
+            _ => 0,
+        }
+    }
 }
+
+/// `parked_at` of a reader whose head moved under its last look while parking: every flush
+/// tells it.
+const PARKED_ANYWHERE: u64 = u64::MAX;
 
 /// What the reader does with an aligned barrier with a timeout at its head.
 enum Claim {

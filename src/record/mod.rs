@@ -270,21 +270,26 @@ where
         crossed: false,
     };
     out.write(&prefix[..prefix_bytes])?;
-    // `encode` is the caller's code: if it panics and the caller catches the unwind, the next
-    // record must not publish the bytes it left behind (costs nothing unless it panics).
-    let encoded =
+    // `encode` is the caller's code. If it panics (and the caller catches the unwind and
+    // writes on), the record is ended as a failed one is, before the panic goes on: taken
+    // back, or padded to its declared length once part of it was published, so the bytes it
+    // left are not published with the next record. (Costs nothing unless it panics.)
+    let (encoded, panic) =
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record.encode(&mut out))) {
-            Ok(encoded) => encoded,
-            Err(panic) => {
-                out.sink.discard_uncommitted();
-                std::panic::resume_unwind(panic)
-            }
+            Ok(encoded) => (encoded, None),
+            Err(panic) => (Ok(()), Some(panic)),
         };
+    let resume = |panic: Option<Box<dyn std::any::Any + Send>>| {
+        if let Some(panic) = panic {
+            std::panic::resume_unwind(panic);
+        }
+    };
     let short = out.remaining;
     // A record that failed to encode is taken back while no part of it was published (as
     // Flink, which serializes into a separate buffer first, sends nothing of it).
-    let failed = encoded.is_err() || short > 0;
+    let failed = encoded.is_err() || short > 0 || panic.is_some();
     if failed && !out.crossed && out.sink.discard_uncommitted() {
+        resume(panic);
         encoded?;
         return Err(RecordError::LengthMismatch {
             declared: len,
@@ -296,10 +301,14 @@ where
         const ZEROS: [u8; 256] = [0; 256];
         while out.remaining > 0 {
             let n = out.remaining.min(ZEROS.len());
-            out.write(&ZEROS[..n])?;
+            if let Err(error) = out.write(&ZEROS[..n]) {
+                resume(panic);
+                return Err(error);
+            }
         }
     }
     sink.commit();
+    resume(panic);
     encoded?;
     if short > 0 {
         return Err(RecordError::LengthMismatch {
