@@ -1289,3 +1289,58 @@ fn a_reader_woken_for_nothing_at_zero_credit_still_announces_the_next_buffer() {
     );
     all_back(s);
 }
+
+/// A listener that hears nothing (the test looks at the view itself).
+struct Deaf;
+
+impl fluxgate::partition::AvailabilityListener for Deaf {
+    fn notify_data_available(&self) {}
+    fn notify_priority_event(&self) {}
+}
+
+/// An ErrorResponse for one receiver ends its request as a cancellation does, also while the
+/// request still waits for its partition: once the partition registers, no reader is made
+/// for it. One was, holding the subpartition's one view and a channel slot until the
+/// connection closed.
+#[test]
+fn an_error_for_a_receiver_waiting_for_its_partition_withdraws_the_request() {
+    let manager = Arc::new(PartitionManager::new());
+    let mut server = ServerConnection::new(
+        ServerConfig {
+            node: 1,
+            segment_size: SEGMENT,
+            ..ServerConfig::default()
+        },
+        manager.clone(),
+    );
+    let start = Instant::now();
+    let mut bytes = handshake(false, [0; 32]);
+    bytes.extend(request(5));
+    bytes.extend(encoded_message(&Message::ErrorResponse {
+        receiver: Some(ReceiverId(5)),
+        kind: ErrorKind::Protocol,
+        message: "the consumer gave up on it".into(),
+    }));
+    let (result, _) = feed_server(&mut server, &bytes, start);
+    assert_eq!(result, Ok(()));
+    let network = NetworkBufferPool::new(&config()).unwrap();
+    let id = ResultPartitionId {
+        partition: 0,
+        producer: 1,
+    };
+    let partition = ResultPartition::new(id, 1, &network, &config()).unwrap();
+    manager.register(partition.handle()).unwrap();
+    // Past several retries of a request still waiting (every 50 ms), within its deadline.
+    for ms in [60, 200, 1000] {
+        server.poll_transmit(start + Duration::from_millis(ms));
+    }
+    assert_eq!(
+        server.reader_count(),
+        0,
+        "a reader for the withdrawn request"
+    );
+    assert!(
+        partition.handle().create_view(0, Arc::new(Deaf)).is_ok(),
+        "the subpartition's view is free"
+    );
+}

@@ -560,7 +560,14 @@ impl ServerConnection {
                     );
                 }
             }
-            Message::CancelPartitionRequest { receiver } => {
+            // An error for one receiver ends it as a cancellation does: a request still
+            // waiting for its partition goes too, or it would take the subpartition's view
+            // once the partition registers.
+            Message::CancelPartitionRequest { receiver }
+            | Message::ErrorResponse {
+                receiver: Some(receiver),
+                ..
+            } => {
                 self.pending.retain(|p| p.receiver != receiver);
                 self.remove_reader(receiver);
             }
@@ -573,10 +580,6 @@ impl ServerConnection {
                 kind,
                 message,
             } => return Err(ProtocolError::Remote { kind, message }),
-            Message::ErrorResponse {
-                receiver: Some(receiver),
-                ..
-            } => self.remove_reader(receiver),
             Message::Handshake { .. }
             | Message::AuthProof { .. }
             | Message::BufferResponse(_)
