@@ -312,7 +312,8 @@ impl LocalBufferPool {
         }
         let shared = &self.shared;
         let started = Instant::now();
-        let deadline = started + timeout;
+        // A timeout too long for the clock waits without a deadline.
+        let deadline = started.checked_add(timeout);
         shared.waiting.fetch_add(1, Ordering::SeqCst);
         let _unregister = WaitingGuard {
             waiting: &shared.waiting,
@@ -328,10 +329,10 @@ impl LocalBufferPool {
                 return Ok(found);
             }
             let now = Instant::now();
-            if now >= deadline {
+            if deadline.is_some_and(|deadline| now >= deadline) {
                 return Err(PoolError::Timeout(timeout));
             }
-            let wait = (deadline - now).min(WAIT_RECHECK);
+            let wait = deadline.map_or(WAIT_RECHECK, |deadline| (deadline - now).min(WAIT_RECHECK));
             let guard = shared.wait_lock.lock().expect("not poisoned");
             // A wake-up since the look counted the epoch up before it looked at `notified`:
             // either this sees the new epoch (look again), or that wake-up finds `notified`
@@ -740,6 +741,12 @@ impl LocalPoolShared {
         if let Err(segment) = self.available.push(segment) {
             self.give_back(segment);
             return Ok(false);
+        }
+        // A concurrent `destroy` may have drained the free list before the push landed (as
+        // in `place`): nothing would give this segment back.
+        if self.destroyed.load(Ordering::SeqCst) {
+            self.drain_available();
+            return Err(PoolError::Destroyed);
         }
         Ok(true)
     }
