@@ -507,6 +507,9 @@ struct Loop {
     read_round: Vec<usize>,
     /// Reused storage for reaped completions.
     cqe_scratch: Vec<(u64, i32, u32)>,
+    /// The next of `cqe_scratch` to handle (past 0 only while a reap runs, or after a panic
+    /// ended one).
+    cqe_next: usize,
     shutting_down: bool,
     /// Operation counts, logged at shutdown (debug) and reported by `Command::Stats`.
     stats: DriverStats,
@@ -631,6 +634,7 @@ impl Loop {
             orphans: Vec::new(),
             slice_scratch: Vec::with_capacity(MAX_SLICES),
             cqe_scratch: Vec::with_capacity(CQ_ENTRIES as usize),
+            cqe_next: 0,
             full_reads: Vec::with_capacity(16),
             read_round: Vec::with_capacity(16),
             shutting_down: false,
@@ -868,19 +872,22 @@ impl Loop {
     /// [`BusyPoll`]: not the wake eventfd's read (a bare wake-up, e.g. a flusher that found
     /// nothing to flush) nor a cancellation.
     fn reap(&mut self, now: Instant) -> usize {
-        let mut cqes = std::mem::take(&mut self.cqe_scratch);
-        cqes.extend(
+        // Completions taken off the ring but not handled (a panic ended the last reap; see
+        // `Loop::end`) come first: their operations still count in `in_flight`, and what
+        // they finished (a read's segment, an accepted socket) is handled, not lost.
+        self.cqe_scratch.extend(
             self.ring
                 .completion()
                 .map(|cqe| (cqe.user_data(), cqe.result(), cqe.flags())),
         );
         let mut work = 0;
-        for &(data, result, flags) in &cqes {
+        while let Some(&(data, result, flags)) = self.cqe_scratch.get(self.cqe_next) {
+            self.cqe_next += 1;
             work += usize::from(!matches!(split_user_data(data).0, WAKE | CANCEL));
             self.complete(data, result, flags, now);
         }
-        cqes.clear();
-        self.cqe_scratch = cqes;
+        self.cqe_scratch.clear();
+        self.cqe_next = 0;
         work
     }
 
@@ -1182,7 +1189,10 @@ impl Loop {
         // clear). The iovecs point at the state machine's read buffer and read-ahead area;
         // the state machine changes or frees them only in `on_read` / `on_lost` (and drop),
         // which run only after the completion, and nothing reads or writes those bytes
-        // meanwhile. The socket stays open until then too.
+        // meanwhile. The socket stays open until then too. The one exception is a shutdown
+        // that gave up waiting (`abandon_busy_connections`): its `on_lost` may reset the read
+        // state under the kernel's write, but that connection is leaked, never read again
+        // nor freed.
         if unsafe { self.push(&entry) } {
             let conn = self.conns[slot].as_deref_mut().expect("present");
             conn.reading = true;
@@ -1743,7 +1753,10 @@ impl Loop {
             // meanwhile, so the close is no reset that could drop the response unread.
             super::discard_input_before_close(&conn.stream);
         }
-        conn.connection.on_lost(&reason);
+        // The channels' and views' code may panic: the segments zero-copy sends may still
+        // read are put aside first all the same (unwinding would drop them back to their
+        // pools under the kernel).
+        let lost = panic::catch_unwind(AssertUnwindSafe(|| conn.connection.on_lost(&reason)));
         if !conn.zc_pending.is_empty() {
             // Zero-copy sends not notified yet may still read these segments (until the
             // socket lets go of its queued data): they go once the notifications are in.
@@ -1758,6 +1771,9 @@ impl Loop {
             });
         }
         self.unregister_file(&mut conn);
+        if let Err(panic) = lost {
+            panic::resume_unwind(panic);
+        }
         tracing::debug!(slot, %reason, "connection closed");
         // Dropping closes the socket.
     }
