@@ -284,73 +284,34 @@ impl fluxgate::record::Record for FailingRecord {
 }
 
 /// A user type whose encoding panics after writing part of it.
-struct PanickingRecord;
+struct PanickingRecord {
+    declared: usize,
+    written: usize,
+}
 
 impl fluxgate::record::Record for PanickingRecord {
     fn encoded_len(&self) -> usize {
-        10
+        self.declared
     }
 
     fn encode<S: fluxgate::record::SegmentSink>(
         &self,
         out: &mut fluxgate::record::RecordOutput<'_, S>,
     ) -> Result<(), fluxgate::record::RecordError> {
-        out.write(&[0xEE; 3])?;
+        out.write(&vec![0xEE; self.written])?;
         panic!("a user type's encoding fails");
     }
 }
 
-/// A caller that catches a panic of its record's `encode` and goes on writing: the bytes the
-/// panicking record left in the segment are not published with the next record (they were,
-/// misframing everything after them).
-#[test]
-fn a_record_whose_encoding_panics_leaves_nothing_behind() {
+/// The records a reader gets when a writer emits `before` bytes of 0x11, then `panicking`
+/// (catching its panic, as a caller that goes on writing does), then 5 bytes of 0x22.
+fn records_around_a_panicking_encoding(before: usize, panicking: PanickingRecord) -> Vec<Vec<u8>> {
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, _signal) = view(&partition, 0);
-    partition.emit_record(&[0x11; 6][..], 0).unwrap();
+    partition.emit_record(&vec![0x11; before][..], 0).unwrap();
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = partition.emit_record(&PanickingRecord, 0);
-    }));
-    assert!(panicked.is_err(), "the panic reaches the caller");
-    partition.emit_record(&[0x22; 5][..], 0).unwrap();
-    partition.flush(0);
-    let item = view.poll_next().expect("the flushed records");
-    assert_eq!(records_of(&item), [vec![0x11; 6], vec![0x22; 5]]);
-    drop((item, view, partition));
-    assert_eq!(network.available_segments(), network.total_segments());
-}
-
-/// A user type whose encoding panics after it wrote into a second segment.
-struct PanickingAcrossSegments;
-
-impl fluxgate::record::Record for PanickingAcrossSegments {
-    fn encoded_len(&self) -> usize {
-        100
-    }
-
-    fn encode<S: fluxgate::record::SegmentSink>(
-        &self,
-        out: &mut fluxgate::record::RecordOutput<'_, S>,
-    ) -> Result<(), fluxgate::record::RecordError> {
-        out.write(&[0xEE; 50])?;
-        panic!("a user type's encoding fails");
-    }
-}
-
-/// As above, once part of the record went out in a finished segment: the record is padded
-/// to its declared length, so the records after it stay framed (the reader sees a record of
-/// zeros after the bytes the encoding wrote, as for a failed encoding). Only the bytes in the
-/// open segment were taken back, and the next record continued the broken one.
-#[test]
-fn a_record_whose_encoding_panics_after_crossing_a_segment_keeps_the_stream_framed() {
-    let (network, config) = setup(64);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, _signal) = view(&partition, 0);
-    // 3 + 4083 bytes: ten bytes of the 4 KiB segment stay free.
-    partition.emit_record(&[0x11; 4083][..], 0).unwrap();
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = partition.emit_record(&PanickingAcrossSegments, 0);
+        let _ = partition.emit_record(&panicking, 0);
     }));
     assert!(panicked.is_err(), "the panic reaches the caller");
     partition.emit_record(&[0x22; 5][..], 0).unwrap();
@@ -366,11 +327,43 @@ fn a_record_whose_encoding_panics_after_crossing_a_segment_keeps_the_stream_fram
         }
         items.push(item);
     }
-    let mut padded = vec![0xEE; 50];
-    padded.resize(100, 0);
-    assert_eq!(records, [vec![0x11; 4083], padded, vec![0x22; 5]]);
     drop((items, view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
+    records
+}
+
+/// A caller that catches a panic of its record's `encode` and goes on writing: the bytes the
+/// panicking record left in the segment are not published with the next record (they were,
+/// misframing everything after them).
+#[test]
+fn a_record_whose_encoding_panics_leaves_nothing_behind() {
+    let panicking = PanickingRecord {
+        declared: 10,
+        written: 3,
+    };
+    assert_eq!(
+        records_around_a_panicking_encoding(6, panicking),
+        [vec![0x11; 6], vec![0x22; 5]]
+    );
+}
+
+/// As above, once part of the record went out in a finished segment: the record is padded
+/// to its declared length, so the records after it stay framed (the reader sees a record of
+/// zeros after the bytes the encoding wrote, as for a failed encoding). Only the bytes in the
+/// open segment were taken back, and the next record continued the broken one.
+#[test]
+fn a_record_whose_encoding_panics_after_crossing_a_segment_keeps_the_stream_framed() {
+    // 3 + 4083 bytes leave ten bytes of the 4 KiB segment free: 50 bytes cross it.
+    let panicking = PanickingRecord {
+        declared: 100,
+        written: 50,
+    };
+    let mut padded = vec![0xEE; 50];
+    padded.resize(100, 0);
+    assert_eq!(
+        records_around_a_panicking_encoding(4083, panicking),
+        [vec![0x11; 4083], padded, vec![0x22; 5]]
+    );
 }
 
 /// A broken user type: its contiguous bytes are longer than the length it declares.

@@ -954,42 +954,70 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once_uring
 );
 
-/// Task events a producer's partition received.
+/// Task events a producer's partition received; with `panic_on_first`, the delivery of the
+/// first one panics instead (a producer's bug).
 #[derive(Default)]
-struct ReceivedTaskEvents(std::sync::Mutex<Vec<Event>>);
+struct ReceivedTaskEvents {
+    events: std::sync::Mutex<Vec<Event>>,
+    panic_on_first: bool,
+    panicked: std::sync::atomic::AtomicBool,
+}
 
 impl TaskEventListener for ReceivedTaskEvents {
     fn on_task_event(&self, event: &Event) {
-        self.0.lock().unwrap().push(event.clone());
+        if self.panic_on_first
+            && !self
+                .panicked
+                .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            panic!("a producer's task event listener fails");
+        }
+        self.events.lock().unwrap().push(event.clone());
     }
+}
+
+/// A consumer sends two task events to a remote producer whose partition `listener` hears,
+/// one before its partition request and one after, waits until `expected` arrived, then
+/// reads a record through the same connection; the events the listener received.
+fn task_events_to_a_remote_producer(
+    transport: Transport,
+    listener: ReceivedTaskEvents,
+    expected: usize,
+) -> Vec<Event> {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    let listener = std::sync::Arc::new(listener);
+    producer_env
+        .partition_manager()
+        .subscribe_task_events(pid(0), listener.clone());
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
+    gate.send_task_event(&Event::Task(b"before the request".to_vec()));
+    gate.request_partitions(Instant::now()).unwrap();
+    gate.send_task_event(&Event::Task(b"after the request".to_vec()));
+    wait_until("the producer received the task events", || {
+        listener.events.lock().unwrap().len() == expected
+    });
+    partition.emit_record(&b"data"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"data");
+    drop(partition);
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+    let received = listener.events.lock().unwrap().clone();
+    received
 }
 
 /// A consumer's task events reach the remote producer's partition (Flink's
 /// `RemoteInputChannel.sendTaskEvent` → TaskEventRequest), those sent before the channel had
 /// its connection too, in order. Before, remote channels dropped them.
 fn task_events_reach_a_remote_producer(transport: Transport) {
-    let producer_env = env(1, transport);
-    let consumer_env = env(2, transport);
-    let received = std::sync::Arc::new(ReceivedTaskEvents::default());
-    producer_env
-        .partition_manager()
-        .subscribe_task_events(pid(0), received.clone());
-    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
-    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
-    let early = Event::Task(b"before the request".to_vec());
-    let late = Event::Task(b"after the request".to_vec());
-    gate.send_task_event(&early);
-    gate.request_partitions(Instant::now()).unwrap();
-    gate.send_task_event(&late);
-    wait_until("the producer received both task events", || {
-        received.0.lock().unwrap().len() == 2
-    });
-    assert_eq!(*received.0.lock().unwrap(), vec![early, late]);
-    partition.emit_record(&b"data"[..], 0).unwrap();
-    partition.finish().unwrap();
-    read_one(gate, b"data");
-    drop(partition);
-    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+    assert_eq!(
+        task_events_to_a_remote_producer(transport, ReceivedTaskEvents::default(), 2),
+        [
+            Event::Task(b"before the request".to_vec()),
+            Event::Task(b"after the request".to_vec())
+        ]
+    );
 }
 on_both_drivers!(
     task_events_reach_a_remote_producer,
@@ -997,43 +1025,17 @@ on_both_drivers!(
     task_events_reach_a_remote_producer_uring
 );
 
-/// Task events, after a first one whose delivery panics (a producer's bug).
-#[derive(Default)]
-struct PanickingOnFirstTaskEvent(ReceivedTaskEvents, std::sync::atomic::AtomicBool);
-
-impl TaskEventListener for PanickingOnFirstTaskEvent {
-    fn on_task_event(&self, event: &Event) {
-        if !self.1.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            panic!("a producer's task event listener fails");
-        }
-        self.0.on_task_event(event);
-    }
-}
-
 /// A producer's task event listener runs on the I/O thread. Its panic costs that one event,
 /// not the I/O thread: before, the thread ended, and with it every connection it served.
 fn a_panicking_task_event_listener_leaves_the_io_thread_running(transport: Transport) {
-    let producer_env = env(1, transport);
-    let consumer_env = env(2, transport);
-    let listener = std::sync::Arc::new(PanickingOnFirstTaskEvent::default());
-    producer_env
-        .partition_manager()
-        .subscribe_task_events(pid(0), listener.clone());
-    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
-    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
-    gate.request_partitions(Instant::now()).unwrap();
-    let after = Event::Task(b"after the failing one".to_vec());
-    gate.send_task_event(&Event::Task(b"fails".to_vec()));
-    gate.send_task_event(&after);
-    wait_until("the producer received the next task event", || {
-        !listener.0 .0.lock().unwrap().is_empty()
-    });
-    assert_eq!(*listener.0 .0.lock().unwrap(), vec![after]);
-    partition.emit_record(&b"data"[..], 0).unwrap();
-    partition.finish().unwrap();
-    read_one(gate, b"data");
-    drop(partition);
-    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+    let listener = ReceivedTaskEvents {
+        panic_on_first: true,
+        ..ReceivedTaskEvents::default()
+    };
+    assert_eq!(
+        task_events_to_a_remote_producer(transport, listener, 1),
+        [Event::Task(b"after the request".to_vec())]
+    );
 }
 on_both_drivers!(
     a_panicking_task_event_listener_leaves_the_io_thread_running,

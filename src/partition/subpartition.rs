@@ -800,38 +800,32 @@ impl SubpartitionView {
     /// Registers as waiting, then looks once more. Returns true when something became
     /// readable and this side cleared the flag itself (so no notification will come).
     fn park(&mut self) -> bool {
-        let parked_at = self.parked_position();
-        // Before `reader_waiting`, whose release store publishes it to a flush.
-        self.subpartition
-            .parked_at
-            .store(parked_at, Ordering::Relaxed);
-        self.subpartition
-            .reader_waiting
-            .store(true, Ordering::Release);
-        // Pairs with the fences in `notify_if_waiting` and `flush`.
-        fence(Ordering::SeqCst);
-        if self.peek_type() != DataType::None {
-            return self
-                .subpartition
+        let mut parked_at = self.parked_position();
+        // Bounded: a second round only when the look moved the head, with `PARKED_ANYWHERE`.
+        for _ in 0..2 {
+            // Before `reader_waiting`, whose release store publishes it to a flush.
+            self.subpartition
+                .parked_at
+                .store(parked_at, Ordering::Relaxed);
+            self.subpartition
                 .reader_waiting
-                .swap(false, Ordering::AcqRel);
-        }
-        if self.parked_position() == parked_at {
-            return false;
-        }
-        // The look moved the head (took a finished one out, popped the next item, unflushed):
-        // a flush would judge by a head the reader no longer holds and could stay silent
-        // about the new one's bytes. Until the next park, every flush tells the reader; and
-        // a flush that came before this store is seen by the look after the fence.
-        self.subpartition
-            .parked_at
-            .store(PARKED_ANYWHERE, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        if self.peek_type() != DataType::None {
-            return self
-                .subpartition
-                .reader_waiting
-                .swap(false, Ordering::AcqRel);
+                .store(true, Ordering::Release);
+            // Pairs with the fences in `notify_if_waiting` and `flush`.
+            fence(Ordering::SeqCst);
+            if self.peek_type() != DataType::None {
+                return self
+                    .subpartition
+                    .reader_waiting
+                    .swap(false, Ordering::AcqRel);
+            }
+            if parked_at == PARKED_ANYWHERE || self.parked_position() == parked_at {
+                return false;
+            }
+            // The look moved the head (took a finished one out, popped the next item,
+            // unflushed): a flush would judge by a head the reader no longer holds and could
+            // stay silent about the new one's bytes. Until the next park, every flush tells
+            // the reader; a flush that came before this is seen by the look after the fence.
+            parked_at = PARKED_ANYWHERE;
         }
         false
     }
