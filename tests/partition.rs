@@ -283,22 +283,19 @@ impl fluxgate::record::Record for FailingRecord {
     }
 }
 
-/// A user type whose encoding panics after writing part of it.
-struct PanickingRecord {
-    declared: usize,
-    written: usize,
-}
+/// A user type whose encoding panics where [`FailingRecord`]'s returns its error.
+struct PanickingRecord(FailingRecord);
 
 impl fluxgate::record::Record for PanickingRecord {
     fn encoded_len(&self) -> usize {
-        self.declared
+        self.0.encoded_len()
     }
 
     fn encode<S: fluxgate::record::SegmentSink>(
         &self,
         out: &mut fluxgate::record::RecordOutput<'_, S>,
     ) -> Result<(), fluxgate::record::RecordError> {
-        out.write(&vec![0xEE; self.written])?;
+        let _ = self.0.encode(out);
         panic!("a user type's encoding fails");
     }
 }
@@ -337,10 +334,10 @@ fn records_around_a_panicking_encoding(before: usize, panicking: PanickingRecord
 /// misframing everything after them).
 #[test]
 fn a_record_whose_encoding_panics_leaves_nothing_behind() {
-    let panicking = PanickingRecord {
+    let panicking = PanickingRecord(FailingRecord {
         declared: 10,
         written: 3,
-    };
+    });
     assert_eq!(
         records_around_a_panicking_encoding(6, panicking),
         [vec![0x11; 6], vec![0x22; 5]]
@@ -354,10 +351,10 @@ fn a_record_whose_encoding_panics_leaves_nothing_behind() {
 #[test]
 fn a_record_whose_encoding_panics_after_crossing_a_segment_keeps_the_stream_framed() {
     // 3 + 4083 bytes leave ten bytes of the 4 KiB segment free: 50 bytes cross it.
-    let panicking = PanickingRecord {
+    let panicking = PanickingRecord(FailingRecord {
         declared: 100,
         written: 50,
-    };
+    });
     let mut padded = vec![0xEE; 50];
     padded.resize(100, 0);
     assert_eq!(
