@@ -285,7 +285,6 @@ pub(crate) struct DriverHandle {
 
 impl DriverHandle {
     /// Hands a command to the I/O thread. Blocks (bounded) only if its queue is full.
-    /// False when the command was dropped (the queue stayed full: the I/O thread is stuck).
     /// False when the command was dropped: the queue stayed full (the I/O thread is stuck),
     /// or the thread has stopped.
     pub(crate) fn submit(&self, command: Command) -> bool {
@@ -302,7 +301,7 @@ impl DriverHandle {
                     ?command,
                     "the I/O thread's command queue stayed full; command dropped"
                 );
-                refuse(command, "the I/O thread took no request to connect");
+                refuse(command, "the I/O thread's command queue stayed full");
                 false
             }
         }
