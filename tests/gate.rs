@@ -1384,6 +1384,26 @@ fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
     });
 }
 
+/// A gate closed before its setup fails its setup as closed (the first remote channel's wait
+/// for exclusive segments sees the close), and nothing of the network stays taken: a closed
+/// gate releases nothing more. (Coverage: a review asked whether that path leaked.)
+#[test]
+fn a_gate_closed_before_its_setup_takes_no_segments() {
+    let f = fixture();
+    let specs = vec![ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(2),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Remote,
+    }];
+    let mut gate = SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config);
+    gate.close();
+    assert!(matches!(gate.setup(), Err(GateError::Closed)));
+    drop(gate);
+    assert!(f.all_segments_back());
+}
+
 /// Runs `turn_remote` (a channel of `gate` turning remote) on a thread while other pools hold
 /// every segment, closes through `closer` once it waits for its exclusive segments, and checks
 /// that the wait ended as closed, with every segment back in the end.

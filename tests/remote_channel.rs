@@ -346,6 +346,30 @@ fn exclusive_credit_is_announced_once_per_zero_to_positive_transition() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// An event whose bytes do not decode fails that read, and the buffer queued behind it is
+/// read next: the channel stays in the gate's queue. It was left out, and a reader that read
+/// on after the error waited for good.
+#[test]
+fn a_buffer_behind_an_undecodable_event_is_read_after_the_error() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    sender
+        .send(b"\xFFnot an event", DataType::EventBuffer, 0)
+        .unwrap();
+    sender.send(b"after", DataType::DataBuffer, 0).unwrap();
+    assert!(matches!(
+        gate.next_timeout(LONG),
+        Err(GateError::Event { channel: 0, .. })
+    ));
+    let after = gate
+        .next_timeout(LONG)
+        .unwrap()
+        .expect("the buffer behind the bad event");
+    assert_eq!(data(&after.item), b"after");
+}
+
 #[test]
 fn a_backlog_brings_floating_segments_bounded_by_the_gate_pool() {
     let f = fixture();

@@ -521,12 +521,22 @@ impl SingleInputGate {
         let item = if data_type.is_buffer() {
             GateItem::Buffer(buffer)
         } else {
-            let event = Event::decode(buffer.as_slice())
-                .and_then(|event| event.check_buffer_type(data_type).map(|()| event))
-                .map_err(|source| GateError::Event {
-                    channel: index,
-                    source,
-                })?;
+            let decoded = Event::decode(buffer.as_slice())
+                .and_then(|event| event.check_buffer_type(data_type).map(|()| event));
+            let event = match decoded {
+                Ok(event) => event,
+                Err(source) => {
+                    // What the channel holds behind the bad event stays readable: queued
+                    // again as after any item, or a reader that reads on waits for good.
+                    if more_available || next_is_priority {
+                        self.queue.enqueue(index as u32, next_is_priority);
+                    }
+                    return Err(GateError::Event {
+                        channel: index,
+                        source,
+                    });
+                }
+            };
             GateItem::Event {
                 event,
                 priority: data_type.has_priority(),
