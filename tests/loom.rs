@@ -1270,6 +1270,35 @@ fn one_remote_channel_gate(
     (pool, gate, shared)
 }
 
+/// (g) The transport hands the channel a buffer while the gate closes (releasing the
+/// channel): the buffer's segment goes back to the network either way, not into a lane of the
+/// released channel, where it stayed until the last handle of the channel went. (The push
+/// could land after the release emptied the lanes.)
+#[test]
+fn a_buffer_arriving_while_its_channel_is_released_goes_back() {
+    bounded_model(|| {
+        let (pool, mut gate, shared) = one_remote_channel_gate(config(4));
+        let transport = {
+            let shared = shared.clone();
+            thread::spawn(move || {
+                if let Some(segment) = shared.buffers().take_segment() {
+                    let buffer = fill(segment, b"data", DataType::DataBuffer);
+                    let _ = shared.on_buffer(buffer, 0, 0, 0);
+                }
+            })
+        };
+        gate.close();
+        transport.join().unwrap();
+        drop(gate);
+        assert_eq!(
+            pool.available_segments(),
+            pool.total_segments(),
+            "a segment stayed in the released channel"
+        );
+        drop(shared);
+    });
+}
+
 /// `bytes` written into `segment` as a finished buffer of `kind`, as the transport receives one.
 fn fill(segment: PooledSegment, bytes: &[u8], kind: DataType) -> Buffer {
     let mut builder = segment.into_builder(kind);

@@ -612,6 +612,13 @@ impl RemoteChannelShared {
             self.fail(error.clone());
             return Err(error);
         }
+        // A release that emptied the lanes before the push landed: empty them again, or the
+        // item's segment stays in a channel nobody reads (as `keep_floating` re-checks).
+        if self.released.load(Ordering::SeqCst) {
+            while self.received.pop().is_some() {}
+            while self.received_priority.pop().is_some() {}
+            return Ok(());
+        }
         if let Some(checkpoint) = announced_checkpoint {
             // After the push: a gate that sees the announcement finds the barrier queued.
             *self.announced.lock().expect("not poisoned") = Some(Announced {
