@@ -376,6 +376,7 @@ fn cluster_catches_injected_faults() {
         ("duplicate", "1 too many"),
         ("reorder", "records reordered"),
         ("corrupt", "not what the generator wrote"),
+        ("leak", "network pool not full at exit"),
     ] {
         let run = fluxgate(
             &["cluster", EXAMPLE, "--timeout", "90", "--inject", fault],

@@ -589,6 +589,21 @@ pub(crate) fn verdict(run: &str, problems: &[String]) -> Result<(), String> {
 }
 
 /// Checks the nodes' reports against each other and against the topology.
+/// A node's network pool at exit as a problem: not full (a segment leaked), or never checked
+/// (the node gave up waiting, or an older node wrote the report).
+pub(crate) fn pool_problem(node: usize, report: &NodeReport) -> Option<String> {
+    match report.pool_at_exit {
+        Some(pool) if pool.is_full() => None,
+        Some(pool) => Some(format!(
+            "node {node}: network pool not full at exit: {} of {} segments back",
+            pool.free, pool.total
+        )),
+        None => Some(format!(
+            "node {node}: its network pool was not checked at exit"
+        )),
+    }
+}
+
 pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
     let mut v = Verification::default();
     // Node failures.
@@ -597,6 +612,15 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
             Some(report) => {
                 for error in &report.errors {
                     v.problems.push(format!("node {index}: {error}"));
+                }
+                v.problems.extend(pool_problem(index, report));
+                // A node that failed after writing a clean report (today every non-zero exit
+                // comes with errors in the report; this keeps it so).
+                if let Some(status) = node.status.filter(|s| !s.success()) {
+                    if report.errors.is_empty() {
+                        v.problems
+                            .push(format!("node {index}: exited with {status}"));
+                    }
                 }
             }
             None => {

@@ -266,15 +266,9 @@ pub fn verify(
         {
             v.problems.push(format!("node {n}: {error}"));
         }
-        match report.pool_at_exit {
-            Some(pool) if pool.is_full() => pools_full += 1,
-            Some(pool) => v.problems.push(format!(
-                "node {n}: network pool not full at exit: {} of {} segments back",
-                pool.free, pool.total
-            )),
-            None => v.problems.push(format!(
-                "node {n}: its network pool was not checked at exit"
-            )),
+        match crate::cluster::pool_problem(n, report) {
+            None => pools_full += 1,
+            Some(problem) => v.problems.push(problem),
         }
     }
 

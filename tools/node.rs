@@ -98,6 +98,9 @@ pub enum Fault {
     /// The subtask stops reading at the record until a stall was reported on any node (a
     /// test of the stall report across nodes: the consumers downstream starve).
     Hold,
+    /// The buffer holding the record is never given back: its segment leaks (a test of the
+    /// pool check at exit).
+    Leak,
 }
 
 /// Set by a subtask that stalled: the main loop then dumps the node's connections to stderr
@@ -1496,6 +1499,7 @@ fn consume(
     // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask.
     let mut seen = 0u64;
     let mut held: Option<(usize, Vec<u8>)> = None;
+    let mut leaked = false;
     loop {
         let item = match gate.next_until(Some(Instant::now() + stall)) {
             Ok(Some(item)) => item,
@@ -1533,6 +1537,11 @@ fn consume(
         let channel = item.channel;
         match item.item {
             GateItem::Buffer(buffer) => {
+                if fault == Some(Fault::Leak) && !leaked {
+                    // The segment of the subtask's first buffer, never given back.
+                    std::mem::forget(buffer.clone());
+                    leaked = true;
+                }
                 let deserializer = &mut deserializers[channel];
                 deserializer
                     .set_next_buffer(buffer)
@@ -1551,6 +1560,7 @@ fn consume(
                             continue;
                         }
                         Some(Fault::Hold) => return Err(hold_until_a_stall_is_reported(stall)),
+                        Some(Fault::Leak) => {}
                         Some(Fault::Corrupt) => {
                             let mut copy = record.to_vec();
                             let last = copy.len() - 1;

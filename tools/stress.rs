@@ -226,7 +226,16 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
             _ => e.to_string(),
         })?;
     }
-    let max_size = (network.segment_size * args.max_record_segments).max(HEADER);
+    let max_size = network
+        .segment_size
+        .checked_mul(args.max_record_segments)
+        .ok_or_else(|| {
+            format!(
+                "--max-record-segments {}: records that long do not fit in memory",
+                args.max_record_segments
+            )
+        })?
+        .max(HEADER);
     let timeouts: Vec<i64> = (0..args.channels as u64)
         .map(|i| TIMEOUTS[(mix64(seed ^ mix64(i)) % TIMEOUTS.len() as u64) as usize])
         .collect();
