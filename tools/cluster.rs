@@ -547,6 +547,9 @@ pub struct Verification {
     links_ok: usize,
     links_unchecked: usize,
     sinks: Vec<String>,
+    /// Nodes whose network pool was full at exit, of those that reported.
+    pools_full: usize,
+    pools_reported: usize,
     problems: Vec<String>,
     /// Records all sinks received.
     pub sink_records: u64,
@@ -613,7 +616,11 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
                 for error in &report.errors {
                     v.problems.push(format!("node {index}: {error}"));
                 }
-                v.problems.extend(pool_problem(index, report));
+                v.pools_reported += 1;
+                match pool_problem(index, report) {
+                    None => v.pools_full += 1,
+                    Some(problem) => v.problems.push(problem),
+                }
                 // A node that failed after writing a clean report (today every non-zero exit
                 // comes with errors in the report; this keeps it so).
                 if let Some(status) = node.status.filter(|s| !s.success()) {
@@ -1040,6 +1047,10 @@ pub fn print_summary(topology: &Topology, outcome: &Outcome, v: &Verification) {
     for line in &v.sinks {
         println!("sinks:  {line}");
     }
+    println!(
+        "pools:  {} of {} nodes' network pools full at exit (every segment back)",
+        v.pools_full, v.pools_reported
+    );
     println!(
         "run:    {} nodes ({}), {:.2} s, {:.0} records/s and {:.1} MiB/s into the sinks",
         topology.nodes,
