@@ -319,9 +319,16 @@ pub fn verify(
         }
         let Some(error) = &report.error else {
             // Finished: possible only if what linked it to killed nodes had ended before the
-            // kills; its links are checked below like any other.
+            // kills; its links are checked below like any other. Not for a consumer of a
+            // killed node: a kill comes while the generators emit (`parse_kills` refuses
+            // later ones), so its upstream never ended, and a clean end would hide data cut
+            // short (the lost peer's connection taken for an end of partition).
             if !upstream.is_empty() {
                 lost_peer.finished_first += 1;
+                v.problems.push(format!(
+                    "{}: finished without an error though it consumes from a killed node",
+                    name(t)
+                ));
             } else if !downstream.is_empty() {
                 released.finished_first += 1;
             } else {
