@@ -300,18 +300,25 @@ impl fluxgate::record::Record for PanickingRecord {
     }
 }
 
-/// The records a reader gets when a writer emits `before` bytes of 0x11, then `panicking`
-/// (catching its panic, as a caller that goes on writing does), then 5 bytes of 0x22.
-fn records_around_a_panicking_encoding(before: usize, panicking: PanickingRecord) -> Vec<Vec<u8>> {
+/// How the emit of a record ended: its result, or `Err` with the payload of a panic its
+/// encoding raised (caught, as a caller that goes on writing does).
+type Emitted = std::thread::Result<Result<(), PartitionError>>;
+
+/// A writer emits `before`, then `record`, then `after`, and flushes: how `record`'s emit
+/// ended and every record a reader then gets. Every segment is back at the end.
+fn records_around<R: fluxgate::record::Record>(
+    before: &[u8],
+    record: &R,
+    after: &[u8],
+) -> (Emitted, Vec<Vec<u8>>) {
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, _signal) = view(&partition, 0);
-    partition.emit_record(&vec![0x11; before][..], 0).unwrap();
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = partition.emit_record(&panicking, 0);
+    partition.emit_record(before, 0).unwrap();
+    let emitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        partition.emit_record(record, 0)
     }));
-    assert!(panicked.is_err(), "the panic reaches the caller");
-    partition.emit_record(&[0x22; 5][..], 0).unwrap();
+    partition.emit_record(after, 0).unwrap();
     partition.flush(0);
     let mut reader = RecordDeserializer::new(1 << 20);
     let mut records = Vec::new();
@@ -326,7 +333,7 @@ fn records_around_a_panicking_encoding(before: usize, panicking: PanickingRecord
     }
     drop((items, view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
-    records
+    (emitted, records)
 }
 
 /// A caller that catches a panic of its record's `encode` and goes on writing: the bytes the
@@ -338,10 +345,9 @@ fn a_record_whose_encoding_panics_leaves_nothing_behind() {
         declared: 10,
         written: 3,
     });
-    assert_eq!(
-        records_around_a_panicking_encoding(6, panicking),
-        [vec![0x11; 6], vec![0x22; 5]]
-    );
+    let (emitted, records) = records_around(&[0x11; 6], &panicking, &[0x22; 5]);
+    assert!(emitted.is_err(), "the panic reaches the caller");
+    assert_eq!(records, [vec![0x11; 6], vec![0x22; 5]]);
 }
 
 /// As above, once part of the record went out in a finished segment: the record is padded
@@ -357,10 +363,9 @@ fn a_record_whose_encoding_panics_after_crossing_a_segment_keeps_the_stream_fram
     });
     let mut padded = vec![0xEE; 50];
     padded.resize(100, 0);
-    assert_eq!(
-        records_around_a_panicking_encoding(4083, panicking),
-        [vec![0x11; 4083], padded, vec![0x22; 5]]
-    );
+    let (emitted, records) = records_around(&[0x11; 4083], &panicking, &[0x22; 5]);
+    assert!(emitted.is_err(), "the panic reaches the caller");
+    assert_eq!(records, [vec![0x11; 4083], padded, vec![0x22; 5]]);
 }
 
 /// A broken user type: its contiguous bytes are longer than the length it declares.
@@ -389,23 +394,15 @@ impl fluxgate::record::Record for LongerThanDeclared {
 /// and with less room it panicked past the segment's end.
 #[test]
 fn contiguous_bytes_longer_than_declared_are_refused() {
-    let (network, config) = setup(64);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, _signal) = view(&partition, 0);
-    partition.emit_record(&[0x11; 6][..], 0).unwrap();
+    let (emitted, records) = records_around(&[0x11; 6], &LongerThanDeclared, &[0x22; 5]);
     assert!(matches!(
-        partition.emit_record(&LongerThanDeclared, 0),
-        Err(PartitionError::Record(RecordError::LengthMismatch {
+        emitted,
+        Ok(Err(PartitionError::Record(RecordError::LengthMismatch {
             declared: 4,
             written: 8
-        }))
+        })))
     ));
-    partition.emit_record(&[0x22; 5][..], 0).unwrap();
-    partition.flush(0);
-    let item = view.poll_next().expect("the flushed records");
-    assert_eq!(records_of(&item), [vec![0x11; 6], vec![0x22; 5]]);
-    drop((item, view, partition));
-    assert_eq!(network.available_segments(), network.total_segments());
+    assert_eq!(records, [vec![0x11; 6], vec![0x22; 5]]);
 }
 
 /// The segment fills exactly as the failing record's bytes go in, and `encode` fails before
@@ -416,27 +413,18 @@ fn contiguous_bytes_longer_than_declared_are_refused() {
 fn a_record_whose_encoding_fails_just_as_it_fills_the_segment_sends_nothing() {
     // The 2-byte prefix alone fills it (declared 200); the record's one byte fills it.
     for (declared, written) in [(200, 0), (1, 1)] {
-        let (network, config) = setup(64);
-        let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-        let (mut view, _signal) = view(&partition, 0);
         // 2 + 4092 bytes: two bytes of the 4 KiB segment stay free.
-        partition.emit_record(&[0x11; 4092][..], 0).unwrap();
         let failed = FailingRecord { declared, written };
-        assert!(partition.emit_record(&failed, 0).is_err());
-        partition.emit_record(&[0x22; 5][..], 0).unwrap();
-        partition.flush(0);
-        let mut reader = SpanningReader::new();
-        for _ in 0..16 {
-            let Some(item) = view.poll_next() else { break };
-            reader.read(&item);
-        }
-        assert_eq!(
-            reader.records,
-            [(4092, 0x11), (5, 0x22)],
+        let (emitted, records) = records_around(&[0x11; 4092], &failed, &[0x22; 5]);
+        assert!(
+            matches!(emitted, Ok(Err(_))),
             "declared {declared}, written {written}"
         );
-        drop((view, partition));
-        assert_eq!(network.available_segments(), network.total_segments());
+        assert_eq!(
+            records,
+            [vec![0x11; 4092], vec![0x22; 5]],
+            "declared {declared}, written {written}"
+        );
     }
 }
 
@@ -444,21 +432,13 @@ fn a_record_whose_encoding_fails_just_as_it_fills_the_segment_sends_nothing() {
 fn a_record_whose_encoding_fails_within_a_segment_sends_nothing() {
     // Flink serializes into a separate buffer first, so a failed record sends nothing; here it
     // is written straight into the segment and taken back while no part of it was published.
-    let (network, config) = setup(64);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, _signal) = view(&partition, 0);
-    partition.emit_record(&b"before"[..], 0).unwrap();
     let failed = FailingRecord {
         declared: 100,
         written: 40,
     };
-    assert!(partition.emit_record(&failed, 0).is_err());
-    partition.emit_record(&b"after"[..], 0).unwrap();
-    partition.flush(0);
-    let item = view.poll_next().expect("the flushed records");
-    assert_eq!(records_of(&item), [b"before".to_vec(), b"after".to_vec()]);
-    drop((item, view, partition));
-    assert_eq!(network.available_segments(), network.total_segments());
+    let (emitted, records) = records_around(b"before", &failed, b"after");
+    assert!(matches!(emitted, Ok(Err(_))));
+    assert_eq!(records, [b"before".to_vec(), b"after".to_vec()]);
 }
 
 /// A record whose encoding fails as the first in a fresh buffer leaves that buffer empty: it
@@ -487,34 +467,19 @@ fn a_record_failing_after_its_prefix_filled_a_segment_keeps_the_stream_framed() 
     // The prefix fills the segment exactly, so writing the record's body publishes it: the
     // record can no longer be taken back. It is padded to its declared length instead, and
     // the records around it stay readable.
-    let (network, config) = setup(64);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, _signal) = view(&partition, 0);
     // 4094 bytes with its 2-byte prefix leave 0; 4092 leave 2: the next prefix's size.
-    partition.emit_record(&[1u8; 4092][..], 0).unwrap();
     let failed = FailingRecord {
         declared: 200,
         written: 100,
     };
-    assert!(partition.emit_record(&failed, 0).is_err());
-    partition.emit_record(&b"after"[..], 0).unwrap();
-    partition.flush(0);
-    let mut reader = RecordDeserializer::new(1 << 20);
-    let mut lengths = Vec::new();
-    for _ in 0..3 {
-        let Some(item) = view.poll_next() else { break };
-        reader.set_next_buffer(item.buffer.clone()).unwrap();
-        while let Some(record) = reader.next_record().unwrap() {
-            lengths.push(record.len());
-        }
-    }
+    let (emitted, records) = records_around(&[1u8; 4092], &failed, b"after");
+    assert!(matches!(emitted, Ok(Err(_))));
+    let lengths: Vec<usize> = records.iter().map(Vec::len).collect();
     assert_eq!(
         lengths,
         [4092, 200, 5],
         "every record whole, the failed one padded"
     );
-    drop((view, partition));
-    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
