@@ -355,16 +355,13 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if self.taken_ahead.is_empty() {
             return Ok(());
         }
-        let channels = std::mem::take(&mut self.taken_ahead);
         if let (Some(id), Some(sink)) = (self.current, self.sink.as_ref()) {
-            for &channel in &channels {
+            for &channel in &self.taken_ahead {
                 self.gate.for_each_taken_ahead(channel, &mut |buffer| {
                     sink.add_input_data(id, channel, buffer.clone())
                 });
             }
         }
-        // Kept for its allocation.
-        self.taken_ahead = channels;
         self.taken_ahead.clear();
         self.check_complete().map(drop)
     }

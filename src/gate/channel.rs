@@ -319,8 +319,7 @@ impl LocalInputChannel {
             // For good: the view goes now, and with it the buffer it was reading, for which
             // the producer's writer may wait.
             let error = partition_error(self.index, PartitionError::Released);
-            self.view = None;
-            self.released = true;
+            self.release();
             self.failed = Some(error.clone());
             return Err(error);
         }
@@ -369,6 +368,8 @@ impl LocalInputChannel {
         self.view = None;
         self.retry_at = None;
         self.released = true;
+        // Events for a producer not found yet go nowhere now.
+        self.pending_events.clear();
     }
 }
 

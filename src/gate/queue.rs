@@ -82,13 +82,13 @@ impl ChannelQueue {
             return;
         }
         // No union yet: one being built may have set its link since, and then reads this
-        // gate once without having seen the push. The fences (here and in `set_parent`) order
-        // push-then-look against link-then-read (store buffering): one of the two sees the
-        // other's write. Off the union's path, so once per channel queued, not per record.
+        // gate once without having seen the push. The fences (this one and the one in
+        // `set_parent`) order push-then-look against link-then-read (store buffering): one
+        // of the two sees the other's write. The same fence serves the wake-up below.
         fence(Ordering::SeqCst);
         match self.parent.get() {
             Some((parent, gate)) => parent.enqueue(*gate, priority),
-            None => self.wake(),
+            None => self.wake_after_fence(),
         }
     }
 
@@ -200,9 +200,9 @@ impl ChannelQueue {
         self.has_channels() || self.is_closed()
     }
 
-    fn wake(&self) {
-        // Pairs with the increment of `waiting` before a reader's last look.
-        fence(Ordering::SeqCst);
+    /// Wakes a waiting reader, once the caller ran a SeqCst fence after its push: that fence
+    /// pairs with the increment of `waiting` before a reader's last look.
+    fn wake_after_fence(&self) {
         if self.waiting.load(Ordering::SeqCst) > 0 {
             drop(self.lock.lock().expect("not poisoned"));
             self.cond.notify_all();

@@ -846,10 +846,12 @@ impl RemoteInputChannel {
     /// in-flight data), and the barrier itself is dropped: the gate turned the checkpoint
     /// unaligned already. False when the channel does not hold that barrier unread.
     pub(crate) fn convert_barrier_to_priority(&mut self, checkpoint: u64) -> bool {
-        let shared = self.shared.clone();
-        if shared.announced_checkpoint.load(Ordering::Acquire) != checkpoint {
+        // The look first: this runs for every buffer read while an unaligned checkpoint
+        // waits for the channel's barrier.
+        if self.shared.announced_checkpoint.load(Ordering::Acquire) != checkpoint {
             return false;
         }
+        let shared = self.shared.clone();
         let position = {
             let mut announced = shared.announced.lock().expect("not poisoned");
             match *announced {

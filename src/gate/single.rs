@@ -509,6 +509,14 @@ impl SingleInputGate {
         })
     }
 
+    /// A channel read that left more: back to the tail (or the priority lane), so a busy
+    /// channel cannot starve the others.
+    fn queue_again(&self, index: usize, more_available: bool, next_is_priority: bool) {
+        if more_available || next_is_priority {
+            self.queue.enqueue(index as u32, next_is_priority);
+        }
+    }
+
     /// Turns one channel read into a gate item, handling EndOfPartition.
     fn on_read(&mut self, index: usize, read: ChannelRead) -> Result<BufferOrEvent, GateError> {
         let ChannelRead {
@@ -528,9 +536,7 @@ impl SingleInputGate {
                 Err(source) => {
                     // What the channel holds behind the bad event stays readable: queued
                     // again as after any item, or a reader that reads on waits for good.
-                    if more_available || next_is_priority {
-                        self.queue.enqueue(index as u32, next_is_priority);
-                    }
+                    self.queue_again(index, more_available, next_is_priority);
                     return Err(GateError::Event {
                         channel: index,
                         source,
@@ -552,9 +558,8 @@ impl SingleInputGate {
                 self.finished_count += 1;
             }
             self.channels[index].release();
-        } else if more_available || next_is_priority {
-            // Back to the tail (or the priority lane): a busy channel cannot starve the others.
-            self.queue.enqueue(index as u32, next_is_priority);
+        } else {
+            self.queue_again(index, more_available, next_is_priority);
         }
         Ok(BufferOrEvent {
             channel: index,
