@@ -312,7 +312,7 @@ impl PipelinedSubpartition {
         if !self.reader_waiting.load(Ordering::Acquire) || self.nothing_new_since_park() {
             return;
         }
-        self.notify_if_waiting();
+        self.notify_waiting_reader();
     }
 
     /// Whether the parked reader has read everything a flush could make readable: its
@@ -419,6 +419,11 @@ impl PipelinedSubpartition {
     fn notify_if_waiting(&self) {
         // Pairs with the fence in `SubpartitionView::park`.
         fence(Ordering::SeqCst);
+        self.notify_waiting_reader();
+    }
+
+    /// [`notify_if_waiting`](Self::notify_if_waiting) once the caller ran its fence.
+    fn notify_waiting_reader(&self) {
         if self.reader_waiting.load(Ordering::Relaxed)
             && self.reader_waiting.swap(false, Ordering::AcqRel)
         {

@@ -110,10 +110,13 @@ impl<R: ?Sized, F: FnMut(&R) -> u64> ChannelSelector<R> for KeyHashSelector<F> {
     fn select(&mut self, record: &R, channels: usize) -> Selection {
         let hash = (self.key_hash)(record);
         let group = self.key_group(hash);
-        // Flink's `keyGroup * parallelism / maxParallelism`, wide enough for any sizes.
-        Selection::Channel(
-            (group as u128 * channels as u128 / self.max_parallelism as u128) as usize,
-        )
+        // Flink's `keyGroup * parallelism / maxParallelism`: in 64 bits (sizes of real jobs),
+        // in 128 only for sizes whose product overflows them.
+        let channel = match (group as u64).checked_mul(channels as u64) {
+            Some(product) => product / self.max_parallelism as u64,
+            None => (group as u128 * channels as u128 / self.max_parallelism as u128) as u64,
+        };
+        Selection::Channel(channel as usize)
     }
 }
 
