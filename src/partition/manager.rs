@@ -113,13 +113,19 @@ impl PartitionManager {
             .expect("not poisoned")
             .get(&id)
             .cloned();
-        match listener {
-            Some(listener) => {
-                listener.on_task_event(event);
-                true
-            }
-            None => false,
+        let Some(listener) = listener else {
+            return false;
+        };
+        // The listener is the producer's code, run on whichever thread delivers: an I/O thread
+        // (a remote consumer's event), whose panic would end every connection it serves, or
+        // a local consumer's task. Its panic costs the event only.
+        let published = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            listener.on_task_event(event)
+        }));
+        if published.is_err() {
+            tracing::error!(partition = ?id, "a task event listener panicked; the event is dropped");
         }
+        true
     }
 
     /// Forgets partitions whose every subpartition was consumed or released.

@@ -237,10 +237,7 @@ impl ServerConnection {
             },
         );
         Self {
-            ready: ReadyReaders {
-                queue: None,
-                capacity: config.max_channels,
-            },
+            ready: ReadyReaders { queue: None },
             reader: FrameReader::new(config.segment_size, config.max_frame_size),
             readers: Vec::new(),
             by_receiver: HashMap::new(),
@@ -548,17 +545,7 @@ impl ServerConnection {
                         value: event.len() as u64,
                     })
                 })?;
-                // The listener is the producer's code, run on the I/O thread: its panic must
-                // not end the thread, and with it every connection the thread serves.
-                let published = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    self.manager.publish_task_event(partition, &event)
-                }));
-                if published.is_err() {
-                    tracing::error!(
-                        ?partition,
-                        "a task event listener panicked; the event is dropped"
-                    );
-                }
+                self.manager.publish_task_event(partition, &event);
             }
             // An error for one receiver ends it as a cancellation does: a request still
             // waiting for its partition goes too, or it would take the subpartition's view
@@ -679,7 +666,7 @@ impl ServerConnection {
                 self.readers.len() - 1
             }
         } as u32;
-        let listener = self.ready.listener(slot);
+        let listener = self.ready.listener(slot, self.config.max_channels);
         match self
             .manager
             .create_view(request.partition, request.subpartition as usize, listener)
@@ -895,13 +882,16 @@ const _: () = assert!(BUFFER_RESPONSE_HEADER <= HEADROOM);
 /// 1024 such connections would pin 140 MB.
 struct ReadyReaders {
     queue: Option<ChannelQueueHandle>,
-    capacity: usize,
 }
 
 impl ReadyReaders {
-    /// The listener a new reader's view queues `slot` through; makes the queue.
-    fn listener(&mut self, slot: u32) -> Arc<dyn crate::partition::AvailabilityListener> {
-        let capacity = self.capacity;
+    /// The listener a new reader's view queues `slot` through; makes the queue, with room
+    /// for `capacity` readers.
+    fn listener(
+        &mut self,
+        slot: u32,
+        capacity: usize,
+    ) -> Arc<dyn crate::partition::AvailabilityListener> {
         self.queue
             .get_or_insert_with(|| ChannelQueueHandle::new(capacity))
             .notifier(slot)
