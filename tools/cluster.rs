@@ -591,7 +591,6 @@ pub(crate) fn verdict(run: &str, problems: &[String]) -> Result<(), String> {
     })
 }
 
-/// Checks the nodes' reports against each other and against the topology.
 /// A node's network pool at exit as a problem: not full (a segment leaked), or never checked
 /// (the node gave up waiting, or an older node wrote the report).
 pub(crate) fn pool_problem(node: usize, report: &NodeReport) -> Option<String> {
@@ -607,6 +606,7 @@ pub(crate) fn pool_problem(node: usize, report: &NodeReport) -> Option<String> {
     }
 }
 
+/// Checks the nodes' reports against each other and against the topology.
 pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
     let mut v = Verification::default();
     // Node failures.
