@@ -187,6 +187,8 @@ pub(crate) enum Command {
     Connected {
         peer: SocketAddr,
         connection_index: usize,
+        /// Which attempt for (`peer`, `connection_index`) this is ([`PendingConnects`]).
+        attempt: u64,
         result: io::Result<std::net::TcpStream>,
     },
     /// Report every connection's state (diagnostics).
@@ -508,6 +510,7 @@ pub(crate) fn client_for(peer: SocketAddr, config: &DriverConfig) -> io::Result<
 pub(crate) fn start_connect(
     peer: SocketAddr,
     connection_index: usize,
+    attempt: u64,
     config: &DriverConfig,
     commands: &Arc<ArrayQueue<Command>>,
     waker: &Arc<IoWaker<WakeFn>>,
@@ -535,6 +538,7 @@ pub(crate) fn start_connect(
             let connected = Command::Connected {
                 peer,
                 connection_index,
+                attempt,
                 result,
             };
             // A full queue for about 10 s means a stuck I/O thread, and a cancelled helper's
@@ -660,12 +664,18 @@ impl ConnectHelpers {
 #[derive(Default)]
 pub(crate) struct PendingConnects {
     waiting: std::collections::HashMap<(SocketAddr, usize), PendingConnect>,
+    /// The number the next connect started gets. A result names its attempt, so one that
+    /// comes after its attempt was given up as overdue (a helper thread held up past the
+    /// grace) is not taken for a newer attempt to the same peer: it would fail that
+    /// attempt's channels before their own connect finished.
+    next_attempt: u64,
     /// The threads making the connects.
     helpers: ConnectHelpers,
 }
 
 /// One connection being opened.
 struct PendingConnect {
+    attempt: u64,
     channels: Vec<WaitingChannel>,
     /// When its result is overdue: the connect timeout, plus the time the helper thread may
     /// wait for room in the command queue before it gives up. A result that never came
@@ -689,8 +699,8 @@ impl fmt::Debug for PendingConnects {
 }
 
 impl PendingConnects {
-    /// Queues `channel` for the connection to (`peer`, `index`). True when no connect is
-    /// under way for it yet: the caller starts one, bounded by `timeout`.
+    /// Queues `channel` for the connection to (`peer`, `index`). When no connect is under
+    /// way for it yet, the attempt number of the one the caller starts, bounded by `timeout`.
     pub(crate) fn wait(
         &mut self,
         peer: SocketAddr,
@@ -699,25 +709,36 @@ impl PendingConnects {
         backoff: crate::gate::Backoff,
         timeout: Duration,
         now: Instant,
-    ) -> bool {
-        let pending = self
-            .waiting
-            .entry((peer, index))
-            .or_insert_with(|| PendingConnect {
+    ) -> Option<u64> {
+        let next_attempt = &mut self.next_attempt;
+        let pending = self.waiting.entry((peer, index)).or_insert_with(|| {
+            *next_attempt += 1;
+            PendingConnect {
+                attempt: *next_attempt,
                 channels: Vec::new(),
                 overdue: now + timeout + CONNECT_RESULT_GRACE,
-            });
+            }
+        });
         pending.channels.push((channel, backoff));
-        pending.channels.len() == 1
+        (pending.channels.len() == 1).then_some(pending.attempt)
     }
 
-    /// The connect to (`peer`, `index`) finished: the channels that waited for it (none when
-    /// it was given up as overdue before).
-    pub(crate) fn take(&mut self, peer: SocketAddr, index: usize) -> Vec<WaitingChannel> {
-        self.waiting
-            .remove(&(peer, index))
-            .map(|pending| pending.channels)
-            .unwrap_or_default()
+    /// Connect `attempt` to (`peer`, `index`) finished: the channels that waited for it (none
+    /// when it was given up as overdue before, whether or not a newer attempt waits now).
+    pub(crate) fn take(
+        &mut self,
+        peer: SocketAddr,
+        index: usize,
+        attempt: u64,
+    ) -> Vec<WaitingChannel> {
+        match self.waiting.entry((peer, index)) {
+            std::collections::hash_map::Entry::Occupied(pending)
+                if pending.get().attempt == attempt =>
+            {
+                pending.remove().channels
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// A connect whose result is overdue at `now`, given up: its key and channels.
@@ -819,23 +840,25 @@ pub(crate) fn connect_channel<L: ClientConnections>(
     }
     let c = driver.connects();
     let timeout = c.config.connect_timeout;
-    if c.pending.wait(peer, index, channel, backoff, timeout, now) {
+    if let Some(attempt) = c.pending.wait(peer, index, channel, backoff, timeout, now) {
+        let (config, commands, waker) = (c.config, c.commands, c.waker);
         let helpers = &mut c.pending.helpers;
-        if let Err(error) = start_connect(peer, index, c.config, c.commands, c.waker, helpers) {
-            on_connected(driver, peer, index, Err(error), now);
+        if let Err(error) = start_connect(peer, index, attempt, config, commands, waker, helpers) {
+            on_connected(driver, peer, index, attempt, Err(error), now);
         }
     }
 }
 
-/// A helper thread's connect to (`peer`, `index`) finished with `result`.
+/// A helper thread's connect `attempt` to (`peer`, `index`) finished with `result`.
 pub(crate) fn on_connected<L: ClientConnections>(
     driver: &mut L,
     peer: SocketAddr,
     index: usize,
+    attempt: u64,
     result: io::Result<std::net::TcpStream>,
     now: Instant,
 ) {
-    let waiting = driver.connects().pending.take(peer, index);
+    let waiting = driver.connects().pending.take(peer, index, attempt);
     finish_connect(driver, peer, index, waiting, result, now);
 }
 
@@ -916,4 +939,72 @@ fn fail_at_shutdown(channel: &RemoteChannelShared, reason: &str) {
         channel: channel.channel(),
         reason: reason.to_owned(),
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gate::{
+        Backoff, ChannelLocation, ChannelSpec, ConsumedSubpartition, SingleInputGate,
+    };
+    use crate::partition::{PartitionManager, ResultPartitionId};
+    use crate::NetworkConfig;
+
+    /// What a remote channel of a set-up gate gives the transport, for a channel list.
+    fn remote_channels(count: usize) -> (SingleInputGate, Vec<Arc<RemoteChannelShared>>) {
+        let mut config = NetworkConfig::default();
+        config
+            .set("taskmanager.memory.segment-size", "4kb")
+            .unwrap();
+        config.set("taskmanager.memory.network.max", "1mb").unwrap();
+        config.set("fluxgate.memory.arena-size", "1mb").unwrap();
+        let network = NetworkBufferPool::new(&config).unwrap();
+        let specs = (0..count)
+            .map(|i| ChannelSpec {
+                consumed: ConsumedSubpartition {
+                    partition: ResultPartitionId {
+                        partition: i as u64,
+                        producer: 0,
+                    },
+                    subpartition: 0,
+                },
+                location: ChannelLocation::Remote,
+            })
+            .collect();
+        let manager = Arc::new(PartitionManager::new());
+        let mut gate = SingleInputGate::new(specs, manager, &network, &config);
+        gate.setup().unwrap();
+        let shared = (0..count)
+            .map(|i| gate.remote_channel(i).unwrap().shared().clone())
+            .collect();
+        (gate, shared)
+    }
+
+    #[test]
+    fn a_result_of_a_connect_given_up_as_overdue_is_not_taken_for_a_newer_attempt() {
+        let (_gate, channels) = remote_channels(2);
+        let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let timeout = Duration::from_secs(1);
+        let backoff = Backoff::flink_default();
+        let start = Instant::now();
+        let mut pending = PendingConnects::default();
+
+        let first = pending
+            .wait(peer, 0, channels[0].clone(), backoff, timeout, start)
+            .expect("the first channel starts a connect");
+        let later = start + timeout + CONNECT_RESULT_GRACE;
+        let (_, _, given_up) = pending.pop_overdue(later).expect("the connect is overdue");
+        assert_eq!(given_up.len(), 1);
+
+        let second = pending
+            .wait(peer, 0, channels[1].clone(), backoff, timeout, later)
+            .expect("a channel after the give-up starts a new connect");
+        assert!(
+            pending.take(peer, 0, first).is_empty(),
+            "the late result of the given-up connect took the new attempt's channels"
+        );
+        let waited = pending.take(peer, 0, second);
+        assert_eq!(waited.len(), 1);
+        assert!(Arc::ptr_eq(&waited[0].0, &channels[1]));
+    }
 }

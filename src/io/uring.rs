@@ -999,10 +999,18 @@ impl Loop {
                 Command::Connected {
                     peer,
                     connection_index,
+                    attempt,
                     result,
                 } => {
                     self.worked = true;
-                    super::on_connected(self, peer, connection_index, result, Instant::now());
+                    super::on_connected(
+                        self,
+                        peer,
+                        connection_index,
+                        attempt,
+                        result,
+                        Instant::now(),
+                    );
                 }
             }
         }
