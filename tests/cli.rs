@@ -377,6 +377,7 @@ fn cluster_catches_injected_faults() {
         ("reorder", "records reordered"),
         ("corrupt", "not what the generator wrote"),
         ("leak", "network pool not full at exit"),
+        ("late-barrier", "checkpoint 1 handed over aligned after"),
     ] {
         let run = fluxgate(
             &["cluster", EXAMPLE, "--timeout", "90", "--inject", fault],

@@ -12,7 +12,10 @@
 //!   times the copies the topology makes (broadcast edges multiply, parallel paths add up);
 //! * what the subtasks found themselves: sequence numbers going back or repeating on a channel
 //!   (where the topology keeps a producer's order), corrupt payloads, records of a hash edge at
-//!   the wrong subtask, checkpoint barriers out of order.
+//!   the wrong subtask, checkpoint barriers out of order;
+//! * every checkpoint, link by link: handed to the consumer (or cancelled there), and handed
+//!   over where the producer wrote its barrier in the link's records (see
+//!   `check_barrier_placement`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -539,6 +542,97 @@ pub struct Row {
     checkpoints: Option<(u64, u64)>,
 }
 
+/// Where each consumer subtask was handed its checkpoints, against where its producers wrote
+/// the barriers, link by link, for links both sides reported in full (records in the same
+/// count: a link that lost or gained records is reported as such):
+/// - every checkpoint a producer wrote to a link was handed to its consumer, or cancelled;
+/// - one handed over aligned came after exactly the records its producers wrote before its
+///   barrier (or all of a link that ended without it): none missing, none from behind it;
+/// - one handed over unaligned came before any record from behind its barrier.
+fn check_barrier_placement(
+    topology: &Topology,
+    reports: &HashMap<(usize, usize), &crate::node::SubtaskReport>,
+) -> BarrierPlacement {
+    let mut placement = BarrierPlacement::default();
+    let problems = &mut placement.problems;
+    for (e, edge) in topology.edges.iter().enumerate() {
+        let (from, to) = (edge.from, edge.to);
+        for producer in 0..topology.stages[from].parallelism {
+            let Some(producer_report) = reports.get(&(from, producer)) else {
+                continue;
+            };
+            for link in producer_report.sent.iter().filter(|l| l.edge == e) {
+                let consumer = link.peer;
+                let Some(consumer_report) = reports.get(&(to, consumer)) else {
+                    continue;
+                };
+                let Some(got) = consumer_report
+                    .received
+                    .iter()
+                    .find(|l| l.edge == e && l.peer == producer)
+                else {
+                    continue;
+                };
+                if !got.ended || got.records != link.records {
+                    continue;
+                }
+                let what = format!(
+                    "{}[{producer}] -> {}[{consumer}]",
+                    topology.stages[from].name, topology.stages[to].name
+                );
+                placement.links += 1;
+                placement.handovers += got.barriers.len();
+                let complete = link.barriers.len() < crate::node::MAX_BARRIER_MARKS
+                    && got.barriers.len() < crate::node::MAX_BARRIER_MARKS;
+                for sent in &link.barriers {
+                    let handed = got.barriers.iter().any(|m| m.id == sent.id);
+                    if complete
+                        && !handed
+                        && !consumer_report.cancelled_checkpoints.contains(&sent.id)
+                    {
+                        problems.push(format!(
+                            "{what}: checkpoint {} was written but never handed over or cancelled",
+                            sent.id
+                        ));
+                    }
+                }
+                for handed in &got.barriers {
+                    let before = match link.barriers.iter().find(|m| m.id == handed.id) {
+                        Some(sent) => sent.records,
+                        // Never written to this link: it ended first.
+                        None if complete => link.records,
+                        None => continue,
+                    };
+                    if handed.aligned && handed.records != before {
+                        problems.push(format!(
+                            "{what}: checkpoint {} handed over aligned after {} records of the link, its barrier came after {before}",
+                            handed.id, handed.records
+                        ));
+                    } else if handed.records > before {
+                        problems.push(format!(
+                            "{what}: checkpoint {} handed over after {} records of the link, {} of them from behind its barrier",
+                            handed.id,
+                            handed.records,
+                            handed.records - before
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    placement
+}
+
+/// What [`check_barrier_placement`] found.
+#[derive(Debug, Default)]
+struct BarrierPlacement {
+    /// Links checked (both sides reported in full).
+    links: usize,
+    /// Checkpoint hand-overs checked, summed over those links.
+    handovers: usize,
+    problems: Vec<String>,
+}
+
 /// The verdict of a run.
 #[derive(Debug, Default)]
 pub struct Verification {
@@ -546,6 +640,10 @@ pub struct Verification {
     links: usize,
     links_ok: usize,
     links_unchecked: usize,
+    /// Checkpoint hand-overs checked against where their barriers fell (None: the run had
+    /// no checkpoints), on `barrier_links` links.
+    barrier_handovers: Option<usize>,
+    barrier_links: usize,
     sinks: Vec<String>,
     /// Nodes whose network pool was full at exit, of those that reported.
     pools_full: usize,
@@ -781,6 +879,17 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
     if more > 0 {
         v.problems
             .push(format!("... and {more} more links that differ"));
+    }
+    let placement = check_barrier_placement(topology, &reports);
+    v.barrier_handovers = topology.checkpoints.map(|_| placement.handovers);
+    v.barrier_links = placement.links;
+    let barrier_problems = placement.problems;
+    let shown = barrier_problems.len().min(10);
+    let more = barrier_problems.len() - shown;
+    v.problems.extend(barrier_problems.into_iter().take(shown));
+    if more > 0 {
+        v.problems
+            .push(format!("... and {more} more misplaced checkpoints"));
     }
 
     // Generators: what each emitted.
@@ -1044,6 +1153,12 @@ pub fn print_summary(topology: &Topology, outcome: &Outcome, v: &Verification) {
             String::new()
         }
     );
+    if let Some(handovers) = v.barrier_handovers {
+        println!(
+            "checks: {handovers} checkpoint hand-overs on {} links agree with where their barriers fell",
+            v.barrier_links
+        );
+    }
     for line in &v.sinks {
         println!("sinks:  {line}");
     }

@@ -101,6 +101,9 @@ pub enum Fault {
     /// The buffer holding the record is never given back: its segment leaks (a test of the
     /// pool check at exit).
     Leak,
+    /// The subtask's first checkpoint is handed over after the record that follows its
+    /// barrier (a test of the barrier placement check).
+    LateBarrier,
 }
 
 /// Set by a subtask that stalled: the main loop then dumps the node's connections to stderr
@@ -152,6 +155,42 @@ pub struct LinkTally {
     /// its count is complete. (Absent in reports of older nodes: false.)
     #[serde(default)]
     pub ended: bool,
+    /// Where the checkpoints fell in the link's records, the first [`MAX_BARRIER_MARKS`]:
+    /// for `sent`, each barrier written to it; for `received`, each checkpoint handed to the
+    /// consumer subtask.
+    #[serde(default)]
+    pub barriers: Vec<BarrierMark>,
+}
+
+/// How many checkpoints a link's report places ([`LinkTally::barriers`]): enough for every
+/// checkpoint of a run of several minutes, bounded for longer ones.
+pub const MAX_BARRIER_MARKS: usize = 1024;
+
+/// Where one checkpoint fell in a link's records, as one side counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarrierMark {
+    /// The checkpoint.
+    pub id: u64,
+    /// Sent: records the producer wrote to the link before the barrier. Received: records
+    /// the consumer had read from the link when it was handed the checkpoint.
+    pub records: u64,
+    /// Received: the checkpoint was handed over aligned (every channel's barrier had come and
+    /// held its channel), so exactly the records before each barrier were read. An unaligned
+    /// one (or one whose alignment timed out) comes at the first barrier: no record from
+    /// behind a barrier can have been read yet. Sent: the barrier was written aligned.
+    pub aligned: bool,
+}
+
+impl BarrierMark {
+    fn push_to(marks: &mut Vec<BarrierMark>, barrier: &CheckpointBarrier, records: u64) {
+        if marks.len() < MAX_BARRIER_MARKS {
+            marks.push(BarrierMark {
+                id: barrier.id,
+                records,
+                aligned: barrier.alignment != Alignment::Unaligned,
+            });
+        }
+    }
 }
 
 /// Records of one generator subtask (emitted by it, or received by a sink).
@@ -194,6 +233,10 @@ pub struct SubtaskReport {
     pub checkpoints: u64,
     /// Barriers out of order (id not above the previous one).
     pub barrier_errors: u64,
+    /// Checkpoints the subtask was told were cancelled (a newer one subsumed them, or a
+    /// CancelCheckpointMarker came), the first [`MAX_BARRIER_MARKS`].
+    #[serde(default)]
+    pub cancelled_checkpoints: Vec<u64>,
     /// Per output link: what this subtask wrote.
     pub sent: Vec<LinkTally>,
     /// Per input channel: what this subtask read.
@@ -964,6 +1007,7 @@ impl Subtask {
                     records: tally.records,
                     checksum: tally.checksum,
                     ended: false,
+                    barriers: output.barrier_marks[i].clone(),
                 });
             }
         }
@@ -1062,6 +1106,8 @@ struct Output {
     writer: RecordWriter<Tap>,
     last: Rc<Cell<Selection>>,
     tallies: Vec<Tally>,
+    /// Per channel: where each barrier written fell in its records.
+    barrier_marks: Vec<Vec<BarrierMark>>,
 }
 
 impl Output {
@@ -1085,6 +1131,7 @@ impl Output {
             writer: RecordWriter::new(partition, tap, timeout),
             last,
             tallies: vec![Tally::default(); channels],
+            barrier_marks: vec![Vec::new(); channels],
         }
     }
 
@@ -1105,7 +1152,11 @@ impl Output {
             .broadcast_event(&Event::CheckpointBarrier(barrier), priority)
             .map_err(|e| {
                 Failed::writing(&e, format!("writing a barrier to edge {}: {e}", self.edge))
-            })
+            })?;
+        for (tally, marks) in self.tallies.iter().zip(&mut self.barrier_marks) {
+            BarrierMark::push_to(marks, &barrier, tally.records);
+        }
+        Ok(())
     }
 
     /// Passes on the cancellation of checkpoint `id`, as Flink's task does when its barrier
@@ -1244,6 +1295,8 @@ struct ChannelCheck {
     hash: bool,
     /// EndOfPartition arrived: the tally is complete.
     ended: bool,
+    /// Where each checkpoint handed over fell in this channel's records.
+    barrier_marks: Vec<BarrierMark>,
 }
 
 /// The verifying state of a pass-through or sink subtask.
@@ -1267,6 +1320,7 @@ struct Consumer<'a> {
     checkpoints: u64,
     last_checkpoint: u64,
     barrier_errors: u64,
+    cancelled_checkpoints: Vec<u64>,
     notes: Vec<String>,
     delay: Duration,
     owed: Duration,
@@ -1285,6 +1339,7 @@ impl<'a> Consumer<'a> {
                 tally: Tally::default(),
                 hash: topology.edges[channel.edge].partitioner == Partitioner::Hash,
                 ended: false,
+                barrier_marks: Vec::new(),
             })
             .collect();
         let parallelism = topology.stages[stage].parallelism;
@@ -1310,6 +1365,7 @@ impl<'a> Consumer<'a> {
             checkpoints: 0,
             last_checkpoint: 0,
             barrier_errors: 0,
+            cancelled_checkpoints: Vec::new(),
             notes: Vec::new(),
             delay: topology.stages[stage].delay_of(subtask),
             owed: Duration::ZERO,
@@ -1420,6 +1476,15 @@ impl<'a> Consumer<'a> {
             self.last_checkpoint = barrier.id;
         }
         self.checkpoints += 1;
+        for channel in &mut self.channels {
+            BarrierMark::push_to(&mut channel.barrier_marks, barrier, channel.tally.records);
+        }
+    }
+
+    fn cancelled(&mut self, id: u64) {
+        if self.cancelled_checkpoints.len() < MAX_BARRIER_MARKS {
+            self.cancelled_checkpoints.push(id);
+        }
     }
 
     fn finish(mut self, report: &mut SubtaskReport) {
@@ -1433,15 +1498,17 @@ impl<'a> Consumer<'a> {
         report.misrouted = self.misrouted;
         report.checkpoints = self.checkpoints;
         report.barrier_errors = self.barrier_errors;
+        report.cancelled_checkpoints = self.cancelled_checkpoints;
         report.received = self
             .channels
-            .iter()
+            .into_iter()
             .map(|c| LinkTally {
                 edge: c.channel.edge,
                 peer: c.channel.producer,
                 records: c.tally.records,
                 checksum: c.tally.checksum,
                 ended: c.ended,
+                barriers: c.barrier_marks,
             })
             .collect();
         let mut origins: Vec<OriginTally> = self
@@ -1500,6 +1567,8 @@ fn consume(
     let mut seen = 0u64;
     let mut held: Option<(usize, Vec<u8>)> = None;
     let mut leaked = false;
+    let mut late_barrier = None;
+    let mut barrier_delayed = false;
     loop {
         let item = match gate.next_until(Some(Instant::now() + stall)) {
             Ok(Some(item)) => item,
@@ -1560,7 +1629,7 @@ fn consume(
                             continue;
                         }
                         Some(Fault::Hold) => return Err(hold_until_a_stall_is_reported(stall)),
-                        Some(Fault::Leak) => {}
+                        Some(Fault::Leak | Fault::LateBarrier) => {}
                         Some(Fault::Corrupt) => {
                             let mut copy = record.to_vec();
                             let last = copy.len() - 1;
@@ -1573,6 +1642,9 @@ fn consume(
                     if held.as_ref().is_some_and(|(c, _)| *c == channel) {
                         let (c, late) = held.take().expect("checked");
                         handle(consumer, outputs, c, &late)?;
+                    }
+                    if let Some(barrier) = late_barrier.take() {
+                        hand_over(consumer, outputs, &barrier)?;
                     }
                 }
             }
@@ -1593,15 +1665,18 @@ fn consume(
                 event: Event::CheckpointBarrier(barrier),
                 ..
             } => {
-                consumer.barrier(&barrier);
-                for output in outputs.iter_mut() {
-                    output.barrier(barrier)?;
+                if fault == Some(Fault::LateBarrier) && !barrier_delayed {
+                    barrier_delayed = true;
+                    late_barrier = Some(barrier);
+                    continue;
                 }
+                hand_over(consumer, outputs, &barrier)?;
             }
             GateItem::Event {
                 event: Event::CancelCheckpointMarker(id),
                 ..
             } => {
+                consumer.cancelled(id);
                 for output in outputs.iter_mut() {
                     output.cancel_checkpoint(id)?;
                 }
@@ -1615,6 +1690,19 @@ fn consume(
         )));
     }
     gate.gate_mut().close();
+    Ok(())
+}
+
+/// The subtask is handed a checkpoint: counted, and its barrier sent on.
+fn hand_over(
+    consumer: &mut Consumer<'_>,
+    outputs: &mut [Output],
+    barrier: &CheckpointBarrier,
+) -> Result<(), Failed> {
+    consumer.barrier(barrier);
+    for output in outputs.iter_mut() {
+        output.barrier(*barrier)?;
+    }
     Ok(())
 }
 
