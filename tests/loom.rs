@@ -1575,3 +1575,85 @@ fn a_writer_waiting_for_room_sees_a_release_that_drained_the_lane() {
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }
+
+/// A subpartition reader that counts what it is told (in a loom atomic).
+#[derive(Default)]
+struct Told(AtomicUsize);
+
+impl AvailabilityListener for Told {
+    fn notify_data_available(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+    fn notify_priority_event(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// (p10) The reader takes the flushed start of a buffer while the producer fills it, starts the
+/// next one with the rest of its record and flushes that: the second flush is neither lost
+/// nor unheard. Every byte written ends up read, and bytes readable after the reader parked
+/// come with a notification. The reader's look once cleared the flush flag after the producer
+/// had set it for the next buffer: that buffer's flushed bytes stayed unreadable, and its
+/// reader parked untold, until some later flush.
+#[test]
+fn a_flush_of_the_next_buffer_survives_the_read_of_the_one_before() {
+    bounded_model(|| {
+        let pool = network(4);
+        let config = config(4);
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 1,
+        };
+        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
+        let told = Arc::new(Told::default());
+        let mut view = partition.handle().create_view(0, told.clone()).unwrap();
+        partition.emit_record(&[1u8; 3000][..], 0).unwrap();
+        partition.flush(0);
+
+        let producer = thread::spawn(move || {
+            // Fills the first buffer, finishing it, and starts the second.
+            partition.emit_record(&[2u8; 3000][..], 0).unwrap();
+            partition.flush(0);
+            partition
+        });
+        let mut read = 0;
+        let mut trace = Vec::new();
+        let mut told_before_park = 0;
+        for _ in 0..4 {
+            told_before_park = told.0.load(Ordering::SeqCst);
+            match view.poll_next() {
+                Some(item) => {
+                    read += item.buffer.len();
+                    trace.push(format!(
+                        "{} {:?} next {:?}",
+                        item.buffer.len(),
+                        item.buffer.data_type(),
+                        item.next_data_type
+                    ));
+                }
+                None => break,
+            }
+        }
+        let partition = producer.join().unwrap();
+        let told_after = told.0.load(Ordering::SeqCst);
+        let mut rest = 0;
+        trace.push(view.debug_summary());
+        while let Some(item) = view.poll_next() {
+            rest += item.buffer.len();
+            trace.push(format!("after {}", item.buffer.len()));
+        }
+        let mut prefix = [0u8; fluxgate::record::MAX_LENGTH_PREFIX];
+        let written = 2 * (3000 + fluxgate::record::encode_prefix(3000, &mut prefix));
+        assert_eq!(
+            read + rest,
+            written,
+            "flushed bytes stayed unreadable {trace:?}"
+        );
+        assert!(
+            rest == 0 || told_after > told_before_park,
+            "{rest} bytes became readable after the reader parked, and it was not told"
+        );
+        drop((view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}

@@ -304,7 +304,10 @@ impl PipelinedSubpartition {
     /// reader only if there are any it has not read (Flink's `flush` looks at the last
     /// buffer's data too): an idle subpartition's reader is not woken every buffer timeout.
     pub(crate) fn flush(&self) {
-        self.flush_requested.store(true, Ordering::Release);
+        // A swap where a store would do: loom (0.7) lets a plain store land inside another
+        // thread's read-modify-write of the same atomic (tokio-rs/loom#254), so with a store
+        // here its models of the reader's swap report outcomes no machine produces.
+        self.flush_requested.swap(true, Ordering::Release);
         // Pairs with the fence in `SubpartitionView::park`: either this sees the reader's
         // `reader_waiting` (and with it the `parked_at` stored before), or the reader's look
         // after it sees `flush_requested`.
@@ -664,10 +667,21 @@ impl SubpartitionView {
             // build below sees the bytes that flush published) or stays set for the next
             // look. A store could sit in the store buffer past that flush, clear it, and leave
             // its bytes unread, the reader parked and nobody told.
-            self.subpartition
+            let flushed = self
+                .subpartition
                 .flush_requested
                 .swap(false, Ordering::AcqRel);
             let buffer = head.build();
+            // The producer may have finished this head since the look above, started the
+            // next buffer and flushed that: the flag just cleared was then the next buffer's
+            // (its finish came before that flush, so the acquire above makes it visible
+            // here). Set again, it makes that buffer's flushed bytes readable; at worst a
+            // flush meant for this head lets the next one's first bytes out early.
+            if flushed && head.is_finished() {
+                self.subpartition
+                    .flush_requested
+                    .store(true, Ordering::Release);
+            }
             return Some(self.emit(buffer, 0));
         }
         let buffer = head.build();
