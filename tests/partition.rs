@@ -1935,3 +1935,116 @@ fn a_buffer_a_failed_record_padded_to_its_end_is_readable_at_once() {
     drop((first, second, view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+/// What a view hands out now, in order: data buffers by length, events decoded, each with
+/// its sequence number.
+#[derive(Debug, PartialEq)]
+enum Out {
+    Data(usize, u64),
+    Event(Event, u64),
+}
+
+fn out_now(view: &mut SubpartitionView) -> Vec<Out> {
+    let mut out = Vec::new();
+    // Bounded: each poll takes an item off a queue the test filled.
+    for _ in 0..16 {
+        let Some(item) = view.poll_next() else {
+            break;
+        };
+        out.push(if item.buffer.data_type().is_buffer() {
+            Out::Data(item.buffer.len(), item.sequence_number)
+        } else {
+            Out::Event(event_of(&item), item.sequence_number)
+        });
+    }
+    out
+}
+
+#[test]
+fn a_buffer_read_to_its_end_by_a_flush_is_sent_empty_only_to_a_consumer_without_exclusive_buffers()
+{
+    // The flush sends the record; the finish then leaves the buffer with nothing to read. The
+    // backlog counted it, so a consumer without exclusive buffers may have lent a floating
+    // buffer for it: it comes out empty, to spend that credit (Flink's pollBuffer). A
+    // consumer with exclusive buffers never lends for the backlog: dropped.
+    for sends_empty in [false, true] {
+        let (network, config) = setup(8);
+        let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+        let (mut view, _signal) = view(&partition, 0);
+        if sends_empty {
+            view.send_empty_buffers();
+        }
+        partition.emit_record(&[1u8; 100][..], 0).unwrap();
+        partition.flush(0);
+        // 100 bytes and their 1-byte length prefix.
+        assert_eq!(out_now(&mut view), [Out::Data(101, 0)]);
+        partition.finish().unwrap();
+        let expected = if sends_empty {
+            vec![Out::Data(0, 1), Out::Event(Event::EndOfPartition, 2)]
+        } else {
+            vec![Out::Event(Event::EndOfPartition, 1)]
+        };
+        assert_eq!(out_now(&mut view), expected, "sends empty: {sends_empty}");
+        drop((view, partition));
+        assert_eq!(network.available_segments(), network.total_segments());
+    }
+}
+
+#[test]
+fn empty_buffers_sent_behind_priority_barriers_are_not_counted_as_overtaken() {
+    // Two buffers end empty behind unaligned barriers: one read to its end by a flush (its
+    // record went out before), one left empty by a failed record (nothing ever went out).
+    // Sent empty to a consumer without exclusive buffers, neither is a data item there: the
+    // first barrier overtakes nothing, the second only the full buffer. Counted, the consumer
+    // would persist records sent after a barrier as in-flight data of its checkpoint.
+    for sends_empty in [false, true] {
+        let (network, config) = setup(64);
+        let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+        let (mut view, _signal) = view(&partition, 0);
+        if sends_empty {
+            view.send_empty_buffers();
+        }
+        partition.emit_record(&[1u8; 100][..], 0).unwrap();
+        partition.flush(0);
+        assert_eq!(out_now(&mut view), [Out::Data(101, 0)]);
+        let first = barrier(8, Alignment::Unaligned);
+        partition.broadcast_event(&first, true).unwrap();
+        // 4094 bytes with their 2-byte prefix fill a segment.
+        partition.emit_record(&[2u8; 4094][..], 0).unwrap();
+        let failed = FailingRecord {
+            declared: 100,
+            written: 40,
+        };
+        assert!(partition.emit_record(&failed, 0).is_err());
+        let second = barrier(9, Alignment::Unaligned);
+        partition.broadcast_event(&second, true).unwrap();
+        partition.emit_record(&[3u8; 5][..], 0).unwrap();
+        partition.finish().unwrap();
+        for (barrier, overtaken) in [(&first, 0), (&second, 1)] {
+            let item = view.poll_next().expect("a barrier");
+            assert_eq!(
+                (event_of(&item), item.overtaken),
+                (barrier.clone(), overtaken),
+                "sends empty: {sends_empty}"
+            );
+        }
+        let expected = if sends_empty {
+            vec![
+                Out::Data(0, 3),
+                Out::Data(4096, 4),
+                Out::Data(0, 5),
+                Out::Data(6, 6),
+                Out::Event(Event::EndOfPartition, 7),
+            ]
+        } else {
+            vec![
+                Out::Data(4096, 3),
+                Out::Data(6, 4),
+                Out::Event(Event::EndOfPartition, 5),
+            ]
+        };
+        assert_eq!(out_now(&mut view), expected, "sends empty: {sends_empty}");
+        drop((view, partition));
+        assert_eq!(network.available_segments(), network.total_segments());
+    }
+}

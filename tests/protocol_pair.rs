@@ -688,6 +688,30 @@ fn a_data_buffer_beyond_the_granted_credit_is_a_protocol_error() {
 }
 
 #[test]
+fn an_empty_buffer_spends_its_credit_and_queues_nothing() {
+    // Two exclusive buffers of credit: three empty buffers and a record fit, because each empty
+    // one gives its segment back at once (and with it the credit), as Flink's decoder recycles
+    // it; none reaches the gate, and their sequence numbers count.
+    let (mut s, result) = forge(|receiver, out| {
+        for seq in 0..3 {
+            data_frame(out, receiver, seq, &[]);
+        }
+        data_frame(out, receiver, 3, b"after");
+    });
+    assert_eq!(result, Ok(()));
+    let item = s.gate.poll_next().unwrap().expect("the record after them");
+    match item.item {
+        GateItem::Buffer(buffer) => assert_eq!(buffer.as_slice(), b"after"),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    assert!(
+        s.gate.poll_next().unwrap().is_none(),
+        "an empty buffer was queued"
+    );
+    all_back(s);
+}
+
+#[test]
 fn a_wrong_sequence_number_fails_the_channel_with_a_reordering_error() {
     let (mut s, result) = forge(|receiver, out| {
         data_frame(out, receiver, 0, b"first");

@@ -637,6 +637,31 @@ impl RemoteChannelShared {
         Ok(())
     }
 
+    /// An empty data buffer arrived (Flink's `onEmptyBuffer`): a sender without data for the
+    /// credit it holds spent it on a buffer that ended empty; the transport has given the
+    /// segment it took for it back already. Its sequence number is checked and its backlog
+    /// applied like a buffer's; nothing is queued for the gate (it is no data item, see
+    /// [`SubpartitionView::send_empty_buffers`](crate::partition::SubpartitionView::send_empty_buffers)).
+    pub fn on_empty_buffer(&self, sequence: u64, backlog: usize) -> Result<(), GateError> {
+        if self.released.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let expected = self.expected_sequence.load(Ordering::Acquire);
+        if sequence != expected {
+            let error = GateError::Reordering {
+                channel: self.channel,
+                expected,
+                actual: sequence,
+            };
+            self.fail(error.clone());
+            return Err(error);
+        }
+        self.expected_sequence
+            .store(expected + 1, Ordering::Release);
+        self.buffers.on_sender_backlog(backlog);
+        Ok(())
+    }
+
     /// Fails the channel: the gate's next read of it returns `error`.
     pub fn fail(&self, error: GateError) {
         let mut slot = self.error.lock().expect("not poisoned");

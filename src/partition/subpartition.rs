@@ -465,6 +465,7 @@ impl PipelinedSubpartition {
             unsent_taken: 0,
             sequence_number: 0,
             blocked: false,
+            sends_empty_buffers: false,
         };
         // A new reader starts out waiting: the producer's next readable item notifies it.
         self.reader_waiting.store(true, Ordering::SeqCst);
@@ -485,6 +486,9 @@ pub struct SubpartitionView {
     unsent_taken: u64,
     sequence_number: u64,
     blocked: bool,
+    /// A data buffer that ends with nothing left to read is handed out empty instead of
+    /// dropped (see [`send_empty_buffers`](Self::send_empty_buffers)).
+    sends_empty_buffers: bool,
 }
 
 impl fmt::Debug for SubpartitionView {
@@ -609,6 +613,22 @@ impl SubpartitionView {
         )
     }
 
+    /// The reader sends to a consumer without exclusive buffers: from now on a data buffer
+    /// that ends with nothing left to read (finished empty, or read to its end by flushes
+    /// before its finish) is handed out as an empty buffer, with its sequence number and the
+    /// backlog, instead of being dropped, as Flink's `pollBuffer` does for such a receiver.
+    /// The backlog counted it, so the consumer may have lent a floating buffer as credit for
+    /// it: the empty buffer spends that credit, and the consumer gives the floating buffer
+    /// back to its gate, where another channel may be waiting for it. Dropped, it stayed the
+    /// channel's credit until the producer's next buffer, however long that took.
+    ///
+    /// Such a buffer carries no data item: in what a priority event overtakes it counts as
+    /// what it is, a buffer dropped unsent when finished empty, and a sent one when its bytes
+    /// went out before.
+    pub fn send_empty_buffers(&mut self) {
+        self.sends_empty_buffers = true;
+    }
+
     /// The subpartition's index within its partition.
     pub fn subpartition_index(&self) -> usize {
         self.subpartition.index
@@ -642,19 +662,27 @@ impl SubpartitionView {
             self.subpartition.room_made();
             // The producer finished every builder before queueing the event, so a head already
             // read to its end is done: it is not among the overtaken.
+            let mut done_behind = 0;
             if let Some(head) = self
                 .head
                 .as_ref()
                 .filter(|h| h.is_finished() && !h.is_data_available())
             {
-                if head.written_bytes() == 0 {
-                    self.unsent_taken += 1;
+                if self.sends_empty_buffers {
+                    // It goes out after the event, empty: no data item the event overtakes.
+                    // (Finished empty, it was never counted among the sent ones.)
+                    done_behind = u64::from(head.written_bytes() > 0);
+                } else {
+                    if head.written_bytes() == 0 {
+                        self.unsent_taken += 1;
+                    }
+                    self.take_head_out();
                 }
-                self.take_head_out();
             }
             let buffer = consumer.build();
-            let overtaken =
-                sent_before.saturating_sub(self.data_taken - self.unsent_taken) as usize;
+            let overtaken = sent_before
+                .saturating_sub(self.data_taken + done_behind - self.unsent_taken)
+                as usize;
             return Some(self.emit(buffer, overtaken));
         }
         if next_data == DataType::None {
@@ -685,6 +713,10 @@ impl SubpartitionView {
             return Some(self.emit(buffer, 0));
         }
         let buffer = head.build();
+        if buffer.is_empty() && head.written_bytes() == 0 {
+            // Finished empty, handed out only to a consumer without exclusive buffers.
+            self.unsent_taken += 1;
+        }
         self.take_head_out();
         Some(self.emit(buffer, 0))
     }
@@ -751,7 +783,10 @@ impl SubpartitionView {
             }
             let head = self.head.as_ref().expect("set above");
             if head.is_finished() {
-                if head.data_type().is_buffer() && !head.is_data_available() {
+                if head.data_type().is_buffer()
+                    && !head.is_data_available()
+                    && !self.sends_empty_buffers
+                {
                     // Finished empty, never sent; or read to its end by flushes before it was
                     // finished, sent already.
                     if head.written_bytes() == 0 {

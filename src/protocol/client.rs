@@ -788,12 +788,23 @@ impl ClientConnection {
         else {
             return Ok(());
         };
-        let delivered = channel.shared.on_buffer(
-            buffer,
-            header.sequence_number,
-            header.backlog as usize,
-            header.overtaken as usize,
-        );
+        let delivered = if header.data_type.is_buffer() && buffer.is_empty() {
+            // An empty buffer spent a credit and carries none of its own: the segment taken
+            // for it goes back first (a floating one to the gate, where another channel may
+            // wait for it; an exclusive one becomes credit again), as Flink's decoder
+            // recycles it before `onEmptyBuffer`.
+            drop(buffer);
+            channel
+                .shared
+                .on_empty_buffer(header.sequence_number, header.backlog as usize)
+        } else {
+            channel.shared.on_buffer(
+                buffer,
+                header.sequence_number,
+                header.backlog as usize,
+                header.overtaken as usize,
+            )
+        };
         if delivered.is_err() {
             // The channel failed (reordering, overflow): the gate reports it; stop its data.
             let receiver = channel.receiver;

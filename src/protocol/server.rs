@@ -671,7 +671,13 @@ impl ServerConnection {
             .manager
             .create_view(request.partition, request.subpartition as usize, listener)
         {
-            Ok(view) => {
+            Ok(mut view) => {
+                if request.credit == 0 {
+                    // No exclusive buffers: every credit is a floating buffer lent for the
+                    // backlog, and a buffer that ends empty must spend it (Flink's
+                    // `receiverExclusiveBuffersPerChannel == 0`).
+                    view.send_empty_buffers();
+                }
                 tracing::debug!(
                     receiver = ?request.receiver,
                     partition = ?request.partition,
