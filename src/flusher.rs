@@ -40,10 +40,18 @@ impl OutputFlusher {
                     if *stopped {
                         return;
                     }
-                    // Not under the lock: a flush that panics (a reader's listener) ends this
-                    // thread without poisoning what the writer's drop takes.
                     drop(stopped);
-                    partition.flush_all();
+                    // A reader's listener that panics costs that notification, not the
+                    // flusher: ended, it would leave every later partial buffer of the
+                    // partition unread until its writer finished it.
+                    let flushed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        partition.flush_all();
+                    }));
+                    if flushed.is_err() {
+                        tracing::error!(
+                            "a reader's availability listener panicked during a timed flush"
+                        );
+                    }
                 }
             })
             .expect("spawning the output flusher thread");

@@ -240,6 +240,22 @@ fn a_broadcast_buffer_counts_once_per_subpartition_in_the_output_metrics() {
 }
 
 #[test]
+fn buffers_a_release_drops_are_not_counted_as_sent() {
+    // Flink closes the builders of a released partition without counting them: their bytes
+    // never leave. The unicast buffer the broadcast finished was queued, and counts.
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    partition.broadcast_record(&[2u8; 100][..]).unwrap();
+    partition.release();
+    let metrics = partition.metrics_snapshot();
+    assert_eq!((metrics.num_buffers_out, metrics.num_bytes_out), (1, 101));
+    assert_eq!(metrics.num_records_out, 2);
+    drop(partition);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn a_buffer_filled_to_its_end_is_finished_at_once() {
     // Flink finishes a builder the moment it is full: with no flushes, a record ending
     // exactly at the segment's end makes the buffer readable, without a later record.
@@ -1140,6 +1156,55 @@ fn the_output_flusher_makes_data_readable_without_an_explicit_flush() {
         records_of(&view.poll_next().unwrap()),
         vec![b"soon".to_vec()]
     );
+}
+
+/// A listener whose first notification panics; it counts the later ones in `signal`.
+#[derive(Default)]
+struct PanicsFirst {
+    panicked: std::sync::atomic::AtomicBool,
+    signal: Signal,
+}
+
+impl AvailabilityListener for PanicsFirst {
+    fn notify_data_available(&self) {
+        if !self.panicked.swap(true, Ordering::SeqCst) {
+            self.signal.notify_data_available(); // lets the test see the panic came
+            panic!("a listener's panic (expected by the test)");
+        }
+        self.signal.notify_data_available();
+    }
+
+    fn notify_priority_event(&self) {
+        self.notify_data_available();
+    }
+}
+
+#[test]
+fn the_output_flusher_outlives_a_panicking_listener() {
+    let (network, config) = setup(64);
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let listener = Arc::new(PanicsFirst::default());
+    let mut view = partition
+        .handle()
+        .create_view(0, listener.clone())
+        .unwrap();
+    let mut writer = RecordWriter::new(
+        partition,
+        RoundRobinSelector::default(),
+        BufferTimeout::from_millis(5),
+    );
+    writer.emit(&b"first"[..]).unwrap();
+    assert!(listener.signal.wait_beyond(0), "the flusher never flushed");
+    assert_eq!(records_of(&view.poll_next().unwrap()), [b"first".to_vec()]);
+    // Read dry: the reader waits again, for the flusher's next notification.
+    assert!(view.poll_next().is_none());
+    let seen = listener.signal.notifications();
+    writer.emit(&b"second"[..]).unwrap();
+    assert!(
+        listener.signal.wait_beyond(seen),
+        "the flusher stopped at the listener's panic"
+    );
+    assert_eq!(records_of(&view.poll_next().unwrap()), [b"second".to_vec()]);
 }
 
 #[test]

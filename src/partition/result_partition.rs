@@ -295,7 +295,7 @@ impl ResultPartition {
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
         if self.broadcast.is_some() {
-            self.finish_broadcast_builder();
+            self.finish_broadcast_builder(Sent::Yes);
         }
         if self.barrier_timer.is_some() {
             self.fire_barrier_timer();
@@ -306,7 +306,7 @@ impl ResultPartition {
                 // The open buffer is all the subpartition may hold, and its reader cannot give
                 // it back before it is finished: finish it now, and the record starts in a
                 // fresh buffer, for which it waits as any request does.
-                self.finish_unicast_builder(target);
+                self.finish_unicast_builder(target, Sent::Yes);
             } else {
                 self.wait_for_segment_at_hand(target)?;
             }
@@ -320,7 +320,7 @@ impl ResultPartition {
         // Also after a record that failed once its bytes were committed (padded to its
         // declared length): a buffer it filled is finished, readable, at once.
         if self.unicast[target].as_ref().is_some_and(|b| b.is_full()) {
-            self.finish_unicast_builder(target);
+            self.finish_unicast_builder(target, Sent::Yes);
         }
         written.map_err(released_or)?;
         self.handle.shared.metrics.num_records_out.add(1);
@@ -347,7 +347,7 @@ impl ResultPartition {
             .as_ref()
             .is_none_or(|b| b.is_full());
         if needs_builder {
-            self.finish_unicast_builder(target);
+            self.finish_unicast_builder(target, Sent::Yes);
             let subpartition = &self.handle.shared.subpartitions[target];
             if !subpartition.has_room(Queued::Buffer) {
                 self.pool
@@ -371,7 +371,7 @@ impl ResultPartition {
         record: &R,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
-        self.finish_unicast_builders();
+        self.finish_unicast_builders(Sent::Yes);
         if self.crosses(record, self.broadcast.as_ref()) {
             self.wait_for_segment_at_hand(UNACCOUNTED)?;
         }
@@ -379,7 +379,7 @@ impl ResultPartition {
         let written =
             record::serialize(record, &mut self.sink(Target::Broadcast)?, max_record_bytes);
         if self.broadcast.as_ref().is_some_and(|b| b.is_full()) {
-            self.finish_broadcast_builder();
+            self.finish_broadcast_builder(Sent::Yes);
         }
         written.map_err(released_or)?;
         self.handle.shared.metrics.num_records_out.add(1);
@@ -448,8 +448,8 @@ impl ResultPartition {
                 self.barrier_timer = None;
             }
         }
-        self.finish_unicast_builders();
-        self.finish_broadcast_builder();
+        self.finish_unicast_builders(Sent::Yes);
+        self.finish_broadcast_builder(Sent::Yes);
         let mut builder = self.event_builder(priority)?;
         builder.set_data_type(event.data_type(priority));
         event.write_to(&mut builder)?;
@@ -579,8 +579,9 @@ impl ResultPartition {
         // (counted in the backlog before they show as finished): a read that began before the
         // release and takes one out counts it down from there, not from zero.
         self.handle.release();
-        self.finish_unicast_builders();
-        self.finish_broadcast_builder();
+        // Never sent: not counted in numBuffersOut / numBytesOut (Flink closes them uncounted).
+        self.finish_unicast_builders(Sent::No);
+        self.finish_broadcast_builder(Sent::No);
         self.pool.destroy();
     }
 
@@ -628,7 +629,7 @@ impl ResultPartition {
         // A unicast builder exists only while no broadcast builder is open (`emit_record`'s
         // fast path relies on it): a later broadcast record must not land in a buffer queued
         // ahead of this one.
-        self.finish_broadcast_builder();
+        self.finish_broadcast_builder(Sent::Yes);
         let consumer = builder.create_consumer_from_beginning();
         self.handle.shared.subpartitions[target].add_data(consumer)?;
         self.unicast[target] = Some(builder);
@@ -658,21 +659,21 @@ impl ResultPartition {
         Ok(segment.into_builder(data_type))
     }
 
-    fn finish_unicast_builder(&mut self, target: usize) {
+    fn finish_unicast_builder(&mut self, target: usize, sent: Sent) {
         if let Some(builder) = self.unicast.get_mut(target).and_then(Option::take) {
-            finish_builder(builder, Target::Unicast(target), &self.handle.shared);
+            finish_builder(builder, Target::Unicast(target), &self.handle.shared, sent);
         }
     }
 
-    fn finish_unicast_builders(&mut self) {
+    fn finish_unicast_builders(&mut self, sent: Sent) {
         for target in 0..self.unicast.len() {
-            self.finish_unicast_builder(target);
+            self.finish_unicast_builder(target, sent);
         }
     }
 
-    fn finish_broadcast_builder(&mut self) {
+    fn finish_broadcast_builder(&mut self, sent: Sent) {
         if let Some(builder) = self.broadcast.take() {
-            finish_builder(builder, Target::Broadcast, &self.handle.shared);
+            finish_builder(builder, Target::Broadcast, &self.handle.shared, sent);
         }
     }
 }
@@ -680,8 +681,8 @@ impl ResultPartition {
 impl Drop for ResultPartition {
     fn drop(&mut self) {
         // Queued data stays readable; readers learn that the tail buffers are complete.
-        self.finish_unicast_builders();
-        self.finish_broadcast_builder();
+        self.finish_unicast_builders(Sent::Yes);
+        self.finish_broadcast_builder(Sent::Yes);
     }
 }
 
@@ -692,7 +693,20 @@ enum Target {
 }
 
 /// Finishes a builder and tells the subpartition(s) reading it.
-fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &PartitionShared) {
+/// Whether a buffer finished counts as sent (numBuffersOut, numBytesOut): not when the
+/// partition is released, which drops it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    Yes,
+    No,
+}
+
+fn finish_builder(
+    mut builder: BufferBuilder,
+    target: Target,
+    shared: &PartitionShared,
+    sent: Sent,
+) {
     let readers = match target {
         Target::Unicast(index) => &shared.subpartitions[index..=index],
         Target::Broadcast => &shared.subpartitions[..],
@@ -708,7 +722,7 @@ fn finish_builder(mut builder: BufferBuilder, target: Target, shared: &Partition
     // A broadcast buffer counts once per subpartition, as Flink counts it: these are what the
     // partition sends, and each consumer receives its own copy. An empty one (a record whose
     // encoding failed was taken back out of it) is never sent: readers skip it.
-    if bytes > 0 {
+    if bytes > 0 && sent == Sent::Yes {
         let copies = readers.len() as u64;
         shared.metrics.num_buffers_out.add(copies);
         shared.metrics.num_bytes_out.add(bytes as u64 * copies);
@@ -887,7 +901,7 @@ impl SegmentSink for PartitionSink<'_> {
         if self.slot.as_ref().is_some_and(|b| b.is_full()) {
             let full = self.slot.take().expect("checked");
             continuing = full.has_uncommitted();
-            finish_builder(full, self.target, self.shared);
+            finish_builder(full, self.target, self.shared, Sent::Yes);
         }
         if self.slot.is_none() {
             let channel = match self.target {
