@@ -1184,10 +1184,7 @@ fn the_output_flusher_outlives_a_panicking_listener() {
     let (network, config) = setup(64);
     let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let listener = Arc::new(PanicsFirst::default());
-    let mut view = partition
-        .handle()
-        .create_view(0, listener.clone())
-        .unwrap();
+    let mut view = partition.handle().create_view(0, listener.clone()).unwrap();
     let mut writer = RecordWriter::new(
         partition,
         RoundRobinSelector::default(),

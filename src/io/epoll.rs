@@ -338,9 +338,12 @@ impl Loop {
     /// channels still waiting for a connection fail too.
     fn end(&mut self) {
         super::io_thread_stopped(&self.commands, &self.waker);
-        self.connections.clear();
+        // The waiting channels first: a connection's teardown below may panic.
         self.pending.fail_all(SHUTDOWN_REASON);
         self.refused.fail_all(SHUTDOWN_REASON);
+        for (_, connection) in self.connections.drain() {
+            super::drop_at_end(connection);
+        }
     }
 
     fn next_timeout(&self, now: Instant) -> Duration {

@@ -898,9 +898,10 @@ fn finish_connect<L: ClientConnections>(
     if waiting.iter().all(|(channel, _)| channel.is_released()) {
         return; // a stream that came is closed by the drop
     }
+    let mut waiting = Unplaced(waiting.into_iter());
     match result.and_then(|stream| driver.add_client(stream, peer, index)) {
         Ok(handle) => {
-            for (channel, _) in waiting {
+            for (channel, _) in waiting.0.by_ref() {
                 if !channel.is_released() {
                     register_channel(driver, handle, peer, &channel);
                 }
@@ -908,7 +909,7 @@ fn finish_connect<L: ClientConnections>(
         }
         Err(error) => {
             let refused = driver.connects().refused;
-            for (channel, backoff) in waiting {
+            for (channel, backoff) in waiting.0.by_ref() {
                 refused.on_failure(peer, index, channel, backoff, &error, now);
             }
         }
@@ -932,6 +933,28 @@ fn register_channel<L: ClientConnections>(
 
 /// Why the channels an ending I/O thread still held fail.
 pub(crate) const SHUTDOWN_REASON: &str = "the network environment shut down";
+
+/// Drops `connection` as its I/O thread ends, catching a panic of its drop (a channel's or a
+/// view's code run by it): one connection that panics must not keep the others from being
+/// torn down, their channels failed and their views released. (A `HashMap`'s `clear` leaks
+/// every entry after one whose drop panics.)
+pub(crate) fn drop_at_end<C>(connection: C) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(connection))).is_err() {
+        tracing::error!("tearing down a connection panicked; going on with the others");
+    }
+}
+
+/// Channels taken off a waiting list and not yet placed: if placing one panics (the I/O
+/// thread then ends), the rest are in no list its end fails, so they fail here.
+struct Unplaced(std::vec::IntoIter<WaitingChannel>);
+
+impl Drop for Unplaced {
+    fn drop(&mut self) {
+        for (channel, _) in self.0.by_ref() {
+            fail_at_shutdown(&channel, STOPPED_REASON);
+        }
+    }
+}
 
 /// Fails a channel the ending I/O thread will never serve.
 fn fail_at_shutdown(channel: &RemoteChannelShared, reason: &str) {

@@ -1802,7 +1802,14 @@ impl Loop {
                     std::mem::forget(client.take_payload_destination());
                 }
             }
-            conn.connection.on_lost(SHUTDOWN_REASON);
+            // Each on its own: one whose channels' code panics must not leave the others
+            // unfailed.
+            let lost = panic::catch_unwind(AssertUnwindSafe(|| {
+                conn.connection.on_lost(SHUTDOWN_REASON);
+            }));
+            if lost.is_err() {
+                tracing::error!("failing a busy connection's channels panicked; going on");
+            }
         }
     }
 
@@ -1853,7 +1860,9 @@ impl Loop {
         }
         tracing::debug!(stats = ?self.stats, "io_uring I/O thread ends");
         // Shutdown: dropping the connections fails their channels and releases their views.
-        self.conns.clear();
+        for conn in self.conns.drain(..).flatten() {
+            super::drop_at_end(conn);
+        }
     }
 }
 
