@@ -541,9 +541,9 @@ pub(crate) fn start_connect(
                 attempt,
                 result,
             };
-            // A full queue for about 10 s means a stuck I/O thread, and a cancelled helper's
-            // thread has stopped draining it: either way the stream is closed with the
-            // dropped command.
+            // A queue full for `SUBMIT_PATIENCE` means a stuck I/O thread, and a cancelled
+            // helper's thread has stopped draining it: either way the stream is closed with
+            // the dropped command.
             if waker
                 .submit_unless(&commands, connected, || cancelled.load(Ordering::Acquire))
                 .is_ok()
@@ -684,8 +684,8 @@ struct PendingConnect {
 }
 
 /// How much longer than the connect timeout a connect's result may take to arrive: the
-/// helper thread gives up on a full command queue after about 10 s.
-const CONNECT_RESULT_GRACE: Duration = Duration::from_secs(15);
+/// helper thread gives up on a full command queue after [`waker::SUBMIT_PATIENCE`].
+const CONNECT_RESULT_GRACE: Duration = Duration::from_secs(waker::SUBMIT_PATIENCE.as_secs() + 5);
 
 /// A channel waiting for its connection, with the back-off its connects went through.
 pub(crate) type WaitingChannel = (Arc<RemoteChannelShared>, crate::gate::Backoff);

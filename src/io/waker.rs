@@ -109,8 +109,8 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
 
     /// A task thread hands `command` to the I/O thread through its bounded `queue` and wakes
     /// it if parked. Blocks (bounded) only if the queue is full; gives the command back when
-    /// the queue stayed full for about 10 s (the I/O thread is stuck) or the thread has
-    /// [stopped](Self::stop). A command it queued may still meet a thread that stopped
+    /// the queue stayed full for [`SUBMIT_PATIENCE`] (the I/O thread is stuck) or the thread
+    /// has [stopped](Self::stop). A command it queued may still meet a thread that stopped
     /// meanwhile: [`take_back_if_stopped`](Self::take_back_if_stopped) says.
     pub fn submit<T>(&self, queue: &ArrayQueue<T>, command: T) -> Result<(), T> {
         self.submit_unless(queue, command, || false)
@@ -124,9 +124,12 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
         mut command: T,
         give_up: impl Fn() -> bool,
     ) -> Result<(), T> {
-        // Bounded: the I/O thread drains the queue every loop turn.
-        for _ in 0..10_000 {
-            if give_up() || self.is_stopped() {
+        // Bounded in time (and, should the clock stall, in count): the I/O thread drains the
+        // queue every loop turn. Timed, not counted: on a loaded machine each 1 ms sleep may
+        // take several, and whoever waits for the command relies on the patience.
+        let deadline = Instant::now() + SUBMIT_PATIENCE;
+        for _ in 0..1_000_000 {
+            if give_up() || self.is_stopped() || Instant::now() >= deadline {
                 return Err(command);
             }
             match queue.push(command) {
@@ -145,6 +148,10 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
         Err(command)
     }
 }
+
+/// How long [`IoWaker::submit`] waits for room in a full command queue before it gives up
+/// (the I/O thread is taken as stuck).
+pub const SUBMIT_PATIENCE: Duration = Duration::from_secs(10);
 
 impl<W: Fn() + Send + Sync> IoWaker<W> {
     /// The I/O thread's loop has ended, by shutdown or because an OS error stopped it: from
