@@ -621,6 +621,35 @@ fn a_flush_after_a_resume_tells_of_the_buffer_started_while_blocked() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// While an aligned barrier blocks the view, nothing the writer does is readable, so nothing
+/// wakes the reader for it (Flink's subpartition notifies no blocked reader): a network
+/// sender was woken for every buffer finished and every timed flush, only to park again.
+/// Resuming, the reader looks itself.
+#[test]
+fn a_blocked_reader_is_not_woken_by_data_it_cannot_read() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition
+        .broadcast_event(&barrier(1, Alignment::Aligned), false)
+        .unwrap();
+    let barrier_item = view.poll_next().expect("the barrier");
+    assert!(view.is_blocked());
+    assert!(view.poll_next().is_none(), "blocked");
+    let heard = signal.notifications();
+    // 4094 bytes with their 2-byte prefix fill (and finish) a buffer; the flush makes the
+    // next one's record readable too.
+    partition.emit_record(&[1u8; 4094][..], 0).unwrap();
+    partition.emit_record(&[2u8; 10][..], 0).unwrap();
+    partition.flush(0);
+    assert_eq!(signal.notifications(), heard, "a blocked reader was woken");
+    assert!(view.resume_consumption(), "readable once resumed");
+    let first = view.poll_next().expect("the full buffer");
+    assert_eq!(records_of(&first), vec![vec![1u8; 4094]]);
+    drop((barrier_item, first, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// A barrier aligned with a timeout, of a checkpoint that started now.
 fn timeoutable_barrier(id: u64, timeout_ms: u64) -> Event {
     common::timeoutable_barrier(id, timeout_ms, 0)

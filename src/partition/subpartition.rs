@@ -854,6 +854,15 @@ impl SubpartitionView {
     /// Registers as waiting, then looks once more. Returns true when something became
     /// readable and this side cleared the flag itself (so no notification will come).
     fn park(&mut self) -> bool {
+        if self.blocked {
+            // Nothing is readable until the reader resumes, and `resume_consumption` looks
+            // again itself: no finished buffer or flush wakes a blocked reader, as Flink's
+            // subpartition notifies none (a release still does).
+            self.subpartition
+                .reader_waiting
+                .store(false, Ordering::Relaxed);
+            return false;
+        }
         let mut parked_at = self.parked_position();
         // Bounded: a second round only when the look moved the head, with `PARKED_ANYWHERE`.
         for _ in 0..2 {
