@@ -583,7 +583,8 @@ fn check_barrier_placement(
                 placement.links += 1;
                 placement.handovers += got.barriers.len();
                 let complete = link.barriers.len() < crate::node::MAX_BARRIER_MARKS
-                    && got.barriers.len() < crate::node::MAX_BARRIER_MARKS;
+                    && got.barriers.len() < crate::node::MAX_BARRIER_MARKS
+                    && consumer_report.cancelled_checkpoints.len() < crate::node::MAX_BARRIER_MARKS;
                 for sent in &link.barriers {
                     let handed = got.barriers.iter().any(|m| m.id == sent.id);
                     if complete

@@ -233,8 +233,11 @@ pub struct SubtaskReport {
     pub checkpoints: u64,
     /// Barriers out of order (id not above the previous one).
     pub barrier_errors: u64,
-    /// Checkpoints the subtask was told were cancelled (a newer one subsumed them, or a
-    /// CancelCheckpointMarker came), the first [`MAX_BARRIER_MARKS`].
+    /// Checkpoints the subtask did not get to complete, the first [`MAX_BARRIER_MARKS`]:
+    /// cancelled (a CancelCheckpointMarker, or an abort when a newer one came during its
+    /// alignment), or subsumed (a newer one was handed over first, as an unaligned barrier
+    /// overtakes an aligned one still queued; the older one's barriers are then ignored,
+    /// as Flink's handler ignores them, without a word to the task).
     #[serde(default)]
     pub cancelled_checkpoints: Vec<u64>,
     /// Per output link: what this subtask wrote.
@@ -1473,6 +1476,15 @@ impl<'a> Consumer<'a> {
             let last = self.last_checkpoint;
             self.note(|| format!("checkpoint {} handed over after {last}", barrier.id));
         } else {
+            // Bounded by the cap: ids grow by one per checkpoint interval.
+            for subsumed in self.last_checkpoint + 1..barrier.id {
+                if self.cancelled_checkpoints.len() >= MAX_BARRIER_MARKS {
+                    break;
+                }
+                if !self.cancelled_checkpoints.contains(&subsumed) {
+                    self.cancelled_checkpoints.push(subsumed);
+                }
+            }
             self.last_checkpoint = barrier.id;
         }
         self.checkpoints += 1;

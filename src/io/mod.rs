@@ -898,19 +898,23 @@ fn finish_connect<L: ClientConnections>(
     if waiting.iter().all(|(channel, _)| channel.is_released()) {
         return; // a stream that came is closed by the drop
     }
+    // Each channel leaves `waiting` only once placed, so a panic placing it fails it too.
     let mut waiting = Unplaced(waiting.into_iter());
     match result.and_then(|stream| driver.add_client(stream, peer, index)) {
         Ok(handle) => {
-            for (channel, _) in waiting.0.by_ref() {
+            while let Some((channel, _)) = waiting.0.as_slice().first() {
+                let channel = channel.clone();
                 if !channel.is_released() {
                     register_channel(driver, handle, peer, &channel);
                 }
+                waiting.0.next();
             }
         }
         Err(error) => {
             let refused = driver.connects().refused;
-            for (channel, backoff) in waiting.0.by_ref() {
-                refused.on_failure(peer, index, channel, backoff, &error, now);
+            while let Some((channel, backoff)) = waiting.0.as_slice().first() {
+                refused.on_failure(peer, index, channel.clone(), *backoff, &error, now);
+                waiting.0.next();
             }
         }
     }

@@ -776,6 +776,8 @@ impl ClientConnection {
         builder.finish();
         drop(builder);
         let mut buffer = consumer.build();
+        // The buffer holds the segment alone now (an empty one goes back as it drops).
+        drop(consumer);
         buffer.set_compressed(header.compressed);
         // By receiver id, not by slot alone: the channel may have left while its payload was
         // read (its gate closed) and a new channel taken the slot; the payload is then
