@@ -545,7 +545,8 @@ pub struct Row {
 /// Where each consumer subtask was handed its checkpoints, against where its producers wrote
 /// the barriers, link by link, for links both sides reported in full (records in the same
 /// count: a link that lost or gained records is reported as such):
-/// - every checkpoint a producer wrote to a link was handed to its consumer, or cancelled;
+/// - every checkpoint a producer wrote to a link was handed to its consumer, or cancelled or
+///   subsumed there ([`SubtaskReport::cancelled_checkpoints`](crate::node::SubtaskReport));
 /// - one handed over aligned came after exactly the records its producers wrote before its
 ///   barrier (or all of a link that ended without it): none missing, none from behind it;
 /// - one handed over unaligned came before any record from behind its barrier.
