@@ -1657,3 +1657,42 @@ fn a_flush_of_the_next_buffer_survives_the_read_of_the_one_before() {
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }
+
+/// (p11) A network sender without credit is there for a priority event (the reader reported
+/// one available, with a finished data buffer at its head) when the producer releases the
+/// subpartition, whose drain takes the event. The read that follows returns the event or
+/// nothing, never the data buffer: sent without credit, the consumer would find no segment
+/// for it and fail every channel of the connection.
+#[test]
+fn a_release_taking_the_priority_event_leaves_no_data_for_a_reader_without_credit() {
+    bounded_model(|| {
+        let (pool, mut partition, mut view) = one_subpartition_with_view(4);
+        // 4094 bytes with their 2-byte prefix fill a segment: a finished data buffer.
+        partition.emit_record(&[1u8; 4094][..], 0).unwrap();
+        let barrier =
+            fluxgate::event::Event::CheckpointBarrier(fluxgate::event::CheckpointBarrier {
+                id: 1,
+                timestamp: 0,
+                kind: fluxgate::event::CheckpointKind::Checkpoint,
+                alignment: fluxgate::event::Alignment::Unaligned,
+            });
+        partition.broadcast_event(&barrier, true).unwrap();
+        let (available, _) = view.availability_and_backlog(false);
+        assert!(available, "the priority event needs no credit");
+
+        let producer = thread::spawn(move || {
+            partition.release();
+            partition
+        });
+        let read = view.poll_next();
+        let partition = producer.join().unwrap();
+        if let Some(item) = &read {
+            assert!(
+                !item.buffer.data_type().is_buffer(),
+                "a data buffer came out for a reader without credit"
+            );
+        }
+        drop((read, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}

@@ -688,6 +688,13 @@ impl SubpartitionView {
         if next_data == DataType::None {
             return None;
         }
+        if self.subpartition.is_released() {
+            // Released since the first look: its drain may have taken the priority event
+            // this read was for, and a sender without credit, there for the event, must not
+            // get the data buffer instead. (`released` is set before the drain.)
+            self.head = None;
+            return None;
+        }
         let head = self.head.as_mut().expect("a readable head");
         if !head.is_finished() {
             // The flushed part of the unfinished tail. A swap, not a store: it reads the

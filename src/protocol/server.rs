@@ -162,6 +162,8 @@ struct PendingRequest {
     receiver: ReceiverId,
     credit: u32,
     deadline: Instant,
+    /// Looked for before (a retry): its wait was logged then.
+    retried: bool,
 }
 
 /// The producer side of one connection (Flink's `PartitionRequestServerHandler` and
@@ -505,6 +507,7 @@ impl ServerConnection {
                     receiver,
                     credit,
                     deadline: now + self.config.partition_request_timeout,
+                    retried: false,
                 };
                 self.request(request, now);
             }
@@ -657,21 +660,28 @@ impl ServerConnection {
     }
 
     /// Creates the view for a request, or keeps the request waiting until its deadline.
-    fn request(&mut self, request: PendingRequest, now: Instant) {
-        // Within `max_channels`: checked (readers and pending together) when it arrived.
-        let slot = match self.readers.iter().position(Option::is_none) {
-            Some(slot) => slot,
-            None => {
-                self.readers.push(None);
-                self.readers.len() - 1
-            }
-        } as u32;
-        let listener = self.ready.listener(slot, self.config.max_channels);
-        match self
+    fn request(&mut self, mut request: PendingRequest, now: Instant) {
+        // The partition first: a request waiting for it costs each retry a lookup, not a
+        // slot search and a listener (a peer may keep `max_channels` of them waiting).
+        let view = self
             .manager
-            .create_view(request.partition, request.subpartition as usize, listener)
-        {
-            Ok(mut view) => {
+            .partition(request.partition)
+            .and_then(|partition| {
+                // Within `max_channels`: checked (readers and pending together) when it arrived.
+                let slot = match self.readers.iter().position(Option::is_none) {
+                    Some(slot) => slot,
+                    None => {
+                        self.readers.push(None);
+                        self.readers.len() - 1
+                    }
+                } as u32;
+                let listener = self.ready.listener(slot, self.config.max_channels);
+                partition
+                    .create_view(request.subpartition as usize, listener)
+                    .map(|view| (slot, view))
+            });
+        match view {
+            Ok((slot, mut view)) => {
                 if request.credit == 0 {
                     // No exclusive buffers: every credit is a floating buffer lent for the
                     // backlog, and a buffer that ends empty must spend it (Flink's
@@ -697,12 +707,13 @@ impl ServerConnection {
                 self.ready.enqueue(slot);
             }
             Err(PartitionError::PartitionNotFound(_)) if now < request.deadline => {
-                if !self.pending.iter().any(|p| p.receiver == request.receiver) {
+                if !request.retried {
                     tracing::debug!(
                         partition = ?request.partition,
                         "partition request waits for its partition to be registered"
                     );
                 }
+                request.retried = true;
                 let due = now + self.config.partition_request_retry;
                 self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
                 self.pending.push(request);
@@ -780,7 +791,23 @@ impl ServerConnection {
         };
         let data_type = item.buffer.data_type();
         if data_type.is_buffer() {
-            reader.credit -= 1;
+            let Some(credit) = reader.credit.checked_sub(1) else {
+                // The view handed out data it did not announce (a bug): sent, the consumer
+                // would find no segment for it and fail every channel on the connection.
+                tracing::error!(
+                    receiver = ?reader.receiver,
+                    "a data buffer without credit; dropping its reader"
+                );
+                let receiver = reader.receiver;
+                self.error_for(
+                    receiver,
+                    ErrorKind::ProducerFailed,
+                    "the producer's reader handed out data without credit",
+                );
+                self.remove_reader(receiver);
+                return;
+            };
+            reader.credit = credit;
         }
         let header = BufferResponseHeader {
             receiver: reader.receiver,
