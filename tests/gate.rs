@@ -540,6 +540,29 @@ fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
 }
 
 #[test]
+fn an_unaligned_barrier_at_a_gate_that_aligns_only_is_an_error() {
+    // Its sender did not stop behind it: taken as aligned, the records after it would reach
+    // the task before the checkpoint. (A producer turns an aligned barrier with a timeout
+    // unaligned by itself, whatever its consumers' mode.)
+    let f = fixture();
+    let mut a = f.producer(60, 1);
+    let mut gate = f.gate(&[(60, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut checkpointed = CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None);
+    a.broadcast_event(&barrier(3, Alignment::Unaligned), true)
+        .unwrap();
+    assert_eq!(
+        checkpointed.poll_next().unwrap_err(),
+        GateError::UnalignedBarrier {
+            channel: 0,
+            checkpoint: 3
+        }
+    );
+    drop((checkpointed, a));
+    assert!(f.all_segments_back());
+}
+
+#[test]
 fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
     let f = fixture();
     let mut a = f.producer(16, 1);
@@ -1302,6 +1325,24 @@ fn a_checkpoint_a_newer_barrier_aborts_is_announced_to_the_task_and_the_sink() {
     assert_eq!(*sink.aborted.lock().unwrap(), vec![6]);
     assert_eq!(checkpointed.pending_checkpoint(), Some(7));
     drop((six, notice, seven, checkpointed, a, b));
+    assert!(f.all_segments_back());
+}
+
+/// A task that goes away in the middle of an unaligned checkpoint: its sink hears the
+/// checkpoint aborted, so it lets go of the in-flight buffers it holds (their segments are
+/// the gate's).
+#[test]
+fn a_gate_dropped_mid_unaligned_checkpoint_aborts_it_at_the_sink() {
+    let f = fixture();
+    let ([mut a, b], mut checkpointed, sink) = unaligned_gate(&f, 62);
+    a.broadcast_event(&barrier(5, Alignment::Unaligned), true)
+        .unwrap();
+    let five = next_item(&mut checkpointed);
+    assert_eq!(event(&five.item), &barrier(5, Alignment::Unaligned));
+    assert_eq!(checkpointed.pending_checkpoint(), Some(5));
+    drop(checkpointed);
+    assert_eq!(*sink.aborted.lock().unwrap(), vec![5]);
+    drop((five, a, b));
     assert!(f.all_segments_back());
 }
 

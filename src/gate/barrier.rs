@@ -110,6 +110,17 @@ pub struct CheckpointedInputGate<G> {
     taken_ahead: Vec<usize>,
 }
 
+impl<G> Drop for CheckpointedInputGate<G> {
+    /// A task that goes away (cancelled, failed, finished) mid-checkpoint: the sink lets go
+    /// of the in-flight data it was handed (buffers sharing the gate's segments), as after an
+    /// abort. Blocked channels are not resumed: nothing reads them any more.
+    fn drop(&mut self) {
+        if let (Some(id), true, Some(sink)) = (self.current, self.unaligned, &self.sink) {
+            sink.abort(id);
+        }
+    }
+}
+
 impl<G> fmt::Debug for CheckpointedInputGate<G> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CheckpointedInputGate")
@@ -398,6 +409,12 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 let aborted = self.current.filter(|&current| id > current);
                 // An aligned barrier read in order blocked its channel behind it.
                 let blocks = barrier.alignment != Alignment::Unaligned;
+                if !blocks && self.mode == AlignmentMode::Aligned {
+                    return Err(GateError::UnalignedBarrier {
+                        channel,
+                        checkpoint: id,
+                    });
+                }
                 // The unaligned path: an unaligned barrier, or an aligned one of the running
                 // unaligned checkpoint. Any other aligned barrier aligns.
                 let unaligned = self.mode == AlignmentMode::Unaligned

@@ -124,6 +124,20 @@ pub enum GateError {
     /// More received buffers than the channel granted credit for (the sender's fault).
     #[error("channel {0}: more buffers received than credit granted")]
     CreditExceeded(usize),
+    /// An unaligned barrier reached a gate that aligns only ([`AlignmentMode::Aligned`]): its
+    /// sender did not stop behind it, so the checkpoint cannot be aligned, and taking it as
+    /// aligned would let records from behind it in before the snapshot. Unaligned
+    /// checkpoints, and aligned ones with a timeout (their producer may turn them unaligned),
+    /// need [`AlignmentMode::Unaligned`] on every consumer.
+    #[error(
+        "channel {channel}: an unaligned barrier of checkpoint {checkpoint} reached a gate that aligns only"
+    )]
+    UnalignedBarrier {
+        /// Gate-local channel index.
+        channel: usize,
+        /// The checkpoint.
+        checkpoint: u64,
+    },
 }
 
 /// One item read from a gate.
