@@ -1233,6 +1233,82 @@ fn a_blocking_read_wakes_for_the_alignment_timeout() {
     drop((triggered, checkpointed, a));
 }
 
+/// An async read of a checkpointed gate waiting on channels that send nothing is woken at
+/// the alignment's timeout (a timer: nothing else would wake the future) and returns the
+/// barrier turned unaligned.
+#[test]
+fn an_async_read_wakes_for_the_alignment_timeout() {
+    let f = fixture();
+    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 72);
+    a.broadcast_event(&common::timeoutable_barrier(5, 50, 0), false)
+        .unwrap();
+    let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let waker = Waker::from(waker_state.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut read = Box::pin(checkpointed.next_async());
+    assert!(
+        read.as_mut().poll(&mut cx).is_pending(),
+        "aligning, within the timeout"
+    );
+    // Bounded by LONG in all: each park ends at a wake-up or at the give-up time.
+    let give_up = Instant::now() + LONG;
+    while let Some(left) = give_up.checked_duration_since(Instant::now()) {
+        thread::park_timeout(left);
+        if waker_state.1.load(Ordering::SeqCst) == 0 {
+            continue; // a spurious unpark
+        }
+        let Poll::Ready(result) = read.as_mut().poll(&mut cx) else {
+            continue;
+        };
+        let triggered = result.unwrap().unwrap();
+        assert_eq!(unaligned_barrier_id(&triggered.item), 5);
+        return;
+    }
+    panic!("the async read was never woken for the alignment's timeout");
+}
+
+/// An async read of a union is woken by data any member's producer flushes from another
+/// thread.
+#[test]
+fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
+    let f = fixture();
+    let mut b = f.producer(75, 1);
+    let mut g0 = f.gate(&[(74, 0)], ChannelLocation::Local);
+    let mut g1 = f.gate(&[(75, 0)], ChannelLocation::Local);
+    let _a = f.producer(74, 1);
+    g0.request_partitions(Instant::now()).unwrap();
+    g1.request_partitions(Instant::now()).unwrap();
+    let mut union = UnionInputGate::new(vec![g0, g1]);
+    let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let waker = Waker::from(waker_state.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut read = Box::pin(union.next_async());
+    assert!(read.as_mut().poll(&mut cx).is_pending());
+    thread::scope(|s| {
+        s.spawn(move || {
+            send(&mut b, b"union-async");
+            b
+        });
+        // Bounded: each park ends at a wake-up or after LONG.
+        for _ in 0..100 {
+            if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
+                let item = result.unwrap().unwrap();
+                assert_eq!(
+                    (item.channel, data(&item.item)),
+                    (1, common::framed_record(b"union-async"))
+                );
+                return;
+            }
+            thread::park_timeout(LONG);
+        }
+        panic!("the async union read never resolved");
+    });
+    assert!(
+        waker_state.1.load(Ordering::SeqCst) >= 1,
+        "woken, not polled blindly"
+    );
+}
+
 /// A task that reads without blocking, from its own loop, hears of the alignment timeout
 /// through `handle_timeout` at the deadline the gate names.
 #[test]

@@ -108,6 +108,8 @@ pub struct CheckpointedInputGate<G> {
     /// persisted: after the barrier that came out to the task, on the next read, so a record
     /// reader's half-read records reach the sink first; before the checkpoint completes.
     taken_ahead: Vec<usize>,
+    /// Wakes a pending `next_async` at the alignment's timeout or a retry.
+    timer: super::WakeTimer,
 }
 
 impl<G> Drop for CheckpointedInputGate<G> {
@@ -151,6 +153,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             alignment_deadline: None,
             recovered: vec![false; channels],
             taken_ahead: Vec::with_capacity(channels),
+            timer: super::WakeTimer::default(),
         }
     }
 
@@ -207,6 +210,16 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 return Ok(Some(item));
             }
         }
+    }
+
+    /// The next item the task should see, without blocking the thread (any executor): the
+    /// wrapped gate's data wakes it, and a timer the alignment's timeout (and a partition
+    /// request's retry), as the blocking reads wake for them.
+    pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        let mut timer = std::mem::take(&mut self.timer);
+        let read = std::future::poll_fn(|cx| super::poll_read(self, &mut timer, cx)).await;
+        self.timer = timer;
+        read
     }
 
     /// The next item the task should see, blocking; `Ok(None)` at the end.
@@ -768,6 +781,17 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
         CheckpointedInputGate::handle_timeout(self, now)
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        match (self.gate.poll_timeout(), self.alignment_deadline) {
+            (Some(retry), Some(alignment)) => Some(retry.min(alignment)),
+            (retry, alignment) => retry.or(alignment),
+        }
+    }
+
+    fn register_waker(&self, waker: &std::task::Waker) -> bool {
+        self.deferred.is_some() || self.gate.register_waker(waker)
     }
 
     fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {

@@ -32,6 +32,7 @@ pub use single::{ChannelSpec, GateCloser, GateMetrics, SingleInputGate};
 pub use union::UnionInputGate;
 
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::buffer::{Buffer, PoolError};
@@ -207,8 +208,16 @@ pub trait InputGate {
     fn is_finished(&self) -> bool;
     /// True once `channel` delivered EndOfPartition.
     fn is_channel_finished(&self, channel: usize) -> bool;
-    /// Retries due partition requests (`now` from the caller's clock).
+    /// Retries due partition requests (`now` from the caller's clock), and for a
+    /// [`CheckpointedInputGate`] turns an alignment past its timeout unaligned.
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError>;
+    /// When [`handle_timeout`](Self::handle_timeout) has something to do next (a partition
+    /// request's retry, an alignment's timeout): a task reading from its own event loop
+    /// calls it by then.
+    fn poll_timeout(&self) -> Option<Instant>;
+    /// Asks for `waker` to be woken when a channel has something to read or the gate is
+    /// closed (an async read's registration). True when that is so already: read again now.
+    fn register_waker(&self, waker: &Waker) -> bool;
     /// Where the in-flight data of unaligned checkpoints goes, for a gate that persists it
     /// ([`CheckpointedInputGate`] in unaligned mode with a sink): a record reader on top hands
     /// it the records it holds half-read when a barrier comes out.
@@ -247,7 +256,8 @@ impl GateError {
             | GateError::Event { channel, .. }
             | GateError::NoSuchChannel(channel)
             | GateError::UnknownChannel(channel)
-            | GateError::CreditExceeded(channel) => *channel += offset,
+            | GateError::CreditExceeded(channel)
+            | GateError::UnalignedBarrier { channel, .. } => *channel += offset,
             _ => {}
         }
         self
@@ -269,6 +279,73 @@ pub struct ConsumedSubpartition {
 
 /// How often a blocked reader looks at due partition-request retries at the latest.
 const RETRY_CHECK: Duration = Duration::from_millis(100);
+
+/// Wakes a pending async read when something time-based comes due (a partition request's
+/// retry, an alignment's timeout): a future has no clock, and nothing else would wake it
+/// then. At most one timer thread per gate sleeps at a time, for the earliest due time; the
+/// path is taken only while such a thing is pending.
+#[derive(Debug, Default)]
+pub(crate) struct WakeTimer {
+    /// When the timer thread sleeping now fires.
+    fires: Option<Instant>,
+}
+
+impl WakeTimer {
+    /// Makes sure `waker` is woken at `due`.
+    pub(crate) fn wake_at(&mut self, due: Instant, waker: &Waker) {
+        let now = Instant::now();
+        if self.fires.is_some_and(|fires| fires <= due && fires > now) {
+            return; // an earlier wake-up is on its way
+        }
+        let timer_waker = waker.clone();
+        let started = std::thread::Builder::new()
+            .name("fluxgate-timer".into())
+            .spawn(move || {
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                timer_waker.wake();
+            });
+        match started {
+            Ok(_) => self.fires = Some(due),
+            // Without a thread, wake at once: the executor polls again (and again) until due.
+            Err(_) => waker.wake_by_ref(),
+        }
+    }
+}
+
+/// One poll of an async read, for every gate kind: what is due is handled, then the gate
+/// is read; with nothing readable the task's waker is registered (and a timer armed for
+/// what comes due next) before the future goes `Pending`.
+pub(crate) fn poll_read<G: InputGate + ?Sized>(
+    gate: &mut G,
+    timer: &mut WakeTimer,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Option<BufferOrEvent>, GateError>> {
+    let now = Instant::now();
+    if gate.poll_timeout().is_some_and(|due| now >= due) {
+        if let Err(error) = gate.handle_timeout(now) {
+            return Poll::Ready(Err(error));
+        }
+    }
+    // Bounded: each round either returns or registers and finds nothing queued.
+    for round in 0..2 {
+        match gate.poll_next() {
+            Ok(None) if !gate.is_finished() => {}
+            other => return Poll::Ready(other),
+        }
+        if !gate.register_waker(cx.waker()) {
+            break;
+        }
+        if round == 1 {
+            // Channels still queued after both rounds (notified again while read): nothing
+            // else would wake this future for them.
+            cx.waker().wake_by_ref();
+        }
+    }
+    if let Some(due) = gate.poll_timeout() {
+        timer.wake_at(due, cx.waker());
+    }
+    Poll::Pending
+}
 
 /// The blocking read both gate kinds share: poll, and between polls sleep on `wait` until
 /// data, the next due retry (`next_retry`), the deadline or `RETRY_CHECK`, whichever is first.

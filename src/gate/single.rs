@@ -55,8 +55,8 @@ pub struct SingleInputGate {
     /// Task events sent while some channel's location was unknown.
     pending_events: Vec<Event>,
     metrics: GateMetrics,
-    /// When the timer waking a pending `next_async` for a partition request's retry fires.
-    retry_timer: Option<Instant>,
+    /// Wakes a pending `next_async` for a partition request's retry.
+    timer: super::WakeTimer,
 }
 
 impl fmt::Debug for SingleInputGate {
@@ -94,7 +94,7 @@ impl SingleInputGate {
             finished_count: 0,
             pending_events: Vec::new(),
             metrics: GateMetrics::default(),
-            retry_timer: None,
+            timer: super::WakeTimer::default(),
         }
     }
 
@@ -396,73 +396,30 @@ impl SingleInputGate {
         self.closed
     }
 
-    /// Waits for the next item without blocking the thread (any executor).
+    /// Waits for the next item without blocking the thread (any executor). A partition
+    /// request waiting for its retry (a local partition not registered yet) is retried here
+    /// when due, as a blocking read's wait retries it.
     pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
         // From the first `Pending` to the item: idle time, as a blocking read books it.
         let mut idle_since: Option<Instant> = None;
-        poll_fn(|cx| {
-            // A partition request waiting for its retry (a local partition not registered
-            // yet) is retried here when due, as a blocking read's wait retries it.
-            let now = Instant::now();
-            if self.poll_timeout().is_some_and(|due| now >= due) {
-                if let Err(error) = self.handle_timeout(now) {
-                    return Poll::Ready(Err(error));
+        let mut timer = std::mem::take(&mut self.timer);
+        let read = poll_fn(|cx| {
+            let read = super::poll_read(self, &mut timer, cx);
+            match (&read, idle_since) {
+                (Poll::Pending, _) => {
+                    idle_since.get_or_insert_with(Instant::now);
                 }
+                (Poll::Ready(_), Some(since)) => {
+                    let idle = since.elapsed().as_nanos() as u64;
+                    self.metrics.idle_nanos.add(idle);
+                }
+                (Poll::Ready(_), None) => {}
             }
-            // Bounded: each round either returns or registers and finds nothing queued.
-            for round in 0..2 {
-                match self.poll_next() {
-                    Ok(None) if !self.is_finished() => {}
-                    other => {
-                        if let Some(since) = idle_since {
-                            let idle = since.elapsed().as_nanos() as u64;
-                            self.metrics.idle_nanos.add(idle);
-                        }
-                        return Poll::Ready(other);
-                    }
-                }
-                if !self.queue.register_waker(cx.waker()) {
-                    break;
-                }
-                if round == 1 {
-                    // Channels still queued after both rounds (notified again while read):
-                    // nothing else would wake this future for them.
-                    cx.waker().wake_by_ref();
-                }
-            }
-            idle_since.get_or_insert_with(Instant::now);
-            if let Some(due) = self.poll_timeout() {
-                self.wake_for_retry(due, cx.waker());
-            }
-            Poll::Pending
+            read
         })
-        .await
-    }
-
-    /// Makes sure a pending `next_async` is woken at `due`, when a partition request is to be
-    /// retried: nothing else would wake it then (a future has no clock). At most one timer
-    /// thread per gate sleeps at a time, for the earliest retry; the path is taken only while
-    /// a partition a local channel wants is not registered yet.
-    fn wake_for_retry(&mut self, due: Instant, waker: &std::task::Waker) {
-        let now = Instant::now();
-        if self
-            .retry_timer
-            .is_some_and(|fires| fires <= due && fires > now)
-        {
-            return; // an earlier wake-up is on its way
-        }
-        let timer_waker = waker.clone();
-        let started = std::thread::Builder::new()
-            .name("fluxgate-retry".into())
-            .spawn(move || {
-                std::thread::sleep(due.saturating_duration_since(Instant::now()));
-                timer_waker.wake();
-            });
-        match started {
-            Ok(_) => self.retry_timer = Some(due),
-            // Without a thread, wake at once: the executor polls again (and again) until due.
-            Err(_) => waker.wake_by_ref(),
-        }
+        .await;
+        self.timer = timer;
+        read
     }
 
     pub(crate) fn queue(&self) -> &Arc<ChannelQueue> {
@@ -697,6 +654,14 @@ impl InputGate for SingleInputGate {
 
     fn is_channel_finished(&self, channel: usize) -> bool {
         self.finished.get(channel).copied().unwrap_or(true)
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        SingleInputGate::poll_timeout(self)
+    }
+
+    fn register_waker(&self, waker: &std::task::Waker) -> bool {
+        self.queue.register_waker(waker)
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {

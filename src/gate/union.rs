@@ -18,6 +18,8 @@ pub struct UnionInputGate {
     offsets: Vec<usize>,
     /// Queue of gates with data (entries are gate indexes).
     queue: Arc<ChannelQueue>,
+    /// Wakes a pending `next_async` for a member's partition-request retry.
+    timer: super::WakeTimer,
     /// The union's idle time (its reader waits for all members at once).
     metrics: GateMetrics,
 }
@@ -51,7 +53,33 @@ impl UnionInputGate {
             offsets,
             queue,
             metrics: GateMetrics::default(),
+            timer: super::WakeTimer::default(),
         }
+    }
+
+    /// Waits for the next item of any member without blocking the thread (any executor);
+    /// members' partition requests waiting for their retry are retried when due.
+    pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        let mut idle_since: Option<Instant> = None;
+        let mut timer = std::mem::take(&mut self.timer);
+        let read = std::future::poll_fn(|cx| {
+            let read = super::poll_read(self, &mut timer, cx);
+            match (&read, idle_since) {
+                (std::task::Poll::Pending, _) => {
+                    idle_since.get_or_insert_with(Instant::now);
+                }
+                (std::task::Poll::Ready(_), Some(since)) => {
+                    self.metrics
+                        .idle_nanos
+                        .add(since.elapsed().as_nanos() as u64);
+                }
+                (std::task::Poll::Ready(_), None) => {}
+            }
+            read
+        })
+        .await;
+        self.timer = timer;
+        read
     }
 
     /// The union's idle time (the member gates' own stay 0 while read through the union).
@@ -172,7 +200,7 @@ impl InputGate for UnionInputGate {
         super::read_until(
             self,
             deadline,
-            |union| union.gates.iter().filter_map(|g| g.poll_timeout()).min(),
+            |union| union.poll_timeout(),
             |union, sleep| union.queue.wait(sleep),
             |union, idle| union.metrics.idle_nanos.add(idle.as_nanos() as u64),
         )
@@ -216,6 +244,14 @@ impl InputGate for UnionInputGate {
     fn is_channel_finished(&self, channel: usize) -> bool {
         self.locate(channel)
             .is_none_or(|(gate, local)| self.gates[gate].is_channel_finished(local))
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.gates.iter().filter_map(|g| g.poll_timeout()).min()
+    }
+
+    fn register_waker(&self, waker: &std::task::Waker) -> bool {
+        self.queue.register_waker(waker)
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
