@@ -23,9 +23,8 @@ use crate::sync::{
     Ordering,
 };
 
-/// A blocked waiter re-checks at least this often, in case a wake-up could not be delivered
-/// (the global pool's starved-pool queue was full). Not a polling loop: normal wake-ups are
-/// explicit.
+/// A blocked waiter re-checks at least this often, a safety net should a wake-up ever go
+/// astray. Not a polling loop: wake-ups are explicit.
 const WAIT_RECHECK: Duration = Duration::from_millis(50);
 
 /// The tag of an overdraft segment: not a channel's, and not part of the pool's count.
@@ -775,10 +774,8 @@ impl LocalPoolShared {
     /// waiters are woken then), then looks once more, since a segment given back between the
     /// failed take and the registration would otherwise wake no one.
     fn listen_for_global_then_take(&self) -> Option<Segment> {
-        if !self.starved.swap(true, Ordering::SeqCst)
-            && !self.network.register_starved(self.me.clone())
-        {
-            self.starved.store(false, Ordering::SeqCst);
+        if !self.starved.swap(true, Ordering::SeqCst) {
+            self.network.register_starved(self.me.clone());
         }
         self.network.take()
     }

@@ -10,9 +10,12 @@ use super::PoolError;
 use crate::config::NetworkConfig;
 use crate::sync::{ArrayQueue, AtomicUsize, Ordering};
 
-/// Local pools that may wait at once for the global pool to refill; beyond this, a waiting
-/// pool falls back to its bounded re-check interval.
+/// Local pools that may wait at once in the lock-free starved queue for the global pool to
+/// refill; more wait in a list behind a lock, taken only when that many wait.
+#[cfg(not(test))]
 const STARVED_POOLS_MAX: usize = 4096;
+#[cfg(test)]
+const STARVED_POOLS_MAX: usize = 2;
 
 /// How much other network memory an I/O thread's recycled segment waits behind before it is
 /// handed out again (see [`NetworkInner::give_back`]): more than a core's L2 holds (2 MiB
@@ -64,6 +67,11 @@ pub(crate) struct NetworkInner {
     promised: Mutex<usize>,
     /// Local pools waiting for a segment to come back to the global free list.
     starved: ArrayQueue<Weak<LocalPoolShared>>,
+    /// Those the queue had no room for: a pool with listeners waits on no timer, so none may
+    /// be dropped. Each pool waits at most once (its `starved` flag), so this holds at most
+    /// as many as there are pools.
+    starved_overflow: Mutex<Vec<Weak<LocalPoolShared>>>,
+    /// Pools in `starved` and `starved_overflow`.
     starved_len: AtomicUsize,
 }
 
@@ -106,6 +114,7 @@ impl NetworkBufferPool {
                 warm_depth,
                 promised: Mutex::new(0),
                 starved: ArrayQueue::new(STARVED_POOLS_MAX),
+                starved_overflow: Mutex::new(Vec::new()),
                 starved_len: AtomicUsize::new(0),
             }),
         })
@@ -255,29 +264,48 @@ impl NetworkInner {
     }
 
     /// Registers a local pool to be called when the global free list refills.
-    pub(crate) fn register_starved(&self, pool: Weak<LocalPoolShared>) -> bool {
+    pub(crate) fn register_starved(&self, pool: Weak<LocalPoolShared>) {
         // Counted before the push: a wake-up that pops the entry at once counts it down, and
         // counted after, the count could wrap below zero for a moment (and a give-back then
         // woke every starved pool).
         self.starved_len.fetch_add(1, Ordering::SeqCst);
-        if self.starved.push(pool).is_err() {
-            self.starved_len.fetch_sub(1, Ordering::SeqCst);
-            return false;
+        if let Err(pool) = self.starved.push(pool) {
+            self.starved_overflow
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(pool);
         }
-        true
     }
 
     fn wake_starved(&self) {
         // Every pool waiting now retries once; one that still finds nothing registers again,
         // which is why the loop is bounded by the count taken before it.
         let waiting = self.starved_len.load(Ordering::SeqCst);
-        for _ in 0..waiting {
+        let mut woken = 0;
+        while woken < waiting {
             let Some(pool) = self.starved.pop() else {
                 break;
             };
+            woken += 1;
             self.starved_len.fetch_sub(1, Ordering::SeqCst);
             if let Some(pool) = pool.upgrade() {
                 pool.on_global_available();
+            }
+        }
+        if woken < waiting {
+            // The rest wait in the overflow list (or are still registering: their own second
+            // look covers this give-back).
+            let overflow = std::mem::take(
+                &mut *self
+                    .starved_overflow
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
+            self.starved_len.fetch_sub(overflow.len(), Ordering::SeqCst);
+            for pool in overflow {
+                if let Some(pool) = pool.upgrade() {
+                    pool.on_global_available();
+                }
             }
         }
     }
@@ -314,6 +342,58 @@ pub(crate) fn pool_of_4k_segments(segments: usize) -> NetworkBufferPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keeps the segments it is handed.
+    #[derive(Default)]
+    struct Keeps(std::sync::Mutex<Vec<PooledSegment>>);
+
+    impl super::super::local::BufferListener for Keeps {
+        fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment> {
+            self.0.lock().unwrap().push(segment);
+            Ok(())
+        }
+        fn on_pool_destroyed(&self) {}
+    }
+
+    #[test]
+    fn more_starved_pools_than_the_starved_queue_holds_are_all_woken() {
+        // Three local pools wait for the empty global pool with a listener each, one more than
+        // the starved queue holds (2 under test). A listener waits on no timer: the third
+        // pool's, left out of the queue, waited for good.
+        let pool = pool_of_4k_segments(3);
+        let taken: Vec<Segment> = std::iter::from_fn(|| pool.inner.take()).collect();
+        assert_eq!(taken.len(), 3);
+        let spec = LocalPoolSpec {
+            min_segments: 1,
+            max_segments: 1,
+            subpartitions: 0,
+            max_segments_per_channel: 1,
+            max_listeners: 1,
+            max_overdraft_segments: 0,
+        };
+        let locals: Vec<LocalBufferPool> = (0..3)
+            .map(|_| pool.create_local_pool(spec).unwrap())
+            .collect();
+        let listeners: Vec<Arc<Keeps>> = (0..3).map(|_| Arc::new(Keeps::default())).collect();
+        for (local, listener) in locals.iter().zip(&listeners) {
+            let listener: Arc<dyn super::super::local::BufferListener> = listener.clone();
+            assert!(local
+                .request_segment_or_listen(&listener)
+                .unwrap()
+                .is_none());
+        }
+        for segment in taken {
+            pool.inner.give_back(segment);
+        }
+        let served = listeners
+            .iter()
+            .filter(|l| l.0.lock().unwrap().len() == 1)
+            .count();
+        assert_eq!(served, 3, "a starved pool's listener was never served");
+        drop(listeners);
+        drop(locals);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    }
 
     #[test]
     fn a_segment_an_io_thread_gives_back_comes_out_after_the_warm_depth_others_after_all() {
