@@ -5,6 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -201,33 +202,31 @@ impl Stamps {
     }
 }
 
-/// The throughput run's writer: records packed back to back into 32 KiB writes until
-/// `until`, then the write side shut. Its own function with its buffers local, not a closure
-/// over the caller's: through captured references the packing loop reloads the vector on
-/// every record, which cost the 8-byte baseline about 2 ns per record.
+/// The throughput run's writer: records packed back to back into writes of exactly 32 KiB
+/// until `until` (a record that does not fit is split across two, as the engine's span
+/// segments), then the rest and the write side shut. Its own function with its buffers
+/// local, not a closure over the caller's: through captured references the packing loop
+/// reloads the vector on every record, which cost the 8-byte baseline about 2 ns per record.
 fn write_batches(
     sender: &mut TcpStream,
     record_size: usize,
     until: Instant,
 ) -> std::io::Result<()> {
-    let mut batch = Vec::with_capacity(BATCH + record_size + 5);
-    let record = vec![0xA5u8; record_size];
     let framed = fluxgate::record::framed_len(record_size);
+    let mut batch = Vec::with_capacity(BATCH + framed);
+    let record = vec![0xA5u8; record_size];
     while Instant::now() < until {
         for _ in 0..64 {
-            // Pack records back to back; write a full batch at a time.
-            // At least one record per write, so records over 32 KiB are sent too.
-            loop {
+            while batch.len() < BATCH {
                 put_length(&mut batch, record_size);
                 batch.extend_from_slice(&record);
-                if batch.len() + framed > BATCH {
-                    break;
-                }
             }
-            sender.write_all(&batch)?;
-            batch.clear();
+            sender.write_all(&batch[..BATCH])?;
+            // Keeps the split record's tail (less than one record, moved to the front).
+            batch.drain(..BATCH);
         }
     }
+    sender.write_all(&batch)?;
     sender.shutdown(std::net::Shutdown::Write)
 }
 
@@ -240,19 +239,37 @@ pub fn latency(
     pinning: Option<Pinning>,
 ) -> std::io::Result<Histogram<u64>> {
     let (mut sender, mut receiver) = connected_pair()?;
-    let epoch = Instant::now();
     let size = record_size.max(8);
     let total = (rate as f64 * duration.as_secs_f64()) as u64;
     let mut frame = Vec::with_capacity(5 + size);
     put_length(&mut frame, size);
     let body = frame.len();
     frame.resize(body + size, 0);
-    let mut stamps = Stamps::new(body, frame.len());
+    let frame_len = frame.len();
+    let mut stamps = Stamps::new(body, frame_len);
+    // A warm-up frame goes first, unmeasured, as the engine's run sends a warm-up record: the
+    // reader's start, both threads' moves to their CPUs and the first wake-up are not the
+    // latency of the exchange. The clock starts once the reader has it.
+    let (warm_tx, warm_rx) = mpsc::channel::<()>();
+    let (epoch_tx, epoch_rx) = mpsc::channel::<Instant>();
     let reader = thread::spawn(move || -> std::io::Result<Histogram<u64>> {
         as_reader(pinning)?;
         let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         let mut buffer = vec![0u8; BATCH];
+        // Exactly the warm-up frame: the measured ones start after it.
+        let mut warm = 0;
+        while warm < frame_len {
+            let want = (frame_len - warm).min(buffer.len());
+            match receiver.read(&mut buffer[..want])? {
+                0 => return Ok(histogram),
+                n => warm += n,
+            }
+        }
+        let _ = warm_tx.send(());
+        let Ok(epoch) = epoch_rx.recv() else {
+            return Ok(histogram); // the writer failed; it reports why
+        };
         loop {
             let n = receiver.read(&mut buffer)?;
             if n == 0 {
@@ -265,6 +282,12 @@ pub fn latency(
         }
     });
     as_writer(pinning, || {
+        sender.write_all(&frame)?;
+        warm_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("the baseline reader ended at the warm-up"))?;
+        let epoch = Instant::now();
+        let _ = epoch_tx.send(epoch);
         for i in 0..total {
             let scheduled = super::bench::scheduled(i, rate);
             super::bench::pace(epoch, scheduled);
