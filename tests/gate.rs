@@ -1267,6 +1267,41 @@ fn an_async_read_wakes_for_the_alignment_timeout() {
     panic!("the async read was never woken for the alignment's timeout");
 }
 
+/// An async read polled last by another task (its waker changed: the future moved between
+/// tasks) is woken at the alignment's timeout through that task's waker, not the first's.
+#[test]
+fn an_async_read_moved_to_another_task_is_woken_there_at_the_alignment_timeout() {
+    let f = fixture();
+    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 76);
+    a.broadcast_event(&common::timeoutable_barrier(6, 50, 0), false)
+        .unwrap();
+    let first = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let second = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let mut read = Box::pin(checkpointed.next_async());
+    let first_waker = Waker::from(first.clone());
+    assert!(read
+        .as_mut()
+        .poll(&mut Context::from_waker(&first_waker))
+        .is_pending());
+    let second_waker = Waker::from(second.clone());
+    let mut cx = Context::from_waker(&second_waker);
+    assert!(read.as_mut().poll(&mut cx).is_pending());
+    // Bounded by LONG in all: each park ends at a wake-up or at the give-up time.
+    let give_up = Instant::now() + LONG;
+    while let Some(left) = give_up.checked_duration_since(Instant::now()) {
+        thread::park_timeout(left);
+        if second.1.load(Ordering::SeqCst) == 0 {
+            continue; // not (yet) the task that polled last
+        }
+        if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
+            let triggered = result.unwrap().unwrap();
+            assert_eq!(unaligned_barrier_id(&triggered.item), 6);
+            return;
+        }
+    }
+    panic!("the task that polled last was never woken for the alignment's timeout");
+}
+
 /// An async read of a union is woken by data any member's producer flushes from another
 /// thread.
 #[test]

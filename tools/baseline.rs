@@ -215,18 +215,25 @@ fn write_batches(
     let framed = fluxgate::record::framed_len(record_size);
     let mut batch = Vec::with_capacity(BATCH + framed);
     let record = vec![0xA5u8; record_size];
+    // Where the next write starts in `batch`.
+    let mut start = 0;
     while Instant::now() < until {
         for _ in 0..64 {
-            while batch.len() < BATCH {
+            while batch.len() - start < BATCH {
                 put_length(&mut batch, record_size);
                 batch.extend_from_slice(&record);
             }
-            sender.write_all(&batch[..BATCH])?;
-            // Keeps the split record's tail (less than one record, moved to the front).
-            batch.drain(..BATCH);
+            sender.write_all(&batch[start..start + BATCH])?;
+            start += BATCH;
+            if batch.len() - start < BATCH {
+                // Less than a write left (a split record's tail): to the front, so a record
+                // is moved at most once, whatever its size.
+                batch.drain(..start);
+                start = 0;
+            }
         }
     }
-    sender.write_all(&batch)?;
+    sender.write_all(&batch[start..])?;
     sender.shutdown(std::net::Shutdown::Write)
 }
 

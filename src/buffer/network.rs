@@ -71,6 +71,8 @@ pub(crate) struct NetworkInner {
     /// be dropped. Each pool waits at most once (its `starved` flag), so this holds at most
     /// as many as there are pools.
     starved_overflow: Mutex<Vec<Weak<LocalPoolShared>>>,
+    /// Pools in `starved_overflow`.
+    overflow_len: AtomicUsize,
     /// Pools in `starved` and `starved_overflow`.
     starved_len: AtomicUsize,
 }
@@ -115,6 +117,7 @@ impl NetworkBufferPool {
                 promised: Mutex::new(0),
                 starved: ArrayQueue::new(STARVED_POOLS_MAX),
                 starved_overflow: Mutex::new(Vec::new()),
+                overflow_len: AtomicUsize::new(0),
                 starved_len: AtomicUsize::new(0),
             }),
         })
@@ -270,37 +273,40 @@ impl NetworkInner {
         // woke every starved pool).
         self.starved_len.fetch_add(1, Ordering::SeqCst);
         if let Err(pool) = self.starved.push(pool) {
-            self.starved_overflow
+            let mut overflow = self
+                .starved_overflow
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(pool);
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            overflow.push(pool);
+            self.overflow_len.fetch_add(1, Ordering::SeqCst);
         }
     }
 
     fn wake_starved(&self) {
-        // Every pool waiting now retries once; one that still finds nothing registers again,
-        // which is why the loop is bounded by the count taken before it.
-        let waiting = self.starved_len.load(Ordering::SeqCst);
-        let mut woken = 0;
-        while woken < waiting {
+        // Every pool queued now retries once, in the order they came; one that still finds
+        // nothing registers again, behind them: the loop is bounded by the length taken
+        // before it, so a pool that keeps registering is not woken again in its place.
+        let queued = self.starved.len();
+        for _ in 0..queued {
             let Some(pool) = self.starved.pop() else {
                 break;
             };
-            woken += 1;
             self.starved_len.fetch_sub(1, Ordering::SeqCst);
             if let Some(pool) = pool.upgrade() {
                 pool.on_global_available();
             }
         }
-        if woken < waiting {
-            // The rest wait in the overflow list (or are still registering: their own second
-            // look covers this give-back).
+        // Then every pool of the overflow list (a pool still registering there has its own
+        // second look for this give-back).
+        if self.overflow_len.load(Ordering::SeqCst) > 0 {
             let overflow = std::mem::take(
                 &mut *self
                     .starved_overflow
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner),
             );
+            self.overflow_len
+                .fetch_sub(overflow.len(), Ordering::SeqCst);
             self.starved_len.fetch_sub(overflow.len(), Ordering::SeqCst);
             for pool in overflow {
                 if let Some(pool) = pool.upgrade() {

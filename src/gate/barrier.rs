@@ -216,10 +216,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// wrapped gate's data wakes it, and a timer the alignment's timeout (and a partition
     /// request's retry), as the blocking reads wake for them.
     pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
-        let mut timer = std::mem::take(&mut self.timer);
-        let read = std::future::poll_fn(|cx| super::poll_read(self, &mut timer, cx)).await;
-        self.timer = timer;
-        read
+        let timer = self.timer.clone();
+        super::read_async(self, timer).await
     }
 
     /// The next item the task should see, blocking; `Ok(None)` at the end.
@@ -792,6 +790,10 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
 
     fn register_waker(&self, waker: &std::task::Waker) -> bool {
         self.deferred.is_some() || self.gate.register_waker(waker)
+    }
+
+    fn book_idle(&self, idle: std::time::Duration) {
+        self.gate.book_idle(idle);
     }
 
     fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {

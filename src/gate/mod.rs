@@ -218,6 +218,9 @@ pub trait InputGate {
     /// Asks for `waker` to be woken when a channel has something to read or the gate is
     /// closed (an async read's registration). True when that is so already: read again now.
     fn register_waker(&self, waker: &Waker) -> bool;
+    /// Adds `idle` to the gate's idle time (an async read's wait: the blocking reads book
+    /// their own).
+    fn book_idle(&self, idle: Duration);
     /// Where the in-flight data of unaligned checkpoints goes, for a gate that persists it
     /// ([`CheckpointedInputGate`] in unaligned mode with a sink): a record reader on top hands
     /// it the records it holds half-read when a barrier comes out.
@@ -283,33 +286,80 @@ const RETRY_CHECK: Duration = Duration::from_millis(100);
 /// Wakes a pending async read when something time-based comes due (a partition request's
 /// retry, an alignment's timeout): a future has no clock, and nothing else would wake it
 /// then. At most one timer thread per gate sleeps at a time, for the earliest due time; the
-/// path is taken only while such a thing is pending.
+/// path is taken only while such a thing is pending. The gate keeps it, not the future: a
+/// read dropped while pending (the other branch of a `select!` won) leaves the armed timer
+/// known to the next, which it wakes (the timer wakes the task that polled last).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WakeTimer(Arc<std::sync::Mutex<TimerState>>);
+
 #[derive(Debug, Default)]
-pub(crate) struct WakeTimer {
+struct TimerState {
     /// When the timer thread sleeping now fires.
     fires: Option<Instant>,
+    /// The task of the last pending read.
+    waker: Option<Waker>,
 }
 
 impl WakeTimer {
     /// Makes sure `waker` is woken at `due`.
-    pub(crate) fn wake_at(&mut self, due: Instant, waker: &Waker) {
+    pub(crate) fn wake_at(&self, due: Instant, waker: &Waker) {
         let now = Instant::now();
-        if self.fires.is_some_and(|fires| fires <= due && fires > now) {
+        let mut state = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !state.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            state.waker = Some(waker.clone());
+        }
+        if state.fires.is_some_and(|fires| fires <= due && fires > now) {
             return; // an earlier wake-up is on its way
         }
-        let timer_waker = waker.clone();
+        let shared = self.0.clone();
         let started = std::thread::Builder::new()
             .name("fluxgate-timer".into())
             .spawn(move || {
                 std::thread::sleep(due.saturating_duration_since(Instant::now()));
-                timer_waker.wake();
+                let waker = {
+                    let mut state = shared
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if state.fires == Some(due) {
+                        state.fires = None;
+                    }
+                    state.waker.clone()
+                };
+                if let Some(waker) = waker {
+                    waker.wake();
+                }
             });
         match started {
-            Ok(_) => self.fires = Some(due),
+            Ok(_) => state.fires = Some(due),
             // Without a thread, wake at once: the executor polls again (and again) until due.
             Err(_) => waker.wake_by_ref(),
         }
     }
+}
+
+/// An async read of any gate kind: [`poll_read`] until an item, with the time between the
+/// first `Pending` and the item booked as idle ([`InputGate::book_idle`]), as a blocking read
+/// books its waits.
+pub(crate) async fn read_async<G: InputGate + ?Sized>(
+    gate: &mut G,
+    timer: WakeTimer,
+) -> Result<Option<BufferOrEvent>, GateError> {
+    let mut idle_since: Option<Instant> = None;
+    std::future::poll_fn(|cx| {
+        let read = poll_read(gate, &timer, cx);
+        match (&read, idle_since) {
+            (Poll::Pending, _) => {
+                idle_since.get_or_insert_with(Instant::now);
+            }
+            (Poll::Ready(_), Some(since)) => gate.book_idle(since.elapsed()),
+            (Poll::Ready(_), None) => {}
+        }
+        read
+    })
+    .await
 }
 
 /// One poll of an async read, for every gate kind: what is due is handled, then the gate
@@ -317,7 +367,7 @@ impl WakeTimer {
 /// what comes due next) before the future goes `Pending`.
 pub(crate) fn poll_read<G: InputGate + ?Sized>(
     gate: &mut G,
-    timer: &mut WakeTimer,
+    timer: &WakeTimer,
     cx: &mut Context<'_>,
 ) -> Poll<Result<Option<BufferOrEvent>, GateError>> {
     let now = Instant::now();

@@ -1,9 +1,7 @@
 //! `SingleInputGate`: the channels consuming one intermediate result, read fairly.
 
 use std::fmt;
-use std::future::poll_fn;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Instant;
 
 use super::channel::{
@@ -400,26 +398,8 @@ impl SingleInputGate {
     /// request waiting for its retry (a local partition not registered yet) is retried here
     /// when due, as a blocking read's wait retries it.
     pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
-        // From the first `Pending` to the item: idle time, as a blocking read books it.
-        let mut idle_since: Option<Instant> = None;
-        let mut timer = std::mem::take(&mut self.timer);
-        let read = poll_fn(|cx| {
-            let read = super::poll_read(self, &mut timer, cx);
-            match (&read, idle_since) {
-                (Poll::Pending, _) => {
-                    idle_since.get_or_insert_with(Instant::now);
-                }
-                (Poll::Ready(_), Some(since)) => {
-                    let idle = since.elapsed().as_nanos() as u64;
-                    self.metrics.idle_nanos.add(idle);
-                }
-                (Poll::Ready(_), None) => {}
-            }
-            read
-        })
-        .await;
-        self.timer = timer;
-        read
+        let timer = self.timer.clone();
+        super::read_async(self, timer).await
     }
 
     pub(crate) fn queue(&self) -> &Arc<ChannelQueue> {
@@ -662,6 +642,10 @@ impl InputGate for SingleInputGate {
 
     fn register_waker(&self, waker: &std::task::Waker) -> bool {
         self.queue.register_waker(waker)
+    }
+
+    fn book_idle(&self, idle: std::time::Duration) {
+        self.metrics.idle_nanos.add(idle.as_nanos() as u64);
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {

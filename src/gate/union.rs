@@ -60,26 +60,8 @@ impl UnionInputGate {
     /// Waits for the next item of any member without blocking the thread (any executor);
     /// members' partition requests waiting for their retry are retried when due.
     pub async fn next_async(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
-        let mut idle_since: Option<Instant> = None;
-        let mut timer = std::mem::take(&mut self.timer);
-        let read = std::future::poll_fn(|cx| {
-            let read = super::poll_read(self, &mut timer, cx);
-            match (&read, idle_since) {
-                (std::task::Poll::Pending, _) => {
-                    idle_since.get_or_insert_with(Instant::now);
-                }
-                (std::task::Poll::Ready(_), Some(since)) => {
-                    self.metrics
-                        .idle_nanos
-                        .add(since.elapsed().as_nanos() as u64);
-                }
-                (std::task::Poll::Ready(_), None) => {}
-            }
-            read
-        })
-        .await;
-        self.timer = timer;
-        read
+        let timer = self.timer.clone();
+        super::read_async(self, timer).await
     }
 
     /// The union's idle time (the member gates' own stay 0 while read through the union).
@@ -252,6 +234,10 @@ impl InputGate for UnionInputGate {
 
     fn register_waker(&self, waker: &std::task::Waker) -> bool {
         self.queue.register_waker(waker)
+    }
+
+    fn book_idle(&self, idle: std::time::Duration) {
+        self.metrics.idle_nanos.add(idle.as_nanos() as u64);
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
