@@ -2051,6 +2051,26 @@ fn out_now(view: &mut SubpartitionView) -> Vec<Out> {
     out
 }
 
+/// A partition of one subpartition on `segments` segments whose reader sends empty buffers
+/// (or not), once that reader took a 100-byte record a flush made readable: its buffer is read
+/// to its end so far.
+fn reader_past_a_flushed_record(
+    segments: usize,
+    sends_empty: bool,
+) -> (NetworkBufferPool, ResultPartition, SubpartitionView) {
+    let (network, config) = setup(segments);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    if sends_empty {
+        view.send_empty_buffers();
+    }
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    partition.flush(0);
+    // 100 bytes and their 1-byte length prefix.
+    assert_eq!(out_now(&mut view), [Out::Data(101, 0)]);
+    (network, partition, view)
+}
+
 #[test]
 fn a_buffer_read_to_its_end_by_a_flush_is_sent_empty_only_to_a_consumer_without_exclusive_buffers()
 {
@@ -2059,16 +2079,7 @@ fn a_buffer_read_to_its_end_by_a_flush_is_sent_empty_only_to_a_consumer_without_
     // buffer for it: it comes out empty, to spend that credit (Flink's pollBuffer). A
     // consumer with exclusive buffers never lends for the backlog: dropped.
     for sends_empty in [false, true] {
-        let (network, config) = setup(8);
-        let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-        let (mut view, _signal) = view(&partition, 0);
-        if sends_empty {
-            view.send_empty_buffers();
-        }
-        partition.emit_record(&[1u8; 100][..], 0).unwrap();
-        partition.flush(0);
-        // 100 bytes and their 1-byte length prefix.
-        assert_eq!(out_now(&mut view), [Out::Data(101, 0)]);
+        let (network, mut partition, mut view) = reader_past_a_flushed_record(8, sends_empty);
         partition.finish().unwrap();
         let expected = if sends_empty {
             vec![Out::Data(0, 1), Out::Event(Event::EndOfPartition, 2)]
@@ -2089,15 +2100,7 @@ fn empty_buffers_sent_behind_priority_barriers_are_not_counted_as_overtaken() {
     // first barrier overtakes nothing, the second only the full buffer. Counted, the consumer
     // would persist records sent after a barrier as in-flight data of its checkpoint.
     for sends_empty in [false, true] {
-        let (network, config) = setup(64);
-        let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-        let (mut view, _signal) = view(&partition, 0);
-        if sends_empty {
-            view.send_empty_buffers();
-        }
-        partition.emit_record(&[1u8; 100][..], 0).unwrap();
-        partition.flush(0);
-        assert_eq!(out_now(&mut view), [Out::Data(101, 0)]);
+        let (network, mut partition, mut view) = reader_past_a_flushed_record(64, sends_empty);
         let first = barrier(8, Alignment::Unaligned);
         partition.broadcast_event(&first, true).unwrap();
         // 4094 bytes with their 2-byte prefix fill a segment.

@@ -562,18 +562,7 @@ impl RemoteChannelShared {
         if self.released.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let expected = self.expected_sequence.load(Ordering::Acquire);
-        if sequence != expected {
-            let error = GateError::Reordering {
-                channel: self.channel,
-                expected,
-                actual: sequence,
-            };
-            self.fail(error.clone());
-            return Err(error);
-        }
-        self.expected_sequence
-            .store(expected + 1, Ordering::Release);
+        self.take_sequence(sequence)?;
         let priority = buffer.data_type().has_priority();
         let is_blocking = buffer.data_type().is_blocking_upstream();
         let data_before = self.data_received.load(Ordering::Relaxed);
@@ -646,6 +635,14 @@ impl RemoteChannelShared {
         if self.released.load(Ordering::SeqCst) {
             return Ok(());
         }
+        self.take_sequence(sequence)?;
+        self.buffers.on_sender_backlog(backlog);
+        Ok(())
+    }
+
+    /// Takes `sequence` as the next sequence number, or fails the channel with
+    /// [`GateError::Reordering`] when another is due.
+    fn take_sequence(&self, sequence: u64) -> Result<(), GateError> {
         let expected = self.expected_sequence.load(Ordering::Acquire);
         if sequence != expected {
             let error = GateError::Reordering {
@@ -658,7 +655,6 @@ impl RemoteChannelShared {
         }
         self.expected_sequence
             .store(expected + 1, Ordering::Release);
-        self.buffers.on_sender_backlog(backlog);
         Ok(())
     }
 
