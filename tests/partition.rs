@@ -592,12 +592,14 @@ fn an_aligned_barrier_keeps_its_place_and_blocks_until_resumed() {
     assert_eq!(records_of(&after), vec![b"after".to_vec()]);
 }
 
-/// A view resumed after an aligned barrier whose look takes the buffer the writer started
-/// meanwhile (not flushed yet): the next flush must judge by that buffer. It judged by the
-/// "no buffer" the reader had parked with, and with nothing else queued stayed silent, the
-/// record unread until the buffer filled.
-#[test]
-fn a_flush_after_a_resume_tells_of_the_buffer_started_while_blocked() {
+/// A partition of one subpartition whose reader took an aligned barrier: its view is blocked.
+fn view_blocked_by_a_barrier() -> (
+    NetworkBufferPool,
+    ResultPartition,
+    SubpartitionView,
+    Arc<Signal>,
+    BufferAndBacklog,
+) {
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, signal) = view(&partition, 0);
@@ -606,6 +608,16 @@ fn a_flush_after_a_resume_tells_of_the_buffer_started_while_blocked() {
         .unwrap();
     let barrier_item = view.poll_next().expect("the barrier");
     assert!(view.is_blocked());
+    (network, partition, view, signal, barrier_item)
+}
+
+/// A view resumed after an aligned barrier whose look takes the buffer the writer started
+/// meanwhile (not flushed yet): the next flush must judge by that buffer. It judged by the
+/// "no buffer" the reader had parked with, and with nothing else queued stayed silent, the
+/// record unread until the buffer filled.
+#[test]
+fn a_flush_after_a_resume_tells_of_the_buffer_started_while_blocked() {
+    let (network, mut partition, mut view, signal, barrier_item) = view_blocked_by_a_barrier();
     partition.emit_record(&b"after"[..], 0).unwrap();
     assert!(!view.resume_consumption(), "the record is not flushed yet");
     let heard = signal.notifications();
@@ -627,14 +639,7 @@ fn a_flush_after_a_resume_tells_of_the_buffer_started_while_blocked() {
 /// Resuming, the reader looks itself.
 #[test]
 fn a_blocked_reader_is_not_woken_by_data_it_cannot_read() {
-    let (network, config) = setup(64);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, signal) = view(&partition, 0);
-    partition
-        .broadcast_event(&barrier(1, Alignment::Aligned), false)
-        .unwrap();
-    let barrier_item = view.poll_next().expect("the barrier");
-    assert!(view.is_blocked());
+    let (network, mut partition, mut view, signal, barrier_item) = view_blocked_by_a_barrier();
     assert!(view.poll_next().is_none(), "blocked");
     let heard = signal.notifications();
     // 4094 bytes with their 2-byte prefix fill (and finish) a buffer; the flush makes the
