@@ -96,7 +96,7 @@ impl std::str::FromStr for ZeroCopySend {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim() {
+        match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(ZeroCopySend::Auto),
             "off" | "false" => Ok(ZeroCopySend::Off),
             "always" => Ok(ZeroCopySend::Always),
@@ -362,11 +362,13 @@ impl NetworkConfig {
         let size = || parse_size(value).ok_or_else(|| invalid("expected a size like 32kb"));
         let count = || {
             value
+                .trim()
                 .parse::<usize>()
                 .map_err(|_| invalid("expected a non-negative integer"))
         };
         let count32 = || {
             value
+                .trim()
                 .parse::<u32>()
                 .map_err(|_| invalid("expected an integer from 0 to 4294967295"))
         };
@@ -765,6 +767,30 @@ fn parse_size(text: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_and_modes_parse_as_sizes_do_whatever_the_spacing_and_case() {
+        let mut config = NetworkConfig::default();
+        config
+            .set("taskmanager.network.memory.buffers-per-channel", " 4 ")
+            .unwrap();
+        assert_eq!(config.buffers_per_channel, 4);
+        config
+            .set("fluxgate.network.zero-copy-send", "OFF")
+            .unwrap();
+        assert_eq!(config.zero_copy_send, ZeroCopySend::Off);
+    }
+
+    #[test]
+    fn a_partition_without_exclusive_buffers_on_its_inputs_still_has_one_per_subpartition() {
+        // Flink sizes outputs with max(1, buffers-per-channel).
+        let mut config = NetworkConfig::default();
+        config
+            .set("taskmanager.network.memory.buffers-per-channel", "0")
+            .unwrap();
+        let spec = crate::buffer::LocalPoolSpec::for_partition(4, &config);
+        assert_eq!(spec.max_segments, 4 + config.floating_buffers_per_gate);
+    }
 
     #[test]
     fn sizes_parse_with_binary_units() {

@@ -50,11 +50,13 @@ pub struct LocalPoolSpec {
 
 impl LocalPoolSpec {
     /// A result partition's pool, sized as Flink sizes a bounded pipelined partition:
-    /// min = subpartitions + 1, max = subpartitions × buffers-per-channel + floating-per-gate.
+    /// min = subpartitions + 1, max = subpartitions × max(1, buffers-per-channel) +
+    /// floating-per-gate (a job without exclusive buffers on its inputs still gives each
+    /// output subpartition room for one).
     pub fn for_partition(subpartitions: usize, config: &NetworkConfig) -> Self {
         let min = subpartitions.saturating_add(1);
         let max = subpartitions
-            .saturating_mul(config.buffers_per_channel)
+            .saturating_mul(config.buffers_per_channel.max(1))
             .saturating_add(config.floating_buffers_per_gate)
             .max(min);
         Self {
