@@ -1525,15 +1525,67 @@ fn a_zero_initial_backoff_allows_no_retry_instead_of_retrying_at_once_forever() 
 
 #[test]
 fn closing_a_gate_ends_its_wait_for_exclusive_segments() {
-    // A channel turning remote waits for its exclusive segments while other pools hold the
-    // whole network memory (up to `exclusive-buffers-request-timeout-ms`, 30 s here). A
-    // cancelled task closes its gate from another thread: that ends the wait at once.
+    // A gate's setup waits for the exclusive segments of a channel that is or may become
+    // remote while other pools hold the whole network memory (up to
+    // `exclusive-buffers-request-timeout-ms`, 30 s here). A cancelled task closes its gate
+    // from another thread: that ends the wait at once.
     let f = fixture();
-    let gate = f.gate(&[(2, 0)], ChannelLocation::Unknown);
+    let gate = unset_gate(&f, ChannelLocation::Unknown);
     let closer = gate.closer();
-    assert_close_ends_the_wait_for_exclusive_segments(&f, gate, closer, |gate| {
-        gate.update_channel(0, ChannelLocation::Remote, Instant::now())
-    });
+    assert_close_ends_the_wait_for_exclusive_segments(&f, gate, closer, SingleInputGate::setup);
+}
+
+/// A gate of one channel on partition 2, not set up yet.
+fn unset_gate(f: &Fixture, location: ChannelLocation) -> SingleInputGate {
+    let specs = vec![ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(2),
+            subpartition: 0,
+        },
+        location,
+    }];
+    SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config)
+}
+
+/// A channel whose producer is located only later keeps the exclusive segments its gate's
+/// setup took for it: the other channels' floating requests cannot fill the gate's pool to its
+/// maximum first. It could not wait for them when it turns remote (only its own task's reads,
+/// the caller's, free segments), and failed the task with `Insufficient`.
+#[test]
+fn a_channel_located_later_keeps_its_exclusive_segments_from_the_floating_ones() {
+    let f = fixture();
+    let specs = [(2, ChannelLocation::Remote), (3, ChannelLocation::Unknown)]
+        .into_iter()
+        .map(|(n, location)| ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: pid(n),
+                subpartition: 0,
+            },
+            location,
+        })
+        .collect();
+    let mut gate = SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config);
+    gate.setup().unwrap();
+    let pool = gate.pool().unwrap().clone();
+    // A backlog as long as the gate's floating quota and more: the remote channel takes
+    // every floating segment the pool allows.
+    let buffers = gate.remote_channel(0).unwrap().shared().buffers().clone();
+    buffers.on_sender_backlog(100);
+    assert_eq!(pool.requested_segments(), pool.spec().max_segments);
+    gate.update_channel(1, ChannelLocation::Remote, Instant::now())
+        .expect("the located channel has its exclusive segments");
+    assert_eq!(
+        gate.remote_channel(1)
+            .unwrap()
+            .shared()
+            .buffers()
+            .available(),
+        f.config.buffers_per_channel
+    );
+    drop((buffers, pool));
+    gate.close();
+    drop(gate);
+    assert!(f.all_segments_back());
 }
 
 /// A gate closed before its setup fails its setup as closed (the first remote channel's wait
@@ -1556,52 +1608,39 @@ fn a_gate_closed_before_its_setup_takes_no_segments() {
     assert!(f.all_segments_back());
 }
 
-/// Runs `turn_remote` (a channel of `gate` turning remote) on a thread while other pools hold
-/// every segment, closes through `closer` once it waits for its exclusive segments, and checks
-/// that the wait ended as closed, with every segment back in the end.
-fn assert_close_ends_the_wait_for_exclusive_segments<G: HasGatePool + Send + 'static>(
+/// Runs `set_up` (a gate's setup, which takes the exclusive segments of a channel that is or
+/// may become remote) on a thread while other pools hold every segment but one, closes
+/// through `closer` once the setup took that one and so waits for the next, and checks that
+/// the wait ended as closed, with every segment back in the end.
+fn assert_close_ends_the_wait_for_exclusive_segments<G: Send + 'static>(
     f: &Fixture,
     mut gate: G,
     closer: fluxgate::gate::GateCloser,
-    turn_remote: fn(&mut G) -> Result<(), GateError>,
+    set_up: fn(&mut G) -> Result<(), GateError>,
 ) {
-    let pool = gate.gate_pool();
-    let (hog, held) = common::hog_every_segment(&f.network);
-    let update = thread::spawn(move || {
-        let result = turn_remote(&mut gate);
+    assert!(
+        f.config.buffers_per_channel >= 2,
+        "the wait is for the second"
+    );
+    let (hog, mut held) = common::hog_every_segment(&f.network);
+    let setup = thread::spawn(move || {
+        let result = set_up(&mut gate);
         (gate, result)
     });
+    // One segment back: the setup takes it as the channel's first and waits for the next.
+    drop(held.pop());
     assert!(
-        common::wait_until(LONG, || pool.waiting_requests() > 0),
-        "the channel never waited for its exclusive segments"
+        common::wait_until(LONG, || f.network.available_segments() == 0),
+        "the setup never took its first exclusive segment"
     );
     closer.close();
-    let (gate, result) = update.join().unwrap();
+    let (gate, result) = setup.join().unwrap();
     assert!(
         matches!(result, Err(GateError::Closed)),
         "the wait ended with {result:?}, not as closed"
     );
-    drop((gate, pool, held, hog));
+    drop((gate, held, hog));
     assert!(f.all_segments_back());
-}
-
-/// The pool of a gate's (first) member, where its channels wait for exclusive segments.
-trait HasGatePool {
-    fn gate_pool(&self) -> Arc<fluxgate::buffer::LocalBufferPool>;
-}
-
-impl HasGatePool for SingleInputGate {
-    fn gate_pool(&self) -> Arc<fluxgate::buffer::LocalBufferPool> {
-        self.pool()
-            .expect("a pool for the channel that may turn remote")
-            .clone()
-    }
-}
-
-impl HasGatePool for UnionInputGate {
-    fn gate_pool(&self) -> Arc<fluxgate::buffer::LocalBufferPool> {
-        self.gates()[0].gate_pool()
-    }
 }
 
 #[test]
@@ -1619,13 +1658,13 @@ fn a_union_of_a_gate_closed_before_it_reports_the_close() {
 
 #[test]
 fn a_union_closer_ends_a_members_wait_for_exclusive_segments() {
-    // Cancelling the task closes the union, which closes its members too: a member's channel
-    // turning remote stops waiting for exclusive segments other pools hold.
+    // Cancelling the task closes the union, which closes its members too: a member's setup
+    // stops waiting for exclusive segments other pools hold.
     let f = fixture();
-    let union = UnionInputGate::new(vec![f.gate(&[(2, 0)], ChannelLocation::Unknown)]);
+    let union = UnionInputGate::new(vec![unset_gate(&f, ChannelLocation::Unknown)]);
     let closer = union.closer();
     assert_close_ends_the_wait_for_exclusive_segments(&f, union, closer, |union| {
-        union.gates_mut()[0].update_channel(0, ChannelLocation::Remote, Instant::now())
+        union.gates_mut()[0].setup()
     });
 }
 

@@ -112,6 +112,18 @@ impl BufferManager {
         timeout: Duration,
         closed: &dyn Fn() -> bool,
     ) -> Result<Arc<Self>, GateError> {
+        let segments = Self::take_exclusive(&pool, exclusive, timeout, closed)?;
+        Ok(Self::with_segments(channel, pool, segments, max_floating))
+    }
+
+    /// The `exclusive` segments of one channel, taken from the gate's pool as
+    /// [`new`](Self::new) takes them.
+    pub(crate) fn take_exclusive(
+        pool: &LocalBufferPool,
+        exclusive: usize,
+        timeout: Duration,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<Vec<crate::buffer::PooledSegment>, GateError> {
         let mut segments = Vec::with_capacity(exclusive);
         let deadline = Instant::now() + timeout;
         for _ in 0..exclusive {
@@ -143,6 +155,17 @@ impl BufferManager {
             };
             segments.push(segment);
         }
+        Ok(segments)
+    }
+
+    /// A channel's manager over its exclusive `segments`, taken already.
+    pub(crate) fn with_segments(
+        channel: usize,
+        pool: Arc<LocalBufferPool>,
+        segments: Vec<crate::buffer::PooledSegment>,
+        max_floating: usize,
+    ) -> Arc<Self> {
+        let exclusive = segments.len();
         let origin = pool.recycler();
         let manager = Arc::new_cyclic(|me| {
             let exclusive_free = FreeList::with_capacity(exclusive);
@@ -168,7 +191,7 @@ impl BufferManager {
                 listener: ArcSwapOption::empty(),
             }
         });
-        Ok(manager)
+        manager
     }
 
     /// Credit to announce in the partition request: the exclusive segments.

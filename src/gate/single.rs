@@ -55,6 +55,12 @@ pub struct SingleInputGate {
     metrics: GateMetrics,
     /// Wakes a pending `next_async` for a partition request's retry.
     timer: super::WakeTimer,
+    /// Per channel whose producer is not located yet: its exclusive segments, taken at setup
+    /// and handed to the channel if it turns remote (back to the pool if it turns local).
+    /// Left in the pool, the other channels' floating requests could fill it to its maximum,
+    /// and the channel turning remote would find none (it cannot wait: only its own task's
+    /// reads, the caller's, would free them).
+    reserved: Vec<Vec<crate::buffer::PooledSegment>>,
 }
 
 impl fmt::Debug for SingleInputGate {
@@ -93,6 +99,7 @@ impl SingleInputGate {
             pending_events: Vec::new(),
             metrics: GateMetrics::default(),
             timer: super::WakeTimer::default(),
+            reserved: (0..count).map(|_| Vec::new()).collect(),
         }
     }
 
@@ -104,8 +111,9 @@ impl SingleInputGate {
     }
 
     /// Creates the gate's pool (exclusive buffers for every channel that is or may become
-    /// remote, plus the floating ones) and the channels. Blocks while the global pool has no
-    /// segments for the remote channels' exclusive buffers, up to
+    /// remote, plus the floating ones) and the channels, and takes the exclusive segments of
+    /// every channel that is or may become remote (a channel not located yet keeps them until
+    /// it is). Blocks while the global pool has no segments for them, up to
     /// `exclusive-buffers-request-timeout-ms` per channel (as Flink's setup does), or until
     /// the gate is closed through a [`closer`](Self::closer) (`GateError::Closed`).
     pub fn setup(&mut self) -> Result<(), GateError> {
@@ -126,6 +134,16 @@ impl SingleInputGate {
             self.pool = Some(pool);
         }
         for index in 0..self.specs.len() {
+            if self.specs[index].location == ChannelLocation::Unknown {
+                let pool = self.pool.clone().ok_or(GateError::UnknownChannel(index))?;
+                let queue = &self.queue;
+                self.reserved[index] = BufferManager::take_exclusive(
+                    &pool,
+                    self.config.buffers_per_channel,
+                    self.config.buffer_request_timeout,
+                    &|| queue.is_closed(),
+                )?;
+            }
             let mut channel = self.make_channel(index, self.specs[index].location.clone())?;
             // Task events sent before setup.
             for event in &self.pending_events {
@@ -168,8 +186,8 @@ impl SingleInputGate {
 
     /// The producer of an unknown channel was located: the channel becomes local or remote,
     /// is requested if partitions were, and receives the pending task events. A channel
-    /// turning remote takes its exclusive buffers as [`setup`](Self::setup) does, and may
-    /// block as long (a close through a [`closer`](Self::closer) ends the wait).
+    /// turning remote gets the exclusive segments [`setup`](Self::setup) took for it (one
+    /// turning local gives them back to the pool), so this does not wait for memory.
     pub fn update_channel(
         &mut self,
         index: usize,
@@ -249,6 +267,7 @@ impl SingleInputGate {
         for channel in self.channels.iter_mut() {
             channel.release();
         }
+        self.reserved.iter_mut().for_each(Vec::clear);
         self.pool = None;
         self.queue.close();
     }
@@ -407,11 +426,13 @@ impl SingleInputGate {
     }
 
     fn make_channel(
-        &self,
+        &mut self,
         index: usize,
         location: ChannelLocation,
     ) -> Result<InputChannel, GateError> {
         let consumed = self.specs[index].consumed;
+        // A located channel's reservation: its own if remote, the pool's again if local.
+        let reserved = std::mem::take(&mut self.reserved[index]);
         Ok(match location {
             ChannelLocation::Local => InputChannel::Local(LocalInputChannel::new(
                 index,
@@ -424,14 +445,23 @@ impl SingleInputGate {
                 let pool = self.pool.clone().ok_or(GateError::UnknownChannel(index))?;
                 let max = pool.spec().max_segments;
                 let queue = &self.queue;
-                let buffers = BufferManager::new_unless(
-                    index,
-                    pool,
-                    self.config.buffers_per_channel,
-                    self.config.max_buffers_per_channel,
-                    self.config.buffer_request_timeout,
-                    &|| queue.is_closed(),
-                )?;
+                let buffers = if reserved.is_empty() {
+                    BufferManager::new_unless(
+                        index,
+                        pool,
+                        self.config.buffers_per_channel,
+                        self.config.max_buffers_per_channel,
+                        self.config.buffer_request_timeout,
+                        &|| queue.is_closed(),
+                    )?
+                } else {
+                    BufferManager::with_segments(
+                        index,
+                        pool,
+                        reserved,
+                        self.config.max_buffers_per_channel,
+                    )
+                };
                 InputChannel::Remote(RemoteInputChannel::new(
                     index,
                     consumed,
@@ -441,6 +471,7 @@ impl SingleInputGate {
                 ))
             }
             ChannelLocation::Unknown => {
+                self.reserved[index] = reserved;
                 InputChannel::Unknown(UnknownInputChannel { index, consumed })
             }
         })
