@@ -782,10 +782,10 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
     }
 
     fn poll_timeout(&self) -> Option<Instant> {
-        match (self.gate.poll_timeout(), self.alignment_deadline) {
-            (Some(retry), Some(alignment)) => Some(retry.min(alignment)),
-            (retry, alignment) => retry.or(alignment),
-        }
+        [self.gate.poll_timeout(), self.alignment_deadline]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     fn register_waker(&self, waker: &std::task::Waker) -> bool {

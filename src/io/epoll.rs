@@ -342,7 +342,7 @@ impl Loop {
         self.pending.fail_all(SHUTDOWN_REASON);
         self.refused.fail_all(SHUTDOWN_REASON);
         for (_, connection) in self.connections.drain() {
-            super::drop_at_end(connection);
+            super::for_one_at_end("tearing down a connection", || drop(connection));
         }
     }
 

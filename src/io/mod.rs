@@ -938,13 +938,13 @@ fn register_channel<L: ClientConnections>(
 /// Why the channels an ending I/O thread still held fail.
 pub(crate) const SHUTDOWN_REASON: &str = "the network environment shut down";
 
-/// Drops `connection` as its I/O thread ends, catching a panic of its drop (a channel's or a
-/// view's code run by it): one connection that panics must not keep the others from being
-/// torn down, their channels failed and their views released. (A `HashMap`'s `clear` leaks
-/// every entry after one whose drop panics.)
-pub(crate) fn drop_at_end<C>(connection: C) {
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(connection))).is_err() {
-        tracing::error!("tearing down a connection panicked; going on with the others");
+/// Runs `work` on one connection as its I/O thread ends, catching a panic of it (a channel's
+/// or a view's code run by it): one connection that panics must not keep the others from
+/// being torn down, their channels failed and their views released. (A `HashMap`'s `clear`
+/// leaks every entry after one whose drop panics.)
+pub(crate) fn for_one_at_end(what: &str, work: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).is_err() {
+        tracing::error!("{what} panicked; going on with the others");
     }
 }
 

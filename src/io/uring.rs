@@ -1802,14 +1802,9 @@ impl Loop {
                     std::mem::forget(client.take_payload_destination());
                 }
             }
-            // Each on its own: one whose channels' code panics must not leave the others
-            // unfailed.
-            let lost = panic::catch_unwind(AssertUnwindSafe(|| {
+            super::for_one_at_end("failing a busy connection's channels", || {
                 conn.connection.on_lost(SHUTDOWN_REASON);
-            }));
-            if lost.is_err() {
-                tracing::error!("failing a busy connection's channels panicked; going on");
-            }
+            });
         }
     }
 
@@ -1861,7 +1856,7 @@ impl Loop {
         tracing::debug!(stats = ?self.stats, "io_uring I/O thread ends");
         // Shutdown: dropping the connections fails their channels and releases their views.
         for conn in self.conns.drain(..).flatten() {
-            super::drop_at_end(conn);
+            super::for_one_at_end("tearing down a connection", || drop(conn));
         }
     }
 }
