@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::local::{LocalBufferPool, LocalPoolShared, LocalPoolSpec};
 use super::segment::{ArenaRegion, FreeList, PooledSegment, Recycler, Segment, SegmentMemory};
-use super::PoolError;
+use super::{PoolError, HEADROOM};
 use crate::config::NetworkConfig;
 use crate::sync::{ArrayQueue, AtomicUsize, Ordering};
 
@@ -87,6 +87,16 @@ impl fmt::Debug for NetworkBufferPool {
     }
 }
 
+/// The kernel's estimate of the memory that can be had without swapping, where it tells.
+fn available_memory() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo
+        .lines()
+        .find(|line| line.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 impl NetworkBufferPool {
     /// Maps the whole network memory the configuration asks for.
     pub fn new(config: &NetworkConfig) -> Result<Self, PoolError> {
@@ -95,6 +105,15 @@ impl NetworkBufferPool {
             .map_err(|e| PoolError::Config(e.to_string()))?;
         let segments = u32::try_from(config.segment_count())
             .map_err(|_| PoolError::Config("too many segments".into()))?;
+        // The arenas are pre-faulted: memory the machine does not have would not fail the
+        // mapping but bring the OOM killer, so a size beyond what is available is an error.
+        let bytes = segments as usize * (HEADROOM + config.segment_size);
+        if let Some(available) = available_memory().filter(|&available| bytes > available) {
+            return Err(PoolError::Allocation {
+                bytes,
+                reason: format!("the machine has {available} bytes available (MemAvailable)"),
+            });
+        }
         let (memory, free) =
             SegmentMemory::map(segments, config.segment_size as u32, config.arena_bytes)?;
         // The depth is at most a quarter of the segments (the list holds up to twice the
@@ -441,5 +460,22 @@ mod tests {
             inner.give_back(segment);
         }
         assert_eq!(pool.available_segments(), 64, "every segment is back");
+    }
+
+    #[test]
+    fn network_memory_beyond_what_the_machine_has_is_an_error_not_an_oom_kill() {
+        // Pre-faulting twice the available memory would end in the OOM killer, not an error.
+        let Some(available) = available_memory() else {
+            eprintln!("no MemAvailable in /proc/meminfo: nothing to check");
+            return;
+        };
+        let config = NetworkConfig {
+            network_memory_bytes: 2 * available,
+            ..NetworkConfig::default()
+        };
+        match NetworkBufferPool::new(&config) {
+            Err(PoolError::Allocation { bytes, .. }) => assert!(bytes > available),
+            other => panic!("expected an allocation error, got {other:?}"),
+        }
     }
 }
