@@ -1,6 +1,8 @@
 //! Counters named as Flink names its network metrics.
 
 use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::sync::{AtomicU64, Ordering};
 
@@ -20,6 +22,73 @@ impl Counter {
     /// The current value.
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Time spent waiting, counted as Flink's timer gauges count it: the waits that ended plus the
+/// one under way, so a snapshot taken in the middle of a long wait (a writer stuck behind a
+/// stalled consumer) shows it. Waits that overlap (several threads waiting on one pool) count
+/// once: the time during which at least one waited. Clones share the count.
+///
+/// A lock, taken as a wait begins and ends and by a snapshot: waits are the slow path, and the
+/// begin, the end and the reading must agree for the total never to go down.
+#[derive(Debug, Clone, Default)]
+pub struct WaitTime(Arc<Mutex<WaitState>>);
+
+#[derive(Debug, Default)]
+struct WaitState {
+    waiters: u32,
+    since: Option<Instant>,
+    ended: Duration,
+}
+
+impl WaitTime {
+    /// A wait begins (another may be under way).
+    pub fn begin(&self) {
+        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.waiters == 0 {
+            state.since = Some(Instant::now());
+        }
+        state.waiters += 1;
+    }
+
+    /// A wait [`begin`](Self::begin) started ends.
+    pub fn end(&self) {
+        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        state.waiters = state.waiters.saturating_sub(1);
+        if state.waiters == 0 {
+            if let Some(since) = state.since.take() {
+                state.ended += since.elapsed();
+            }
+        }
+    }
+
+    /// A wait that ends when the returned guard drops (it holds a clone of the count, so
+    /// it need not borrow what owns it).
+    pub fn span(&self) -> WaitSpan {
+        self.begin();
+        WaitSpan(self.clone())
+    }
+
+    /// The waits so far, the one under way included.
+    pub fn total(&self) -> Duration {
+        let state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        state.ended + state.since.map_or(Duration::ZERO, |since| since.elapsed())
+    }
+
+    /// [`total`](Self::total) in whole milliseconds, as Flink reports it.
+    pub fn total_ms(&self) -> u64 {
+        u64::try_from(self.total().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Ends its wait when dropped (see [`WaitTime::span`]).
+#[derive(Debug)]
+pub struct WaitSpan(WaitTime);
+
+impl Drop for WaitSpan {
+    fn drop(&mut self) {
+        self.0.end();
     }
 }
 

@@ -1884,6 +1884,39 @@ fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader()
 }
 
 #[test]
+fn a_writer_stuck_under_back_pressure_shows_in_its_back_pressured_time_while_it_waits() {
+    // Flink's accumulated timer gauges count the wait under way: a metrics reporter looking at
+    // a writer stuck behind a stalled consumer sees the time grow, not 0 until the wait ends.
+    let (network, mut partition) = two_segment_partition("0");
+    let handle = partition.handle();
+    let (mut view, signal) = view(&partition, 0);
+    let writer = thread::spawn(move || {
+        partition.emit_record(&[1u8; 7][..], 0)?;
+        partition.emit_record(&vec![2u8; 14_000][..], 0)?;
+        partition.finish()?;
+        Ok::<_, PartitionError>(partition)
+    });
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    assert!(
+        common::wait_until(LONG, || handle.back_pressured_time()
+            >= Duration::from_millis(1)),
+        "the wait under way never showed in the back-pressured time"
+    );
+    assert!(
+        handle.is_back_pressured(),
+        "the writer stopped waiting though nothing was read"
+    );
+    let (spanning, _) = read_to_end(&mut view, &signal);
+    assert_eq!(spanning.records, [(7, 1), (14_000, 2)]);
+    let partition = writer.join().unwrap().unwrap();
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn records_running_past_the_one_buffer_a_subpartition_may_hold_go_on_as_its_reader_takes() {
     // With `max-buffers-per-channel` 1 the open buffer is all a subpartition may hold, and its
     // reader cannot give it back while it is open: a record that would run past its end

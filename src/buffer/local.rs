@@ -18,6 +18,7 @@ use super::segment::{
 };
 use super::{DataType, PoolError};
 use crate::config::NetworkConfig;
+use crate::metrics::{WaitSpan, WaitTime};
 use crate::sync::{
     ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, AtomicWaker, Condvar, Mutex,
     Ordering,
@@ -130,9 +131,9 @@ pub(crate) struct LocalPoolShared {
     /// and again, under the lock, before it sleeps, so a wake-up between the two is never
     /// slept through (the look itself runs without the lock).
     wake_epoch: AtomicU64,
-    /// Total nanoseconds waits of this pool took, blocking or async (the writer's
+    /// Time during which a wait of this pool was under way, blocking or async (the writer's
     /// back-pressured time).
-    blocked_nanos: AtomicU64,
+    blocked: WaitTime,
     /// Overdraft segments handed out and not yet recycled.
     overdraft: AtomicUsize,
     wait_lock: Mutex<()>,
@@ -168,7 +169,7 @@ impl LocalBufferPool {
             waiting: AtomicUsize::new(0),
             notified: AtomicBool::new(false),
             wake_epoch: AtomicU64::new(0),
-            blocked_nanos: AtomicU64::new(0),
+            blocked: WaitTime::default(),
             overdraft: AtomicUsize::new(0),
             wait_lock: Mutex::new(()),
             wait_cond: Condvar::new(),
@@ -318,8 +319,7 @@ impl LocalBufferPool {
         shared.waiting.fetch_add(1, Ordering::SeqCst);
         let _unregister = WaitingGuard {
             waiting: &shared.waiting,
-            blocked_nanos: &shared.blocked_nanos,
-            started,
+            _blocked: shared.blocked.span(),
         };
         loop {
             // The look runs without the lock: it may give a segment back to the global pool,
@@ -474,11 +474,11 @@ impl LocalBufferPool {
         self.in_use_segments() as f64 / self.shared.spec.max_segments as f64
     }
 
-    /// Total nanoseconds requests have waited for a segment, or the partition's writer for room
-    /// in a subpartition's queue, blocking or as futures (back pressure). A wait is booked when
-    /// it ends.
+    /// Total nanoseconds during which a request waited for a segment, or the partition's writer
+    /// for room in a subpartition's queue, blocking or as a future (back pressure); the wait
+    /// under way counts up to now.
     pub fn blocked_nanos(&self) -> u64 {
-        self.shared.blocked_nanos.load(Ordering::Relaxed)
+        u64::try_from(self.shared.blocked.total().as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// A segment outside the pool's quota, straight from the global pool (Flink's overdraft
@@ -560,18 +560,15 @@ impl Drop for LocalBufferPool {
     }
 }
 
-/// Unregisters a blocked waiter and books the time it waited.
+/// Unregisters a blocked waiter; its wait ends as the span drops.
 struct WaitingGuard<'a> {
     waiting: &'a AtomicUsize,
-    blocked_nanos: &'a AtomicU64,
-    started: Instant,
+    _blocked: WaitSpan,
 }
 
 impl Drop for WaitingGuard<'_> {
     fn drop(&mut self) {
         self.waiting.fetch_sub(1, Ordering::SeqCst);
-        let waited = self.started.elapsed().as_nanos() as u64;
-        self.blocked_nanos.fetch_add(waited, Ordering::Relaxed);
     }
 }
 
@@ -589,15 +586,20 @@ impl PoolWaiters {
     pub(crate) fn any_waiting(&self) -> bool {
         self.0.waiting.load(Ordering::SeqCst) > 0
     }
+
+    /// The pool's waits so far, the one under way included.
+    pub(crate) fn blocked_time(&self) -> Duration {
+        self.0.blocked.total()
+    }
 }
 
 /// The registration of a pending future of a pool: its waker is the pool's, and it counts
-/// among the pool's waiters (so recyclers wake it) until it is dropped; the time from its first
-/// `Pending` to then is booked as back-pressured time, as a blocking wait's is.
+/// among the pool's waiters (so recyclers wake it) until it is dropped; from its first
+/// `Pending` to then it is back-pressured time, as a blocking wait is.
 struct AsyncWait<'a> {
     pool: &'a LocalBufferPool,
-    /// When the future first registered (it then counts in `waiting`).
-    registered: Option<Instant>,
+    /// Its wait, from when the future first registered (it then counts in `waiting`).
+    registered: Option<WaitSpan>,
 }
 
 impl<'a> AsyncWait<'a> {
@@ -622,7 +624,7 @@ impl<'a> AsyncWait<'a> {
         shared.waker.register(cx.waker());
         shared.notified.store(false, Ordering::SeqCst);
         if self.registered.is_none() {
-            self.registered = Some(Instant::now());
+            self.registered = Some(shared.blocked.span());
             shared.waiting.fetch_add(1, Ordering::SeqCst);
         }
         match attempt(self.pool)? {
@@ -634,11 +636,8 @@ impl<'a> AsyncWait<'a> {
 
 impl Drop for AsyncWait<'_> {
     fn drop(&mut self) {
-        if let Some(started) = self.registered {
-            let shared = &self.pool.shared;
-            shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            let waited = started.elapsed().as_nanos() as u64;
-            shared.blocked_nanos.fetch_add(waited, Ordering::Relaxed);
+        if self.registered.take().is_some() {
+            self.pool.shared.waiting.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }

@@ -792,8 +792,8 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
         self.deferred.is_some() || self.gate.register_waker(waker)
     }
 
-    fn book_idle(&self, idle: std::time::Duration) {
-        self.gate.book_idle(idle);
+    fn idle_time(&self) -> &crate::metrics::WaitTime {
+        self.gate.idle_time()
     }
 
     fn channel_state_sink(&self) -> Option<&Arc<dyn ChannelStateSink>> {

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::{Buffer, PoolError};
 use crate::event::{Event, EventError};
+use crate::metrics::{WaitSpan, WaitTime};
 use crate::partition::{PartitionError, ResultPartitionId};
 
 /// Why a gate or channel read failed.
@@ -218,9 +219,8 @@ pub trait InputGate {
     /// Asks for `waker` to be woken when a channel has something to read or the gate is
     /// closed (an async read's registration). True when that is so already: read again now.
     fn register_waker(&self, waker: &Waker) -> bool;
-    /// Adds `idle` to the gate's idle time (an async read's wait: the blocking reads book
-    /// their own).
-    fn book_idle(&self, idle: Duration);
+    /// The gate's idle time, which every read's wait for data counts in.
+    fn idle_time(&self) -> &WaitTime;
     /// Where the in-flight data of unaligned checkpoints goes, for a gate that persists it
     /// ([`CheckpointedInputGate`] in unaligned mode with a sink): a record reader on top hands
     /// it the records it holds half-read when a barrier comes out.
@@ -340,22 +340,21 @@ impl WakeTimer {
     }
 }
 
-/// An async read of any gate kind: [`poll_read`] until an item, with the time between the
-/// first `Pending` and the item booked as idle ([`InputGate::book_idle`]), as a blocking read
-/// books its waits.
+/// An async read of any gate kind: [`poll_read`] until an item, idle
+/// ([`InputGate::idle_time`]) from its first `Pending` until the item or until the read is
+/// dropped, as a blocking read is while it sleeps.
 pub(crate) async fn read_async<G: InputGate + ?Sized>(
     gate: &mut G,
     timer: WakeTimer,
 ) -> Result<Option<BufferOrEvent>, GateError> {
-    let mut idle_since: Option<Instant> = None;
+    let mut idle: Option<WaitSpan> = None;
     std::future::poll_fn(|cx| {
         let read = poll_read(gate, &timer, cx);
-        match (&read, idle_since) {
-            (Poll::Pending, _) => {
-                idle_since.get_or_insert_with(Instant::now);
+        match read {
+            Poll::Pending => {
+                idle.get_or_insert_with(|| gate.idle_time().span());
             }
-            (Poll::Ready(_), Some(since)) => gate.book_idle(since.elapsed()),
-            (Poll::Ready(_), None) => {}
+            Poll::Ready(_) => idle = None,
         }
         read
     })
@@ -399,13 +398,12 @@ pub(crate) fn poll_read<G: InputGate + ?Sized>(
 
 /// The blocking read both gate kinds share: poll, and between polls sleep on `wait` until
 /// data, the next due retry (`next_retry`), the deadline or `RETRY_CHECK`, whichever is first.
-/// `idle` hears how long each sleep took.
+/// Each sleep counts as idle time.
 pub(crate) fn read_until<G: InputGate>(
     gate: &mut G,
     deadline: Option<Instant>,
     next_retry: impl Fn(&G) -> Option<Instant>,
     wait: impl Fn(&G, Duration),
-    mut idle: impl FnMut(&mut G, Duration),
 ) -> Result<Option<BufferOrEvent>, GateError> {
     loop {
         if let Some(item) = gate.poll_next()? {
@@ -423,8 +421,9 @@ pub(crate) fn read_until<G: InputGate>(
         let sleep = until(next_retry(gate))
             .min(until(deadline))
             .min(RETRY_CHECK);
+        gate.idle_time().begin();
         wait(gate, sleep);
-        idle(gate, now.elapsed());
+        gate.idle_time().end();
         gate.handle_timeout(Instant::now())?;
     }
 }

@@ -16,7 +16,7 @@ use super::{
 use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool};
 use crate::config::NetworkConfig;
 use crate::event::Event;
-use crate::metrics::{Counter, InputMetricsSnapshot};
+use crate::metrics::{InputMetricsSnapshot, WaitTime};
 use crate::partition::PartitionManager;
 
 /// One channel of a gate as the scheduler describes it.
@@ -31,9 +31,9 @@ pub struct ChannelSpec {
 /// Gate-level metrics (Flink's `inPoolUsage` comes from [`SingleInputGate::pool_usage`]).
 #[derive(Debug, Default)]
 pub struct GateMetrics {
-    /// Nanoseconds the reader spent blocked waiting for data (`idleTimeMsPerSecond` when
-    /// sampled once a second).
-    pub idle_nanos: Counter,
+    /// Time the reader spent waiting for data, blocking or in an async read, the wait under
+    /// way included (`accumulatedIdleTimeMs`).
+    pub idle: WaitTime,
 }
 
 /// The input gate of one task input (Flink's `SingleInputGate`).
@@ -391,7 +391,7 @@ impl SingleInputGate {
             num_bytes_in,
             num_buffers_in,
             in_pool_usage: self.pool_usage(),
-            idle_time_ms: self.metrics.idle_nanos.get() / 1_000_000,
+            idle_time_ms: self.metrics.idle.total_ms(),
         }
     }
 
@@ -619,7 +619,6 @@ impl InputGate for SingleInputGate {
             deadline,
             SingleInputGate::poll_timeout,
             |gate, sleep| gate.queue.wait(sleep),
-            |gate, idle| gate.metrics.idle_nanos.add(idle.as_nanos() as u64),
         )
     }
 
@@ -675,8 +674,8 @@ impl InputGate for SingleInputGate {
         self.queue.register_waker(waker)
     }
 
-    fn book_idle(&self, idle: std::time::Duration) {
-        self.metrics.idle_nanos.add(idle.as_nanos() as u64);
+    fn idle_time(&self) -> &WaitTime {
+        &self.metrics.idle
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {

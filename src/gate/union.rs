@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::queue::ChannelQueue;
 use super::single::{GateCloser, GateMetrics, SingleInputGate};
 use super::{BufferOrEvent, GateError, InputGate};
-use crate::metrics::InputMetricsSnapshot;
+use crate::metrics::{InputMetricsSnapshot, WaitTime};
 
 /// Gates behind one reader: gate 0's channels are `0..n0`, gate 1's `n0..n0+n1`, and so on.
 /// A gate with data waits in a FIFO of gates, so each gate gets its turn.
@@ -90,7 +90,7 @@ impl UnionInputGate {
             } else {
                 in_use as f64 / max as f64
             },
-            idle_time_ms: self.metrics.idle_nanos.get() / 1_000_000,
+            idle_time_ms: self.metrics.idle.total_ms(),
         }
     }
 
@@ -184,7 +184,6 @@ impl InputGate for UnionInputGate {
             deadline,
             |union| union.poll_timeout(),
             |union, sleep| union.queue.wait(sleep),
-            |union, idle| union.metrics.idle_nanos.add(idle.as_nanos() as u64),
         )
     }
 
@@ -236,8 +235,8 @@ impl InputGate for UnionInputGate {
         self.queue.register_waker(waker)
     }
 
-    fn book_idle(&self, idle: std::time::Duration) {
-        self.metrics.idle_nanos.add(idle.as_nanos() as u64);
+    fn idle_time(&self) -> &WaitTime {
+        &self.metrics.idle
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {

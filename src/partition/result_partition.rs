@@ -109,9 +109,16 @@ impl PartitionHandle {
 
     /// True while the partition's writer waits for a segment or for room in a subpartition's
     /// queue (Flink's `isBackPressured` gauge): a sample of back pressure now, where
-    /// `accumulatedBackPressuredTimeMs` sums it once each wait ends.
+    /// [`back_pressured_time`](Self::back_pressured_time) sums it.
     pub fn is_back_pressured(&self) -> bool {
         self.shared.writer_waits.any_waiting()
+    }
+
+    /// Flink's `accumulatedBackPressuredTimeMs` as a duration: the time the writer waited, the
+    /// wait under way included, so another thread (a metrics reporter) sees a writer stuck
+    /// behind a stalled consumer while it is stuck.
+    pub fn back_pressured_time(&self) -> Duration {
+        self.shared.writer_waits.blocked_time()
     }
 }
 
