@@ -959,13 +959,13 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "add_credit_empty_body",
             cat(&[&h, &header_only(10, 3)]),
             "Decode::BodyLength",
-            "Decode::BodyLength",
+            "UnexpectedMessage",
         ),
         entry(
             "add_credit_trailing_byte",
             cat(&[&h, &add_credit_trailing]),
             "Decode::BodyLength",
-            "Decode::BodyLength",
+            "UnexpectedMessage",
         ),
         entry(
             "close_request_empty_body",
@@ -977,7 +977,7 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "control_before_handshake",
             add_credit(1 << 64, 1),
             "Handshake",
-            "Handshake",
+            "UnexpectedMessage",
         ),
         // Client → server frames.
         entry(
@@ -1013,7 +1013,7 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "add_credit_zero",
             cat(&[&h, &add_credit(5, 0)]),
             "Decode::InvalidField",
-            "Decode::InvalidField",
+            "UnexpectedMessage",
         ),
         entry(
             "add_credit_overflow",
@@ -1183,7 +1183,7 @@ fn corpus_entries() -> Vec<CorpusEntry> {
         entry(
             "data_before_handshake",
             data(0, 8),
-            "Handshake",
+            "UnexpectedMessage",
             "Handshake",
         ),
         entry(
@@ -1204,25 +1204,25 @@ fn corpus_entries() -> Vec<CorpusEntry> {
         entry(
             "data_type_none",
             cat(&[&h, &type_none]),
-            "Decode::InvalidField",
+            "UnexpectedMessage",
             "Decode::InvalidField",
         ),
         entry(
             "data_type_unknown",
             cat(&[&h, &type_unknown]),
-            "Decode::InvalidField",
+            "UnexpectedMessage",
             "Decode::InvalidField",
         ),
         entry(
             "data_bad_flags",
             cat(&[&h, &bad_flags]),
-            "Decode::InvalidField",
+            "UnexpectedMessage",
             "Decode::InvalidField",
         ),
         entry(
             "data_size_mismatch",
             cat(&[&h, &size_mismatch]),
-            "Decode::BodyLength",
+            "UnexpectedMessage",
             "Decode::BodyLength",
         ),
         entry(
@@ -1291,7 +1291,7 @@ fn corpus_entries() -> Vec<CorpusEntry> {
                     backlog: 0,
                 }),
             ]),
-            "Decode::InvalidField",
+            "UnexpectedMessage",
             "Decode::InvalidField",
         ),
         entry(

@@ -913,6 +913,71 @@ fn refused_with(messages: &[Message], expected: ErrorKind) -> bool {
     )
 }
 
+/// A frame header alone: `length` bytes in all, of message `id`.
+fn header_only(id: u8, length: u32) -> Vec<u8> {
+    let mut bytes = length.to_be_bytes().to_vec();
+    bytes.extend_from_slice(&fluxgate::protocol::frame::MAGIC.to_be_bytes());
+    bytes.extend_from_slice(&[fluxgate::protocol::frame::VERSION, id]);
+    bytes
+}
+
+#[test]
+fn frames_a_side_may_not_get_yet_are_refused_by_their_header_before_their_body_is_read() {
+    // A task event's body may be a segment long: a peer that never completes the handshake
+    // must not make the other side reserve it, so the header alone is refused. The headers
+    // below come with no body at all: a side that waited for it would return Ok.
+    const TASK_EVENT: u8 = 5;
+    const BUFFER_RESPONSE: u8 = 2;
+    let long = (SEGMENT + 40) as u32;
+    let now = Instant::now();
+    let mut s = setup(1, 1, 64);
+    let (result, _) = feed_server(&mut s.pair.server, &header_only(TASK_EVENT, long), now);
+    assert!(
+        matches!(result, Err(ProtocolError::Handshake(_))),
+        "a task event before the handshake: {result:?}"
+    );
+    all_back(s);
+
+    let mut s = setup_with(1, 1, 64, None, secret("the producer's secret"));
+    let bytes = [handshake(true, [3; 32]), header_only(TASK_EVENT, long)].concat();
+    let (result, _) = feed_server(&mut s.pair.server, &bytes, now);
+    assert!(
+        matches!(result, Err(ProtocolError::Unauthenticated(_))),
+        "a task event before the proof: {result:?}"
+    );
+    all_back(s);
+
+    let mut s = setup(1, 1, 64);
+    let bytes = [
+        handshake(false, [3; 32]),
+        header_only(BUFFER_RESPONSE, long),
+    ]
+    .concat();
+    let (result, _) = feed_server(&mut s.pair.server, &bytes, now);
+    assert!(
+        matches!(
+            result,
+            Err(ProtocolError::UnexpectedMessage(MessageId::BufferResponse))
+        ),
+        "data sent to a producer: {result:?}"
+    );
+    all_back(s);
+
+    let mut s = setup(1, 1, 64);
+    let mut wire: VecDeque<u8> = header_only(TASK_EVENT, long).into();
+    let result = deliver(&mut wire, usize::MAX, &mut s.pair.client, now);
+    assert!(
+        matches!(
+            result,
+            Err(ProtocolError::UnexpectedMessage(
+                MessageId::TaskEventRequest
+            ))
+        ),
+        "a task event sent to a consumer: {result:?}"
+    );
+    all_back(s);
+}
+
 #[test]
 fn a_request_without_a_proof_gets_an_error_response_and_the_connection_closes() {
     for authenticate in [false, true] {

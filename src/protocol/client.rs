@@ -634,6 +634,10 @@ impl ClientConnection {
                         };
                         return Ok(());
                     }
+                    // Refused by its header, before its body is read into memory.
+                    if !frame.id.sent_by_producer() {
+                        return Err(ProtocolError::UnexpectedMessage(frame.id));
+                    }
                     match self.reader.read_body(frame) {
                         Some(Step::Body(frame)) => self.on_control(frame),
                         _ => Ok(()),
@@ -872,21 +876,31 @@ impl ClientConnection {
                 if kind == ErrorKind::PartitionNotFound && self.schedule_retry(receiver) {
                     return Ok(());
                 }
-                tracing::warn!(?receiver, ?kind, %message, "the producer reported a channel error");
-                if let Some(slot) = self.slot_of(receiver) {
-                    let channel = self.remove_channel(slot).expect("slot_of checked it");
-                    let error = match kind {
-                        ErrorKind::PartitionNotFound => GateError::Partition {
-                            channel: channel.shared.channel(),
-                            source: PartitionError::PartitionNotFound(channel.partition),
-                        },
-                        _ => GateError::Transport {
-                            channel: channel.shared.channel(),
-                            reason: message,
-                        },
-                    };
-                    channel.shared.fail(error);
-                }
+                // An error for a channel that is gone (cancelled meanwhile) is no news: only a
+                // live channel's is a warning, and the peer's text goes out escaped (`?`), so
+                // a producer flooding errors for unknown receivers cannot fill or forge the log.
+                let Some(slot) = self.slot_of(receiver) else {
+                    tracing::debug!(?receiver, ?kind, ?message, "error for an unknown receiver");
+                    return Ok(());
+                };
+                tracing::warn!(
+                    ?receiver,
+                    ?kind,
+                    ?message,
+                    "the producer reported a channel error"
+                );
+                let channel = self.remove_channel(slot).expect("slot_of checked it");
+                let error = match kind {
+                    ErrorKind::PartitionNotFound => GateError::Partition {
+                        channel: channel.shared.channel(),
+                        source: PartitionError::PartitionNotFound(channel.partition),
+                    },
+                    _ => GateError::Transport {
+                        channel: channel.shared.channel(),
+                        reason: message,
+                    },
+                };
+                channel.shared.fail(error);
             }
             _ => return Err(ProtocolError::UnexpectedMessage(frame.id)),
         }

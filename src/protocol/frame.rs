@@ -92,6 +92,24 @@ pub enum MessageId {
 }
 
 impl MessageId {
+    /// True for what a consumer may send; a producer sends data and backlog announcements
+    /// only (handshakes, proofs and errors go both ways).
+    pub fn sent_by_consumer(self) -> bool {
+        !matches!(self, Self::BufferResponse | Self::BacklogAnnouncement)
+    }
+
+    /// True for what a producer may send.
+    pub fn sent_by_producer(self) -> bool {
+        matches!(
+            self,
+            Self::Handshake
+                | Self::BufferResponse
+                | Self::BacklogAnnouncement
+                | Self::ErrorResponse
+                | Self::AuthProof
+        )
+    }
+
     fn from_u8(id: u8) -> Option<Self> {
         Some(match id {
             0 => Self::Handshake,

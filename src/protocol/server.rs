@@ -175,7 +175,9 @@ pub struct ServerConnection {
     by_receiver: HashMap<ReceiverId, u32>,
     /// Readers that may be able to send, fed by their views' listeners from any thread.
     ready: ReadyReaders,
-    pending: Vec<PendingRequest>,
+    /// Requests waiting for their partition, by receiver: a peer may keep `max_channels` of
+    /// them and cancel at will, so a cancel is a lookup, not a scan.
+    pending: HashMap<ReceiverId, PendingRequest>,
     next_retry: Option<Instant>,
     reader: FrameReader,
     outbound: Outbound,
@@ -243,7 +245,7 @@ impl ServerConnection {
             reader: FrameReader::new(config.segment_size, config.max_frame_size),
             readers: Vec::new(),
             by_receiver: HashMap::new(),
-            pending: Vec::new(),
+            pending: HashMap::new(),
             next_retry: None,
             outbound,
             handshake_received: false,
@@ -277,10 +279,13 @@ impl ServerConnection {
         }
         let result = match self.reader.advance(n) {
             Ok(Step::Incomplete) => Ok(()),
-            Ok(Step::Header(frame)) => match self.reader.read_body(frame) {
-                Some(Step::Body(frame)) => self.on_message(frame, now),
-                _ => Ok(()),
-            },
+            Ok(Step::Header(frame)) => {
+                self.admit(frame.id)
+                    .and_then(|()| match self.reader.read_body(frame) {
+                        Some(Step::Body(frame)) => self.on_message(frame, now),
+                        _ => Ok(()),
+                    })
+            }
             Ok(Step::Body(frame)) => self.on_message(frame, now),
             Err(error) => Err(error),
         };
@@ -357,7 +362,7 @@ impl ServerConnection {
             return;
         }
         let waiting = std::mem::take(&mut self.pending);
-        for request in waiting {
+        for request in waiting.into_values() {
             self.request(request, now);
         }
         self.next_retry =
@@ -448,6 +453,27 @@ impl ServerConnection {
         self.closing = true;
     }
 
+    /// Refuses a frame by its header, before its body is read into memory: one no consumer
+    /// sends, anything but a handshake first, and a task event (whose body may be a segment
+    /// long) before the consumer proved the secret. A peer that never gets that far holds no
+    /// more than a control frame's bytes.
+    fn admit(&self, id: MessageId) -> Result<(), ProtocolError> {
+        if !id.sent_by_consumer() {
+            return Err(ProtocolError::UnexpectedMessage(id));
+        }
+        if !self.handshake_received && id != MessageId::Handshake {
+            return Err(ProtocolError::Handshake(format!(
+                "expected a handshake, got {id:?}"
+            )));
+        }
+        if !self.authenticated && id == MessageId::TaskEventRequest {
+            return Err(ProtocolError::Unauthenticated(format!(
+                "{id:?} before the consumer proved it knows the secret"
+            )));
+        }
+        Ok(())
+    }
+
     fn on_message(&mut self, frame: FrameHeader, now: Instant) -> Result<(), ProtocolError> {
         let message = Message::decode(&frame, &self.reader.body)?;
         if !self.handshake_received {
@@ -487,8 +513,7 @@ impl ServerConnection {
                         burst: self.config.request_rate.burst,
                     });
                 }
-                if self.by_receiver.contains_key(&receiver)
-                    || self.pending.iter().any(|p| p.receiver == receiver)
+                if self.by_receiver.contains_key(&receiver) || self.pending.contains_key(&receiver)
                 {
                     return Err(ProtocolError::DuplicateReceiver(receiver));
                 }
@@ -558,7 +583,7 @@ impl ServerConnection {
                 receiver: Some(receiver),
                 ..
             } => {
-                self.pending.retain(|p| p.receiver != receiver);
+                self.pending.remove(&receiver);
                 self.remove_reader(receiver);
             }
             Message::CloseRequest => {
@@ -716,7 +741,7 @@ impl ServerConnection {
                 request.retried = true;
                 let due = now + self.config.partition_request_retry;
                 self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
-                self.pending.push(request);
+                self.pending.insert(request.receiver, request);
             }
             Err(PartitionError::PartitionNotFound(_)) => {
                 tracing::warn!(
