@@ -722,10 +722,16 @@ fn connections_beyond_the_limit_are_closed_at_once(transport: Transport) {
     let mut second = RawPeer::connect(producer.local_addr());
     assert!(accepted(&mut first) && accepted(&mut second));
     let mut refused = RawPeer::connect(producer.local_addr());
-    assert_eq!(
-        refused.read_until_closed(),
-        Vec::new(),
-        "closed at once, before a handshake"
+    assert!(
+        matches!(
+            &refused.read_until_closed()[..],
+            [Message::ErrorResponse {
+                receiver: None,
+                kind: ErrorKind::LimitExceeded,
+                ..
+            }]
+        ),
+        "closed at once, before a handshake, saying why"
     );
     // A slot frees when a connection closes: a later peer is served again.
     drop(first);
@@ -752,6 +758,36 @@ on_both_drivers!(
     connections_beyond_the_limit_are_closed_at_once,
     connections_beyond_the_limit_are_closed_at_once_epoll,
     connections_beyond_the_limit_are_closed_at_once_uring
+);
+
+/// A producer at its `max-connections` closes a new connection before its handshake. The
+/// consumer's channels on it are not failed for that: they connect again after the request
+/// back-off and are served once a slot frees (they failed at once with ConnectionLost).
+fn a_consumer_refused_at_the_connection_limit_is_served_once_a_slot_frees(transport: Transport) {
+    let producer = start(1, transport, &[("fluxgate.network.max-connections", "1")]);
+    let consumer = start(2, transport, &[]);
+    let mut holder = RawPeer::connect(producer.local_addr());
+    assert!(
+        matches!(holder.read_message(), Some(Message::Handshake { .. })),
+        "the raw peer holds the one slot"
+    );
+    let records = 2_000;
+    let live = LiveExchange::start(&producer, &consumer, records);
+    assert!(
+        common::wait_until(LONG, || producer
+            .driver_stats()
+            .is_some_and(|stats| stats.refused_connections >= 1)),
+        "the consumer's connection was never refused"
+    );
+    drop(holder);
+    live.wait_for_first_half();
+    live.finish(records);
+    assert!(common::pools_full(&[&producer, &consumer]));
+}
+on_both_drivers!(
+    a_consumer_refused_at_the_connection_limit_is_served_once_a_slot_frees,
+    a_consumer_refused_at_the_connection_limit_is_served_once_a_slot_frees_epoll,
+    a_consumer_refused_at_the_connection_limit_is_served_once_a_slot_frees_uring
 );
 
 /// A protocol error found while the server's write is stuck (its consumer reads nothing, so

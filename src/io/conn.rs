@@ -208,6 +208,17 @@ impl Connection {
         }
     }
 
+    /// A client connection's channels that may ask again elsewhere
+    /// ([`ClientConnection::take_unanswered_channels`]); none of a server connection.
+    pub(crate) fn take_unanswered_channels(
+        &mut self,
+    ) -> Vec<std::sync::Arc<crate::gate::RemoteChannelShared>> {
+        match &mut self.side {
+            Side::Client(c) => c.take_unanswered_channels(),
+            Side::Server(_) => Vec::new(),
+        }
+    }
+
     /// The socket failed or hit EOF: channels fail, views are released.
     pub(crate) fn on_lost(&mut self, reason: &str) {
         let _entered = self.span.enter();

@@ -93,6 +93,7 @@ impl EpollDriver {
             worked: false,
             sleeps: 0,
             failed_accepts: 0,
+            refused_connections: 0,
             short_writes: 0,
             protocol_errors: 0,
         };
@@ -195,6 +196,8 @@ struct Loop {
     sleeps: u64,
     /// `DriverStats::failed_accepts`.
     failed_accepts: u64,
+    /// `DriverStats::refused_connections`.
+    refused_connections: u64,
     /// `DriverStats::short_writes`: writes the send buffer took in part or not at all.
     short_writes: u64,
     /// `DriverStats::protocol_errors`.
@@ -375,6 +378,7 @@ impl Loop {
                         sleeps: self.sleeps,
                         open_connections: self.connections.len() as u64,
                         failed_accepts: self.failed_accepts,
+                        refused_connections: self.refused_connections,
                         short_writes: self.short_writes,
                         protocol_errors: self.protocol_errors,
                         ..super::DriverStats::default()
@@ -427,7 +431,9 @@ impl Loop {
                 Ok((stream, peer)) => {
                     self.accept_failing = false;
                     if self.accepted >= self.config.max_connections {
-                        refuse_connection(Some(peer), self.accepted, self.config.max_connections);
+                        let tls = self.config.tls.is_some();
+                        refuse_connection(&stream, tls, self.accepted, self.config.max_connections);
+                        self.refused_connections += 1;
                         // Dropping the stream closes it at once.
                         continue;
                     }
@@ -869,13 +875,26 @@ impl Loop {
     }
 
     fn lose(&mut self, token: Token, reason: &str) {
+        self.retry_unanswered(token);
         if let Some(conn) = self.connections.get_mut(&token) {
             conn.connection.on_lost(reason);
         }
         self.close(token);
     }
 
+    /// The channels of a client connection the producer refused at its connection limit
+    /// connect again later ([`super::retry_unanswered`]) instead of failing with it.
+    fn retry_unanswered(&mut self, token: Token) {
+        if let Some(conn) = self.connections.get_mut(&token) {
+            if let Some(peer) = conn.peer {
+                let unanswered = conn.connection.take_unanswered_channels();
+                super::retry_unanswered(self, peer, unanswered, Instant::now());
+            }
+        }
+    }
+
     fn close(&mut self, token: Token) {
+        self.retry_unanswered(token);
         if let Some(mut conn) = self.connections.remove(&token) {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             match conn.peer {

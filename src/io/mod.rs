@@ -138,14 +138,41 @@ pub(crate) fn discard_input_before_close(stream: &impl std::os::fd::AsFd) {
     }
 }
 
-/// Logs a connection refused because the server has `max_connections` open (both drivers).
-pub(crate) fn refuse_connection(peer: Option<SocketAddr>, open: usize, max_connections: usize) {
+/// Refuses a connection because the server has `max_connections` open (both drivers): logs
+/// it and, on a plain connection, says so in an ErrorResponse of kind LimitExceeded before
+/// the close, so the consumer connects again later instead of failing its channels (under
+/// TLS a plaintext frame would only break the handshake: such a consumer sees the close).
+/// The caller drops the stream.
+pub(crate) fn refuse_connection(
+    stream: &impl std::os::fd::AsFd,
+    tls: bool,
+    open: usize,
+    max_connections: usize,
+) {
+    let socket = socket2::SockRef::from(stream);
+    let peer = socket.peer_addr().ok().and_then(|a| a.as_socket());
     tracing::warn!(
         ?peer,
         open,
         max_connections,
         "refusing a connection: fluxgate.network.max-connections reached"
     );
+    if tls {
+        return;
+    }
+    let mut frame = Vec::new();
+    crate::protocol::Message::ErrorResponse {
+        receiver: None,
+        kind: crate::protocol::ErrorKind::LimitExceeded,
+        message: format!("fluxgate.network.max-connections ({max_connections}) reached"),
+    }
+    .encode(&mut frame);
+    // Best effort: a new socket's send buffer takes the one small frame whole. The input the
+    // consumer sent already is read away, so the close is a FIN, not a reset that could
+    // discard the frame before the consumer reads it.
+    let _ = socket.send_with_flags(&frame, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+    let _ = socket.shutdown(std::net::Shutdown::Write);
+    discard_input_before_close(stream);
 }
 
 /// Which driver moves the bytes (`fluxgate.network.transport`).
@@ -215,7 +242,8 @@ impl fmt::Debug for Command {
 
 /// Operation counts of one I/O thread since it started
 /// ([`ShuffleEnvironment::driver_stats`](crate::ShuffleEnvironment::driver_stats)). The epoll
-/// driver counts only `sleeps`, `open_connections`, `failed_accepts` and `short_writes`; its
+/// driver counts only `sleeps`, `open_connections`, `failed_accepts`, `refused_connections`,
+/// `short_writes` and `protocol_errors`; its
 /// other counts (io_uring's operations) are zero.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -228,6 +256,9 @@ pub struct DriverStats {
     /// Accepts that failed for want of resources (descriptors, memory); the connections
     /// they left in the listener's backlog are accepted again 10 ms later.
     pub failed_accepts: u64,
+    /// Connections closed at once for `fluxgate.network.max-connections` (their consumers
+    /// connect again after the request back-off).
+    pub refused_connections: u64,
     /// `io_uring_enter` calls.
     pub enters: u64,
     /// Reads submitted.
@@ -902,12 +933,20 @@ fn finish_connect<L: ClientConnections>(
     let mut waiting = Unplaced(waiting.into_iter());
     match result.and_then(|stream| driver.add_client(stream, peer, index)) {
         Ok(handle) => {
+            let mut placed = false;
             while let Some((channel, _)) = waiting.0.as_slice().first() {
                 let channel = channel.clone();
                 if !channel.is_released() {
                     register_channel(driver, handle, peer, &channel);
+                    placed = true;
                 }
                 waiting.0.next();
+            }
+            // Every channel was released since the look above (a gate closed meanwhile): no
+            // channel will leave this connection to close it, so it closes now, not holding
+            // a socket and one of the producer's connections until the next channel's.
+            if !placed {
+                driver.client(handle).close();
             }
         }
         Err(error) => {
@@ -917,6 +956,31 @@ fn finish_connect<L: ClientConnections>(
                 waiting.0.next();
             }
         }
+    }
+}
+
+/// A client connection to (`peer`, `index`) closed before the producer's handshake came (a
+/// producer at its `max-connections` closes new connections at once): its `channels`
+/// ([`ClientConnection::take_unanswered_channels`]) connect again after the request back-off,
+/// as after a refused connect, instead of failing.
+pub(crate) fn retry_unanswered<L: ClientConnections>(
+    driver: &mut L,
+    (peer, index): (SocketAddr, usize),
+    channels: Vec<Arc<RemoteChannelShared>>,
+    now: Instant,
+) {
+    if channels.is_empty() {
+        return;
+    }
+    let error = io::Error::new(
+        io::ErrorKind::ConnectionReset,
+        "the producer closed the connection before its handshake",
+    );
+    let c = driver.connects();
+    let backoff = c.config.request_backoff;
+    for channel in channels {
+        c.refused
+            .on_failure(peer, index, channel, backoff, &error, now);
     }
 }
 

@@ -1584,11 +1584,8 @@ impl Loop {
                 return;
             }
             if self.accepted >= self.config.max_connections {
-                refuse_connection(
-                    stream.peer_addr().ok(),
-                    self.accepted,
-                    self.config.max_connections,
-                );
+                refuse_connection(&stream, false, self.accepted, self.config.max_connections);
+                self.stats.refused_connections += 1;
                 // Dropping the stream closes it at once.
                 return;
             }
@@ -1760,6 +1757,11 @@ impl Loop {
             // A protocol error: its ErrorResponse is written; read away what the peer sent
             // meanwhile, so the close is no reset that could drop the response unread.
             super::discard_input_before_close(&conn.stream);
+        }
+        if let (Some(peer), false) = (conn.peer, self.shutting_down) {
+            // A client connection sends no segments: nothing zero-copy is pending here.
+            let unanswered = conn.connection.take_unanswered_channels();
+            super::retry_unanswered(self, peer, unanswered, Instant::now());
         }
         // The channels' and views' code may panic: the segments zero-copy sends may still
         // read are put aside first all the same (unwinding would drop them back to their

@@ -137,6 +137,9 @@ pub struct ClientConnection {
     channel_left: bool,
     /// The producer's address, named in the channels' error when the socket breaks.
     peer: Option<std::net::SocketAddr>,
+    /// The producer refused the connection before its handshake for its `max-connections`:
+    /// the channels are kept, to connect again ([`Self::take_unanswered_channels`]).
+    refused_at_limit: bool,
 }
 
 impl fmt::Debug for ClientConnection {
@@ -206,6 +209,7 @@ impl ClientConnection {
             retrying: 0,
             channel_left: false,
             peer: None,
+            refused_at_limit: false,
         }
     }
 
@@ -432,6 +436,11 @@ impl ClientConnection {
             }
             Ok(())
         });
+        if result.is_err() && self.refused_at_limit {
+            // The connection ends; its channels wait for the driver to place them again.
+            self.closed = true;
+            return result;
+        }
         if let Err(error) = &result {
             self.fail_all(error);
             if let ProtocolError::Unauthenticated(reason) = error {
@@ -582,6 +591,21 @@ impl ClientConnection {
             message: reason.to_owned(),
         };
         self.fail_all_with(&error, Some(reason));
+    }
+
+    /// The channels of a connection the producer refused before its handshake for its
+    /// `max-connections` (an ErrorResponse of kind LimitExceeded), taken out; none for any other
+    /// end. The producer served none of them, so they hold only their initial credit and can
+    /// ask again on another connection, once a slot frees there.
+    pub fn take_unanswered_channels(&mut self) -> Vec<Arc<RemoteChannelShared>> {
+        if !self.refused_at_limit {
+            return Vec::new();
+        }
+        (0..self.channels.len())
+            .filter_map(|slot| self.remove_channel(slot))
+            .map(|channel| channel.shared)
+            .filter(|shared| !shared.is_released())
+            .collect()
     }
 
     /// Takes the segment a payload is being read into, out of the connection's reach: for a
@@ -827,6 +851,15 @@ impl ClientConnection {
         let message = Message::decode(&frame, &self.reader.body)?;
         // A producer refusing the connection may say why before its handshake.
         let refusal = matches!(message, Message::ErrorResponse { receiver: None, .. });
+        if refusal && !self.handshake_received {
+            self.refused_at_limit = matches!(
+                message,
+                Message::ErrorResponse {
+                    kind: ErrorKind::LimitExceeded,
+                    ..
+                }
+            );
+        }
         if !self.handshake_received && !refusal && !matches!(message, Message::Handshake { .. }) {
             return Err(ProtocolError::Handshake(format!(
                 "expected a handshake, got {:?}",
