@@ -282,6 +282,23 @@ on_both_drivers!(
     four_to_four_over_one_connection_uring
 );
 
+/// Sixteen channels to one producer with room for three per connection: the consumer opens
+/// more connections as each fills (a channel beyond a full one failed with "no room").
+fn channels_beyond_a_full_connection_open_another(transport: Transport) {
+    exchange_with(
+        4,
+        4,
+        2_000,
+        transport,
+        &[("fluxgate.network.max-channels-per-connection", "3")],
+    );
+}
+on_both_drivers!(
+    channels_beyond_a_full_connection_open_another,
+    channels_beyond_a_full_connection_open_another_epoll,
+    channels_beyond_a_full_connection_open_another_uring
+);
+
 fn sixteen_to_sixteen_multiplexed(transport: Transport) {
     exchange(16, 16, 500, transport);
 }

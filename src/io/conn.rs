@@ -208,6 +208,15 @@ impl Connection {
         }
     }
 
+    /// True for a client connection that takes another channel
+    /// ([`ClientConnection::has_room`]).
+    pub(crate) fn has_room(&self) -> bool {
+        match &self.side {
+            Side::Client(c) => c.has_room(),
+            Side::Server(_) => false,
+        }
+    }
+
     /// A client connection's channels that may ask again elsewhere
     /// ([`ClientConnection::take_unanswered_channels`]); none of a server connection.
     pub(crate) fn take_unanswered_channels(

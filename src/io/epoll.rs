@@ -211,7 +211,7 @@ impl super::ClientConnections for Loop {
         let token = *self.peers.get(&(peer, index))?;
         self.connections
             .get(&token)
-            .is_some_and(|conn| !conn.connection.is_closing() && conn.close_by.is_none())
+            .is_some_and(|conn| conn.connection.has_room() && conn.close_by.is_none())
             .then_some(token)
     }
 

@@ -822,8 +822,10 @@ pub(crate) fn overdue_connect() -> io::Error {
 pub(crate) trait ClientConnections {
     type Handle: Copy;
 
-    /// The client connection to (`peer`, `index`) that takes new channels: open and not
-    /// closing (one whose last channel left, or that failed, takes none: a new one opens).
+    /// The client connection to (`peer`, `index`) that takes new channels: open, not
+    /// closing, and under `max-channels-per-connection` (one whose last channel left, that
+    /// failed, or that is full takes none: a new one opens, and takes the key; a full one
+    /// goes on serving its channels and closes when they leave).
     fn open_connection(&self, peer: SocketAddr, index: usize) -> Option<Self::Handle>;
     /// Makes a connected stream a client connection of the loop, reachable by
     /// [`open_connection`](Self::open_connection).
@@ -934,11 +936,17 @@ fn finish_connect<L: ClientConnections>(
     match result.and_then(|stream| driver.add_client(stream, peer, index)) {
         Ok(handle) => {
             let mut placed = false;
-            while let Some((channel, _)) = waiting.0.as_slice().first() {
-                let channel = channel.clone();
-                if !channel.is_released() {
-                    register_channel(driver, handle, peer, &channel);
-                    placed = true;
+            while let Some((channel, backoff)) = waiting.0.as_slice().first() {
+                let (channel, backoff) = (channel.clone(), *backoff);
+                // More channels may wait than one connection takes
+                // (`max-channels-per-connection`): the rest wait for another.
+                match (channel.is_released(), driver.client(handle).has_room()) {
+                    (true, _) => {}
+                    (false, true) => {
+                        register_channel(driver, handle, peer, &channel);
+                        placed = true;
+                    }
+                    (false, false) => connect_channel(driver, peer, index, channel, backoff, now),
                 }
                 waiting.0.next();
             }

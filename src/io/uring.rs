@@ -549,7 +549,7 @@ impl super::ClientConnections for Loop {
     fn open_connection(&self, peer: SocketAddr, index: usize) -> Option<usize> {
         let slot = *self.peers.get(&(peer, index))?;
         self.live(slot)
-            .is_some_and(|conn| !conn.close_after_write && !conn.connection.is_closing())
+            .is_some_and(|conn| !conn.close_after_write && conn.connection.has_room())
             .then_some(slot)
     }
 

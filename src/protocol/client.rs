@@ -490,8 +490,12 @@ impl ClientConnection {
             };
             let receiver = channel.receiver;
             if channel.retry != Retry::No {
-                // No request stands: credit and resume wait for the new one (a release is
-                // noticed when the retry is due).
+                // No request stands: credit and resume wait for the new one. A released
+                // channel leaves now, without a cancel (the producer holds nothing for it):
+                // it does not keep its slot, or the connection, until its retry is due.
+                if channel.shared.is_released() {
+                    self.remove_channel(slot as usize);
+                }
                 continue;
             }
             if channel.shared.is_released() {
@@ -617,6 +621,15 @@ impl ClientConnection {
             ReadStage::Payload { builder, .. } => builder.take(),
             _ => None,
         }
+    }
+
+    /// True while [`register`](Self::register) would take another channel: not closing, and
+    /// under `max-channels-per-connection`. A full connection sends its driver to open
+    /// another one to the same producer.
+    pub fn has_room(&self) -> bool {
+        !self.closed
+            && (self.channels.len() < self.ready.capacity()
+                || self.channels.iter().any(Option::is_none))
     }
 
     /// Channels registered now.
