@@ -824,10 +824,12 @@ fn stuck_server(
         receiver: ReceiverId(1),
         credit: 1 << 20,
     }));
+    // A zero-copy send waits in the kernel until it is whole (no short write): the socket
+    // is full once one waits for its notification.
     assert!(
         common::wait_until(LONG, || producer
             .driver_stats()
-            .is_some_and(|s| s.short_writes > 0)),
+            .is_some_and(|s| s.short_writes > 0 || s.zc_sends > s.zc_notifications)),
         "the server's writes fill the socket"
     );
     (producer, writer, peer)
@@ -846,6 +848,48 @@ fn end_stuck_server(
         common::wait_until(LONG, || common::pool_full(producer)),
         "producer segments leaked"
     );
+}
+
+/// A shutdown while zero-copy sends wait at a peer that stopped reading (its window closed):
+/// every segment is back once the environment is gone. (Off loopback, where a dead host
+/// leaves the notifications to TCP's own timeouts, the shutdown aborts such sockets after a
+/// grace; on loopback the notifications come without that, so this checks the path, not the
+/// abort.)
+#[test]
+fn a_shutdown_with_zero_copy_sends_stuck_at_a_silent_peer_leaks_no_segment() {
+    let test = "a_shutdown_with_zero_copy_sends_stuck_at_a_silent_peer_leaks_no_segment";
+    if common::skip_without_uring(test) {
+        return;
+    }
+    let always = [("fluxgate.network.zero-copy-send", "always")];
+    let (producer, writer, peer) = stuck_server(Transport::Uring, &always);
+    let stats = producer.driver_stats().unwrap();
+    if !stats.zc_available {
+        eprintln!("SKIPPED: {test}: the kernel has no zero-copy send (logged)");
+        return;
+    }
+    // The writer waits for room once the sends stopped: the socket is full, and what it
+    // holds waits for a peer that reads nothing.
+    let partition = producer.partition_manager().partition(CHAOS).unwrap();
+    assert!(
+        common::wait_until(LONG, || partition.is_back_pressured()),
+        "the writer never waited"
+    );
+    let stats = producer.driver_stats().unwrap();
+    assert!(
+        stats.zc_sends > stats.zc_notifications,
+        "no zero-copy send waits for its notification: {stats:?}"
+    );
+    drop(partition);
+    let network = producer.network().clone();
+    drop(producer);
+    writer.join().expect("the writer does not panic");
+    assert_eq!(
+        network.available_segments(),
+        network.total_segments(),
+        "segments of unnotified sends leaked"
+    );
+    drop(peer);
 }
 
 /// A frame with a bad magic.

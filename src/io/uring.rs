@@ -75,6 +75,10 @@ const READ_ROUNDS: usize = 16;
 const STAGING: usize = 16 * 1024;
 /// How long shutdown waits for cancelled operations to complete.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
+/// How long a shutdown waits for zero-copy notifications before it aborts the sockets that
+/// still owe some ([`Loop::abort_unnotified_sockets`]): a live peer acknowledges well within
+/// it, so what its socket still sends is not cut short.
+const ZC_ABORT_GRACE: Duration = Duration::from_secs(1);
 
 /// Operation kinds in the low bits of a submission's user data; the slot and the slot's
 /// generation are above them.
@@ -450,6 +454,10 @@ struct Orphan {
     pending: VecDeque<u64>,
     /// Dropped (back to their pools) once `pending` is empty.
     held: Vec<Buffer>,
+    /// The socket, kept open (its write side shut, so the peer saw the close) until the
+    /// notifications are in: a shutdown aborts it ([`abort_connection`]) so that a peer that
+    /// stopped acknowledging does not hold the segments until the kernel gives up on it.
+    socket: Option<TcpStream>,
 }
 
 struct Loop {
@@ -1773,11 +1781,18 @@ impl Loop {
             let mut held = Vec::new();
             conn.connection.take_held(&mut held);
             self.stats.zc_orphaned_connections += 1;
+            let socket = conn.stream.try_clone().ok();
+            if let Some(socket) = &socket {
+                // The close the peer would have seen: the descriptor kept here holds the
+                // socket open.
+                let _ = socket.shutdown(Shutdown::Write);
+            }
             self.orphans.push(Orphan {
                 slot,
                 generation: conn.generation,
                 pending: std::mem::take(&mut conn.zc_pending),
                 held,
+                socket,
             });
         }
         self.unregister_file(&mut conn);
@@ -1807,6 +1822,33 @@ impl Loop {
             super::for_one_at_end("failing a busy connection's channels", || {
                 conn.connection.on_lost(SHUTDOWN_REASON);
             });
+            // `Drop` leaks the descriptor with the connection: the peer learns of the end
+            // from the reset, not from its own timeouts.
+            abort_connection(&conn.stream);
+        }
+    }
+
+    /// Aborts every socket whose zero-copy sends are not all notified: open connections' and
+    /// orphans'.
+    fn abort_unnotified_sockets(&mut self) {
+        let mut count = 0;
+        for conn in self.conns.iter().flatten() {
+            if !conn.zc_pending.is_empty() {
+                abort_connection(&conn.stream);
+                count += 1;
+            }
+        }
+        for orphan in &self.orphans {
+            if let Some(socket) = &orphan.socket {
+                abort_connection(socket);
+                count += 1;
+            }
+        }
+        if count > 0 {
+            tracing::warn!(
+                sockets = count,
+                "zero-copy sends still unnotified at shutdown; aborting their connections"
+            );
         }
     }
 
@@ -1834,11 +1876,21 @@ impl Loop {
                 unsafe { self.push(&entry) };
             }
         }
-        let deadline = Instant::now() + SHUTDOWN_DRAIN;
+        let started = Instant::now();
+        let deadline = started + SHUTDOWN_DRAIN;
+        let mut aborted = false;
         while self.in_flight > 0 {
             let now = Instant::now();
             if now >= deadline {
                 break;
+            }
+            if !aborted && now >= started + ZC_ABORT_GRACE {
+                // Zero-copy notifications still missing after the grace: the peers stopped
+                // acknowledging (host down, zero window). Their sockets would hold the
+                // segments until TCP gives up, longer than the drain waits; an abort purges
+                // what they queue, and the notifications come.
+                aborted = true;
+                self.abort_unnotified_sockets();
             }
             if let Err(error) = self.enter((deadline - now).min(MAX_PARK)) {
                 tracing::error!(%error, "io_uring_enter failed during shutdown");
@@ -1860,6 +1912,28 @@ impl Loop {
         for conn in self.conns.drain(..).flatten() {
             super::for_one_at_end("tearing down a connection", || drop(conn));
         }
+    }
+}
+
+/// Aborts the TCP connection of `socket` without closing the descriptor: a connect to an
+/// `AF_UNSPEC` address disconnects it, which sends a reset and frees what its queues hold
+/// (zero-copy segments included, whose notifications then come).
+fn abort_connection(socket: &TcpStream) {
+    let address = libc::sockaddr {
+        sa_family: libc::AF_UNSPEC as libc::sa_family_t,
+        sa_data: [0; 14],
+    };
+    // SAFETY: `address` is a valid `sockaddr` of the length passed, read only during the
+    // call; the descriptor is open (borrowed from `socket`).
+    let result = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            &address,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    if result != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), "aborting a connection failed");
     }
 }
 
