@@ -790,6 +790,53 @@ on_both_drivers!(
     a_consumer_refused_at_the_connection_limit_is_served_once_a_slot_frees_uring
 );
 
+/// A producer that stays at its `max-connections`: the refused consumer's channel connects
+/// again through the request back-off, each refusal a step further, and fails once it is
+/// exhausted (it must not try for good).
+fn a_consumer_refused_at_the_connection_limit_for_good_fails_once_the_back_off_runs_out(
+    transport: Transport,
+) {
+    let producer = start(1, transport, &[("fluxgate.network.max-connections", "1")]);
+    let consumer = start(
+        2,
+        transport,
+        &[
+            ("taskmanager.network.request-backoff.initial", "10"),
+            ("taskmanager.network.request-backoff.max", "40"),
+        ],
+    );
+    let mut holder = RawPeer::connect(producer.local_addr());
+    assert!(
+        matches!(holder.read_message(), Some(Message::Handshake { .. })),
+        "the raw peer holds the one slot"
+    );
+    let _partition = producer.create_partition(LIVE, 1).unwrap();
+    let gate = consumer
+        .create_gate(&[channel(LIVE, producer.local_addr())])
+        .unwrap();
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    let read = reader.next_timeout(LONG);
+    assert!(
+        matches!(
+            &read,
+            Err(ReaderError::Gate(GateError::Transport { channel: 0, .. }))
+        ),
+        "{read:?}"
+    );
+    let refused = producer.driver_stats().unwrap().refused_connections;
+    assert!(
+        refused >= 2,
+        "connected again after a refusal: {refused} refused"
+    );
+    drop((reader, holder));
+    assert!(common::pools_full(&[&producer, &consumer]));
+}
+on_both_drivers!(
+    a_consumer_refused_at_the_connection_limit_for_good_fails_once_the_back_off_runs_out,
+    a_consumer_refused_at_the_connection_limit_for_good_fails_once_the_back_off_runs_out_epoll,
+    a_consumer_refused_at_the_connection_limit_for_good_fails_once_the_back_off_runs_out_uring
+);
+
 /// A protocol error found while the server's write is stuck (its consumer reads nothing, so
 /// the socket's buffers are full): the server must still answer with its ErrorResponse once
 /// that write is done, after the whole frame the write was in, and only then close. The

@@ -915,9 +915,9 @@ fn refused_with(messages: &[Message], expected: ErrorKind) -> bool {
 
 /// A frame header alone: `length` bytes in all, of message `id`.
 fn header_only(id: u8, length: u32) -> Vec<u8> {
-    let mut bytes = length.to_be_bytes().to_vec();
-    bytes.extend_from_slice(&fluxgate::protocol::frame::MAGIC.to_be_bytes());
-    bytes.extend_from_slice(&[fluxgate::protocol::frame::VERSION, id]);
+    let mut bytes = vec![0; FRAME_HEADER];
+    fluxgate::protocol::frame::encode_header(&mut bytes, length as usize, MessageId::CloseRequest);
+    bytes[9] = id;
     bytes
 }
 

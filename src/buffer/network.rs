@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::local::{LocalBufferPool, LocalPoolShared, LocalPoolSpec};
 use super::segment::{ArenaRegion, FreeList, PooledSegment, Recycler, Segment, SegmentMemory};
-use super::{PoolError, HEADROOM};
+use super::PoolError;
 use crate::config::NetworkConfig;
 use crate::sync::{ArrayQueue, AtomicUsize, Ordering};
 
@@ -87,14 +87,70 @@ impl fmt::Debug for NetworkBufferPool {
     }
 }
 
-/// The kernel's estimate of the memory that can be had without swapping, where it tells.
+/// `Ok` when `bytes` of pre-faulted memory fit in what is `available` (unknown: they do).
+fn fits_in_memory(bytes: usize, available: Option<usize>) -> Result<(), PoolError> {
+    match available {
+        Some(available) if bytes > available => Err(PoolError::Allocation {
+            bytes,
+            reason: format!(
+                "only {available} bytes are available (MemAvailable, memory cgroup limits)"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The memory this process can still take, where the system tells: the kernel's
+/// `MemAvailable`, less where a memory cgroup (v2 or v1; its own or an ancestor's) leaves
+/// less room under its limit.
 fn available_memory() -> Option<usize> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo
-        .lines()
-        .find(|line| line.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let system = meminfo.as_deref().and_then(|meminfo| {
+        let line = meminfo
+            .lines()
+            .find(|line| line.starts_with("MemAvailable:"))?;
+        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
+    });
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut room = system;
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (base, limit_file, usage_file) = if controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max", "memory.current")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (
+                "/sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+        } else {
+            continue;
+        };
+        // The cgroup and its ancestors: a limit anywhere above applies too.
+        let mut dir = std::path::PathBuf::from(format!("{base}{path}"));
+        for _ in 0..64 {
+            let read = |file: &str| -> Option<usize> {
+                std::fs::read_to_string(dir.join(file))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            if let (Some(limit), Some(usage)) = (read(limit_file), read(usage_file)) {
+                let left = limit.saturating_sub(usage);
+                room = Some(room.map_or(left, |room| room.min(left)));
+            }
+            if dir.as_os_str().len() <= base.len() || !dir.pop() {
+                break;
+            }
+        }
+    }
+    room
 }
 
 impl NetworkBufferPool {
@@ -107,13 +163,8 @@ impl NetworkBufferPool {
             .map_err(|_| PoolError::Config("too many segments".into()))?;
         // The arenas are pre-faulted: memory the machine does not have would not fail the
         // mapping but bring the OOM killer, so a size beyond what is available is an error.
-        let bytes = segments as usize * (HEADROOM + config.segment_size);
-        if let Some(available) = available_memory().filter(|&available| bytes > available) {
-            return Err(PoolError::Allocation {
-                bytes,
-                reason: format!("the machine has {available} bytes available (MemAvailable)"),
-            });
-        }
+        let bytes = SegmentMemory::mapped_bytes(segments, config.segment_size, config.arena_bytes);
+        fits_in_memory(bytes, available_memory())?;
         let (memory, free) =
             SegmentMemory::map(segments, config.segment_size as u32, config.arena_bytes)?;
         // The depth is at most a quarter of the segments (the list holds up to twice the
@@ -367,6 +418,7 @@ pub(crate) fn pool_of_4k_segments(segments: usize) -> NetworkBufferPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buffer::HEADROOM;
 
     /// Keeps the segments it is handed.
     #[derive(Default)]
@@ -463,19 +515,23 @@ mod tests {
     }
 
     #[test]
-    fn network_memory_beyond_what_the_machine_has_is_an_error_not_an_oom_kill() {
-        // Pre-faulting twice the available memory would end in the OOM killer, not an error.
-        let Some(available) = available_memory() else {
-            eprintln!("no MemAvailable in /proc/meminfo: nothing to check");
-            return;
-        };
-        let config = NetworkConfig {
-            network_memory_bytes: 2 * available,
-            ..NetworkConfig::default()
-        };
-        match NetworkBufferPool::new(&config) {
-            Err(PoolError::Allocation { bytes, .. }) => assert!(bytes > available),
-            other => panic!("expected an allocation error, got {other:?}"),
-        }
+    fn network_memory_beyond_what_is_available_is_an_error_not_an_oom_kill() {
+        // Pure: asking `new` for more than the machine has would, were the check ever lost,
+        // pre-fault it and bring the OOM killer to whatever else runs here.
+        let gib = 1 << 30;
+        assert!(matches!(
+            fits_in_memory(3 * gib, Some(2 * gib)),
+            Err(PoolError::Allocation { bytes, .. }) if bytes == 3 * gib
+        ));
+        assert!(fits_in_memory(gib, Some(2 * gib)).is_ok());
+        assert!(fits_in_memory(3 * gib, None).is_ok(), "unknown: no refusal");
+        // What the pool maps is whole arenas: a last arena of one segment counts whole.
+        let stride = HEADROOM + 4096;
+        assert_eq!(
+            SegmentMemory::mapped_bytes(17, 4096, 16 * stride),
+            32 * stride
+        );
+        // This process can take at least what it already has mapped.
+        assert!(available_memory().is_some_and(|room| room > 0));
     }
 }

@@ -131,6 +131,21 @@ impl fmt::Debug for SegmentMemory {
 }
 
 impl SegmentMemory {
+    /// Segments per arena and arenas for [`map`](Self::map).
+    fn arena_layout(segments: u32, stride: usize, arena_bytes: usize) -> (u32, usize) {
+        let per_arena = u32::try_from((arena_bytes / stride).max(1))
+            .unwrap_or(u32::MAX)
+            .min(segments.max(1));
+        (per_arena, segments.div_ceil(per_arena) as usize)
+    }
+
+    /// The bytes [`map`](Self::map) maps for these arguments: whole arenas.
+    pub(crate) fn mapped_bytes(segments: u32, segment_size: usize, arena_bytes: usize) -> usize {
+        let stride = HEADROOM + segment_size;
+        let (per_arena, arena_count) = Self::arena_layout(segments, stride, arena_bytes);
+        arena_count * per_arena as usize * stride
+    }
+
     /// Maps `segments` segments of `segment_size` payload bytes in arenas of at most
     /// `arena_bytes`, pre-faulted, and returns the memory with a full free list.
     pub(crate) fn map(
@@ -139,10 +154,7 @@ impl SegmentMemory {
         arena_bytes: usize,
     ) -> Result<(Self, FreeList), PoolError> {
         let stride = HEADROOM + segment_size as usize;
-        let per_arena = u32::try_from((arena_bytes / stride).max(1))
-            .unwrap_or(u32::MAX)
-            .min(segments.max(1));
-        let arena_count = segments.div_ceil(per_arena) as usize;
+        let (per_arena, arena_count) = Self::arena_layout(segments, stride, arena_bytes);
         let arena_len = per_arena as usize * stride;
         let mut arenas = Vec::with_capacity(arena_count);
         let mut bases = Vec::with_capacity(arena_count);

@@ -421,9 +421,9 @@ pub(crate) fn read_until<G: InputGate>(
         let sleep = until(next_retry(gate))
             .min(until(deadline))
             .min(RETRY_CHECK);
-        gate.idle_time().begin();
+        let idle = gate.idle_time().span();
         wait(gate, sleep);
-        gate.idle_time().end();
+        drop(idle);
         gate.handle_timeout(Instant::now())?;
     }
 }

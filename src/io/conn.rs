@@ -208,6 +208,12 @@ impl Connection {
         }
     }
 
+    /// True for a client connection its producer refused at its `max-connections`: it ends
+    /// as a refused connect does, not as a protocol error.
+    pub(crate) fn was_refused_at_limit(&self) -> bool {
+        matches!(&self.side, Side::Client(c) if c.was_refused_at_limit())
+    }
+
     /// True for a client connection that takes another channel
     /// ([`ClientConnection::has_room`]).
     pub(crate) fn has_room(&self) -> bool {
@@ -221,7 +227,10 @@ impl Connection {
     /// ([`ClientConnection::take_unanswered_channels`]); none of a server connection.
     pub(crate) fn take_unanswered_channels(
         &mut self,
-    ) -> Vec<std::sync::Arc<crate::gate::RemoteChannelShared>> {
+    ) -> Vec<(
+        std::sync::Arc<crate::gate::RemoteChannelShared>,
+        crate::gate::Backoff,
+    )> {
         match &mut self.side {
             Side::Client(c) => c.take_unanswered_channels(),
             Side::Server(_) => Vec::new(),

@@ -555,6 +555,11 @@ impl Loop {
                 }
                 Ok(n) => {
                     if let Err(error) = conn.connection.on_read(n, destination_len, now) {
+                        if conn.connection.was_refused_at_limit() {
+                            tracing::info!(%error, "refused; the channels connect again later");
+                            self.close(token);
+                            return;
+                        }
                         tracing::warn!(
                             %error,
                             peer = ?conn.stream.peer_addr().ok(),
@@ -874,28 +879,18 @@ impl Loop {
         self.close(token);
     }
 
-    fn lose(&mut self, token: Token, reason: &str) {
-        self.retry_unanswered(token);
-        if let Some(conn) = self.connections.get_mut(&token) {
-            conn.connection.on_lost(reason);
-        }
-        self.close(token);
+    fn close(&mut self, token: Token) {
+        self.lose(token, "connection closed");
     }
 
-    /// The channels of a client connection the producer refused at its connection limit
-    /// connect again later ([`super::retry_unanswered`]) instead of failing with it.
-    fn retry_unanswered(&mut self, token: Token) {
-        if let Some(conn) = self.connections.get_mut(&token) {
+    /// Closes `token`; its channels fail with `reason`, but for those the producer refused
+    /// at its connection limit, which connect again later ([`super::retry_unanswered`]).
+    fn lose(&mut self, token: Token, reason: &str) {
+        if let Some(mut conn) = self.connections.remove(&token) {
             if let Some(peer) = conn.peer {
                 let unanswered = conn.connection.take_unanswered_channels();
                 super::retry_unanswered(self, peer, unanswered, Instant::now());
             }
-        }
-    }
-
-    fn close(&mut self, token: Token) {
-        self.retry_unanswered(token);
-        if let Some(mut conn) = self.connections.remove(&token) {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             match conn.peer {
                 Some(peer) => {
@@ -906,7 +901,7 @@ impl Loop {
                 }
                 None => self.accepted -= 1,
             }
-            conn.connection.on_lost("connection closed");
+            conn.connection.on_lost(reason);
         }
     }
 }

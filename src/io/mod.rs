@@ -868,7 +868,7 @@ pub(crate) fn connect_channel<L: ClientConnections>(
         return; // its gate closed before the connection was asked for
     }
     if let Some(handle) = driver.open_connection(peer, index) {
-        register_channel(driver, handle, peer, &channel);
+        register_channel(driver, handle, peer, &channel, backoff);
         return;
     }
     let c = driver.connects();
@@ -943,7 +943,7 @@ fn finish_connect<L: ClientConnections>(
                 match (channel.is_released(), driver.client(handle).has_room()) {
                     (true, _) => {}
                     (false, true) => {
-                        register_channel(driver, handle, peer, &channel);
+                        register_channel(driver, handle, peer, &channel, backoff);
                         placed = true;
                     }
                     (false, false) => connect_channel(driver, peer, index, channel, backoff, now),
@@ -974,7 +974,7 @@ fn finish_connect<L: ClientConnections>(
 pub(crate) fn retry_unanswered<L: ClientConnections>(
     driver: &mut L,
     (peer, index): (SocketAddr, usize),
-    channels: Vec<Arc<RemoteChannelShared>>,
+    channels: Vec<(Arc<RemoteChannelShared>, crate::gate::Backoff)>,
     now: Instant,
 ) {
     if channels.is_empty() {
@@ -982,28 +982,30 @@ pub(crate) fn retry_unanswered<L: ClientConnections>(
     }
     let error = io::Error::new(
         io::ErrorKind::ConnectionReset,
-        "the producer closed the connection before its handshake",
+        "the producer refused the connection at its max-connections",
     );
-    let c = driver.connects();
-    let backoff = c.config.request_backoff;
-    for channel in channels {
-        c.refused
-            .on_failure(peer, index, channel, backoff, &error, now);
+    let refused = driver.connects().refused;
+    for (channel, backoff) in channels {
+        refused.on_failure(peer, index, channel, backoff, &error, now);
     }
 }
 
+/// Registers `channel` on a connection, with the delays its connects went through.
 fn register_channel<L: ClientConnections>(
     driver: &mut L,
     handle: L::Handle,
     peer: SocketAddr,
     channel: &Arc<RemoteChannelShared>,
+    backoff: crate::gate::Backoff,
 ) {
     let attach = |listener| channel.attach(listener);
-    if let Err(error) = driver.client(handle).register(channel.clone(), attach) {
-        channel.fail(crate::gate::GateError::Transport {
+    let client = driver.client(handle);
+    match client.register(channel.clone(), attach) {
+        Ok(receiver) => client.set_connect_backoff(receiver, backoff),
+        Err(error) => channel.fail(crate::gate::GateError::Transport {
             channel: channel.channel(),
             reason: format!("connection to {peer} has no room: {error}"),
-        });
+        }),
     }
 }
 

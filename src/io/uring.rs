@@ -1641,6 +1641,11 @@ impl Loop {
                 let offered: usize = conn.read_iov.iter().map(|iov| iov.iov_len).sum();
                 let full = n as usize == offered;
                 if let Err(error) = conn.connection.on_read(n as usize, destination_len, now) {
+                    if conn.connection.was_refused_at_limit() {
+                        tracing::info!(%error, "refused; the channels connect again later");
+                        self.begin_close(slot, error.to_string());
+                        return;
+                    }
                     tracing::warn!(
                         %error,
                         peer = ?conn.connection_peer(),

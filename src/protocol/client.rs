@@ -72,6 +72,10 @@ struct ClientChannel {
     /// Delay before re-sending the request after the producer said PartitionNotFound.
     backoff: Backoff,
     retry: Retry,
+    /// The delays its connects went through (refused, or refused at the producer's
+    /// connection limit): a refusal of this connection goes on from there, so the channel
+    /// fails once they are exhausted instead of trying for good.
+    connect_backoff: Backoff,
 }
 
 /// Where a channel is in re-requesting its partition (Flink's partition-request back-off:
@@ -270,6 +274,7 @@ impl ClientConnection {
             receiver,
             backoff: self.request_backoff,
             retry: Retry::No,
+            connect_backoff: self.request_backoff,
         });
         self.send_request(slot);
         // A channel released before the listener was attached told no one: its slot is
@@ -601,15 +606,30 @@ impl ClientConnection {
     /// `max-connections` (an ErrorResponse of kind LimitExceeded), taken out; none for any other
     /// end. The producer served none of them, so they hold only their initial credit and can
     /// ask again on another connection, once a slot frees there.
-    pub fn take_unanswered_channels(&mut self) -> Vec<Arc<RemoteChannelShared>> {
+    pub fn take_unanswered_channels(&mut self) -> Vec<(Arc<RemoteChannelShared>, Backoff)> {
         if !self.refused_at_limit {
             return Vec::new();
         }
         (0..self.channels.len())
             .filter_map(|slot| self.remove_channel(slot))
-            .map(|channel| channel.shared)
-            .filter(|shared| !shared.is_released())
+            .filter(|channel| !channel.shared.is_released())
+            .map(|channel| (channel.shared, channel.connect_backoff))
             .collect()
+    }
+
+    /// True once the producer refused this connection at its `max-connections`.
+    pub fn was_refused_at_limit(&self) -> bool {
+        self.refused_at_limit
+    }
+
+    /// The delays the connects of the channel registered as `receiver` went through (see
+    /// [`take_unanswered_channels`](Self::take_unanswered_channels)).
+    pub fn set_connect_backoff(&mut self, receiver: ReceiverId, backoff: Backoff) {
+        if let Some(slot) = self.slot_of(receiver) {
+            if let Some(Some(channel)) = self.channels.get_mut(slot) {
+                channel.connect_backoff = backoff;
+            }
+        }
     }
 
     /// Takes the segment a payload is being read into, out of the connection's reach: for a
