@@ -120,13 +120,21 @@ fn available_memory() -> Option<usize> {
         else {
             continue;
         };
-        let (base, limit_file, usage_file) = if controllers.is_empty() {
-            ("/sys/fs/cgroup", "memory.max", "memory.current")
+        // Usage counts page cache the kernel reclaims before it fails an allocation: its
+        // inactive part is left out, as a working set is measured.
+        let (base, limit_file, usage_file, cache_key) = if controllers.is_empty() {
+            (
+                "/sys/fs/cgroup",
+                "memory.max",
+                "memory.current",
+                "inactive_file",
+            )
         } else if controllers.split(',').any(|c| c == "memory") {
             (
                 "/sys/fs/cgroup/memory",
                 "memory.limit_in_bytes",
                 "memory.usage_in_bytes",
+                "total_inactive_file",
             )
         } else {
             continue;
@@ -142,7 +150,15 @@ fn available_memory() -> Option<usize> {
                     .ok()
             };
             if let (Some(limit), Some(usage)) = (read(limit_file), read(usage_file)) {
-                let left = limit.saturating_sub(usage);
+                let cache = std::fs::read_to_string(dir.join("memory.stat"))
+                    .ok()
+                    .and_then(|stat| {
+                        stat.lines()
+                            .find_map(|line| line.strip_prefix(cache_key)?.strip_prefix(' '))
+                            .and_then(|value| value.trim().parse::<usize>().ok())
+                    })
+                    .unwrap_or(0);
+                let left = limit.saturating_sub(usage.saturating_sub(cache));
                 room = Some(room.map_or(left, |room| room.min(left)));
             }
             if dir.as_os_str().len() <= base.len() || !dir.pop() {

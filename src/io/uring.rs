@@ -75,6 +75,11 @@ const READ_ROUNDS: usize = 16;
 const STAGING: usize = 16 * 1024;
 /// How long shutdown waits for cancelled operations to complete.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
+/// TCP_USER_TIMEOUT of a closed connection kept for its unnotified zero-copy sends: a peer
+/// that acknowledges nothing for that long is dropped by the kernel, which frees the sends'
+/// segments (the kernel's own bound for a closed socket, `tcp_orphan_retries`, does not
+/// apply to one a process still holds).
+const ORPHAN_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a shutdown waits for zero-copy notifications before it aborts the sockets that
 /// still owe some ([`Loop::abort_unnotified_sockets`]): a live peer acknowledges well within
 /// it, so what its socket still sends is not cut short.
@@ -542,7 +547,12 @@ impl Drop for Loop {
                 std::mem::forget(conn.take());
             }
         }
-        for orphan in self.orphans.drain(..) {
+        for mut orphan in self.orphans.drain(..) {
+            // The kernel lets go of the segments only after the notifications, which no
+            // one will wait for: they are leaked, the socket reset and closed.
+            if let Some(socket) = orphan.socket.take() {
+                abort_connection(&socket);
+            }
             std::mem::forget(orphan);
         }
         if self.wake_armed {
@@ -1789,8 +1799,10 @@ impl Loop {
             let socket = conn.stream.try_clone().ok();
             if let Some(socket) = &socket {
                 // The close the peer would have seen: the descriptor kept here holds the
-                // socket open.
+                // socket open. Held by this process, the socket is no orphan to the kernel,
+                // which would probe a peer's zero window for good: the user timeout ends it.
                 let _ = socket.shutdown(Shutdown::Write);
+                let _ = socket2::SockRef::from(socket).set_tcp_user_timeout(Some(ORPHAN_TIMEOUT));
             }
             self.orphans.push(Orphan {
                 slot,
@@ -1904,6 +1916,10 @@ impl Loop {
             self.reap(Instant::now());
         }
         if self.in_flight > 0 {
+            if !aborted {
+                // The drain ended early (an enter failed): no peer learns of it otherwise.
+                self.abort_unnotified_sockets();
+            }
             tracing::error!(
                 in_flight = self.in_flight,
                 "io_uring operations did not complete on shutdown; leaking their memory"
