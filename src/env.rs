@@ -146,6 +146,14 @@ pub struct ShuffleEnvironment {
     transport: Transport,
 }
 
+impl Drop for ShuffleEnvironment {
+    /// Releases the partitions it served: a writer whose partition no consumer had asked for
+    /// yet would otherwise wait for room in it for good.
+    fn drop(&mut self) {
+        self.manager.release_all();
+    }
+}
+
 impl fmt::Debug for ShuffleEnvironment {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ShuffleEnvironment")

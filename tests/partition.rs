@@ -1884,6 +1884,17 @@ fn a_record_needing_more_than_the_overdraft_waits_inside_itself_for_the_reader()
 }
 
 #[test]
+fn a_partition_without_subpartitions_is_refused() {
+    // It could never finish, and read as released and finished at once.
+    let (network, config) = setup(8);
+    assert!(matches!(
+        ResultPartition::new(ID, 0, &network, &config),
+        Err(PartitionError::NoSubpartitions)
+    ));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn a_writer_stuck_under_back_pressure_shows_in_its_back_pressured_time_while_it_waits() {
     // Flink's accumulated timer gauges count the wait under way: a metrics reporter looking at
     // a writer stuck behind a stalled consumer sees the time grow, not 0 until the wait ends.

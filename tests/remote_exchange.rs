@@ -299,6 +299,41 @@ on_both_drivers!(
     channels_beyond_a_full_connection_open_another_uring
 );
 
+/// Dropping the environment releases the partitions it served: a writer blocked for room in
+/// a partition no consumer asked for ends with an error (it waited for good).
+fn dropping_the_environment_ends_a_writer_no_consumer_reads(transport: Transport) {
+    let env = env(1, transport);
+    let partition = env.create_partition(pid(0), 1).unwrap();
+    let handle = partition.handle();
+    let (ended_tx, ended) = std::sync::mpsc::channel();
+    let writer = thread::spawn(move || {
+        let mut writer = RecordWriter::new(
+            partition,
+            RoundRobinSelector::default(),
+            BufferTimeout::from_millis(1),
+        );
+        // Bounded: far more than the pool holds; ends with an error once released.
+        let failed = (0..10_000_000u64).any(|seq| writer.emit(&[seq as u8; 1000][..]).is_err());
+        let _ = ended_tx.send(failed);
+    });
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    drop(env);
+    assert_eq!(
+        ended.recv_timeout(LONG),
+        Ok(true),
+        "the writer ended with an error"
+    );
+    writer.join().unwrap();
+}
+on_both_drivers!(
+    dropping_the_environment_ends_a_writer_no_consumer_reads,
+    dropping_the_environment_ends_a_writer_no_consumer_reads_epoll,
+    dropping_the_environment_ends_a_writer_no_consumer_reads_uring
+);
+
 fn sixteen_to_sixteen_multiplexed(transport: Transport) {
     exchange(16, 16, 500, transport);
 }

@@ -92,6 +92,27 @@ impl PartitionManager {
         Ok(())
     }
 
+    /// Releases every registered partition (Flink's `ResultPartitionManager.shutdown`): the
+    /// environment is going, and no consumer can reach them any more. Their writers' next
+    /// emit, or the wait they are blocked in, ends with `Released`.
+    pub fn release_all(&self) {
+        self.task_event_listeners
+            .lock()
+            .expect("not poisoned")
+            .clear();
+        let partitions: Vec<PartitionHandle> = self
+            .partitions
+            .lock()
+            .expect("not poisoned")
+            .drain()
+            .map(|(_, partition)| partition)
+            .collect();
+        // Outside the lock: a release wakes listeners, which may look partitions up.
+        for partition in partitions {
+            partition.release();
+        }
+    }
+
     /// Routes task events for partition `id` to its producer.
     pub fn subscribe_task_events(
         &self,

@@ -89,6 +89,10 @@ pub enum PartitionError {
         /// Subpartitions of the partition.
         count: usize,
     },
+    /// A partition was asked for with no subpartition (Flink refuses it too): it could never
+    /// finish, and would read as released and finished at once.
+    #[error("a partition needs at least one subpartition")]
+    NoSubpartitions,
     /// The subpartition already has its one reader.
     #[error("subpartition {0} already has a reader")]
     ViewExists(usize),

@@ -173,6 +173,9 @@ impl ResultPartition {
         network: &NetworkBufferPool,
         config: &NetworkConfig,
     ) -> Result<Self, PartitionError> {
+        if subpartitions == 0 {
+            return Err(PartitionError::NoSubpartitions);
+        }
         let pool =
             network.create_local_pool(LocalPoolSpec::for_partition(subpartitions, config))?;
         // As created: bounded by the network memory.
