@@ -132,6 +132,13 @@ impl Driver {
         self.handle().local_addr
     }
 
+    fn shut_down(&mut self) {
+        match self {
+            Driver::Epoll(d) => d.handle_mut().shut_down(),
+            Driver::Uring(d) => d.handle_mut().shut_down(),
+        }
+    }
+
     fn submit(&self, command: Command) {
         self.handle().submit(command);
     }
@@ -147,9 +154,12 @@ pub struct ShuffleEnvironment {
 }
 
 impl Drop for ShuffleEnvironment {
-    /// Releases the partitions it served: a writer whose partition no consumer had asked for
-    /// yet would otherwise wait for room in it for good.
+    /// Stops the I/O thread, then releases the partitions it served, as Flink's environment
+    /// shuts its connection manager down before its partition manager: consumers see their
+    /// connections close, and a writer whose partition no consumer had asked for yet (which
+    /// would otherwise wait for room in it for good) fails with `Released`.
     fn drop(&mut self) {
+        self.driver.shut_down();
         self.manager.release_all();
     }
 }
@@ -208,6 +218,10 @@ impl ShuffleEnvironment {
             }
             tracing::info!(bind = %config.bind, "connections run over mutual TLS with the cluster CA");
         }
+        // Bound once, before the network memory is mapped, whichever driver serves it: a port
+        // in use is `EnvError::Io` at once, not a failed driver, and auto's fallback does not
+        // bind again.
+        let listener = std::net::TcpListener::bind(config.bind)?;
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
         let options = &config.network;
@@ -258,18 +272,19 @@ impl ShuffleEnvironment {
         let (driver, transport) = match config.transport {
             Transport::Epoll => {
                 tracing::info!(transport = ?Transport::Epoll, "network transport chosen: requested");
-                let driver = EpollDriver::start(config.bind, driver_config, manager.clone())?;
+                let driver = EpollDriver::start(listener, driver_config, manager.clone())?;
                 (Driver::Epoll(driver), Transport::Epoll)
             }
             Transport::Uring => {
                 uring::probe().map_err(|reason| EnvError::Transport(Transport::Uring, reason))?;
-                let driver = UringDriver::start(config.bind, driver_config, manager.clone())
-                    .map_err(|error| {
+                let driver = UringDriver::start(listener, driver_config, manager.clone()).map_err(
+                    |error| {
                         EnvError::Transport(
                             Transport::Uring,
                             format!("starting the io_uring driver failed: {error}"),
                         )
-                    })?;
+                    },
+                )?;
                 tracing::info!(transport = ?Transport::Uring, "network transport chosen: requested");
                 (Driver::Uring(driver), Transport::Uring)
             }
@@ -278,12 +293,16 @@ impl ShuffleEnvironment {
                     transport = ?Transport::Epoll,
                     "network transport chosen: auto, TLS is on and runs on the epoll driver only"
                 );
-                let driver = EpollDriver::start(config.bind, driver_config, manager.clone())?;
+                let driver = EpollDriver::start(listener, driver_config, manager.clone())?;
                 (Driver::Epoll(driver), Transport::Epoll)
             }
             Transport::Auto => {
                 let started = uring::probe().and_then(|()| {
-                    UringDriver::start(config.bind, driver_config.clone(), manager.clone())
+                    // A second descriptor of the one socket: a failed start closes only it.
+                    let listener = listener
+                        .try_clone()
+                        .map_err(|error| format!("sharing the listener failed: {error}"))?;
+                    UringDriver::start(listener, driver_config.clone(), manager.clone())
                         .map_err(|error| format!("starting the io_uring driver failed: {error}"))
                 });
                 match started {
@@ -300,8 +319,7 @@ impl ShuffleEnvironment {
                             %reason,
                             "network transport chosen: auto, io_uring is not usable"
                         );
-                        let driver =
-                            EpollDriver::start(config.bind, driver_config, manager.clone())?;
+                        let driver = EpollDriver::start(listener, driver_config, manager.clone())?;
                         (Driver::Epoll(driver), Transport::Epoll)
                     }
                 }

@@ -1154,3 +1154,24 @@ fn an_environment_refuses_timeouts_it_cannot_work_with() {
         }
     }
 }
+
+#[test]
+fn a_port_in_use_is_an_io_error_whatever_the_transport() {
+    // Bound once, before the drivers: io_uring's start reported it as its own failure (and
+    // auto then bound again for epoll).
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    for transport in [Transport::Epoll, Transport::Uring, Transport::Auto] {
+        let config = EnvConfig {
+            bind: taken.local_addr().unwrap(),
+            transport,
+            ..EnvConfig::default()
+        };
+        match ShuffleEnvironment::start(config) {
+            Err(fluxgate::env::EnvError::Io(error)) => {
+                assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse, "{transport:?}")
+            }
+            Err(other) => panic!("{transport:?}: expected an I/O error, got {other}"),
+            Ok(_) => panic!("{transport:?}: bound a port in use"),
+        }
+    }
+}

@@ -54,14 +54,15 @@ impl std::fmt::Debug for EpollDriver {
 }
 
 impl EpollDriver {
-    /// Binds `bind` and starts the I/O thread serving `manager`'s partitions.
+    /// Starts the I/O thread serving `manager`'s partitions on `listener`.
     pub fn start(
-        bind: SocketAddr,
+        listener: std::net::TcpListener,
         config: DriverConfig,
         manager: Arc<PartitionManager>,
     ) -> io::Result<Self> {
         let poll = Poll::new()?;
-        let mut listener = TcpListener::bind(bind)?;
+        listener.set_nonblocking(true)?;
+        let mut listener = TcpListener::from_std(listener);
         let local_addr = listener.local_addr()?;
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
@@ -121,6 +122,10 @@ impl EpollDriver {
     /// The running thread's command queue, waker and listening address.
     pub(crate) fn handle(&self) -> &DriverHandle {
         &self.handle
+    }
+
+    pub(crate) fn handle_mut(&mut self) -> &mut DriverHandle {
+        &mut self.handle
     }
 }
 

@@ -343,6 +343,17 @@ impl DriverHandle {
 
 impl Drop for DriverHandle {
     fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+impl DriverHandle {
+    /// Stops the I/O thread and waits for it (once; later calls do nothing): its connections
+    /// close, their channels fail, their views are released.
+    pub(crate) fn shut_down(&mut self) {
+        if self.thread.is_none() {
+            return;
+        }
         let queued = self.submit(Command::Shutdown);
         if let Some(thread) = self
             .thread

@@ -291,10 +291,10 @@ impl std::fmt::Debug for UringDriver {
 }
 
 impl UringDriver {
-    /// Binds `bind`, creates the ring on a new I/O thread and serves `manager`'s partitions.
+    /// Creates the ring on a new I/O thread and serves `manager`'s partitions on `listener`.
     /// Fails when the listener or the ring cannot be set up.
     pub fn start(
-        bind: SocketAddr,
+        listener: TcpListener,
         config: DriverConfig,
         manager: Arc<PartitionManager>,
     ) -> io::Result<Self> {
@@ -305,7 +305,6 @@ impl UringDriver {
                 "TLS runs on the epoll driver only",
             ));
         }
-        let listener = TcpListener::bind(bind)?;
         let local_addr = listener.local_addr()?;
         let wake_file = Arc::new(eventfd()?);
         let writer = wake_file.clone();
@@ -364,6 +363,10 @@ impl UringDriver {
     /// The running thread's command queue, waker and listening address.
     pub(crate) fn handle(&self) -> &DriverHandle {
         &self.handle
+    }
+
+    pub(crate) fn handle_mut(&mut self) -> &mut DriverHandle {
+        &mut self.handle
     }
 }
 
