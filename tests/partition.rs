@@ -1595,6 +1595,65 @@ fn an_async_record_waits_for_room_in_a_full_lane_without_blocking_and_the_reader
 }
 
 #[test]
+fn an_async_record_running_past_the_open_buffer_waits_for_its_next_segment_without_blocking() {
+    // The subpartition may hold two buffers: a finished one and the open one, which the next
+    // record runs past. That record needs a third segment, at hand only once the reader
+    // gives one back: the async emit must wait for it as a future. It blocked the thread
+    // there (a single-threaded executor whose reader ran on it deadlocked).
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "2")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&[1u8; 3000][..], 0).unwrap();
+    partition.emit_record(&[2u8; 3000][..], 0).unwrap();
+    let waker = Arc::new(CountingWaker::default());
+    let waker_handle = std::task::Waker::from(waker.clone());
+    let mut reader = SpanningReader::new();
+    {
+        let (polled_tx, polled) = mpsc::channel();
+        let mut emit = std::pin::pin!(partition.emit_record_async(&[3u8; 3000][..], 0));
+        // Bounded: a poll that blocks the thread is caught by the receive's timeout below.
+        thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut context = std::task::Context::from_waker(&waker_handle);
+                let pending = emit.as_mut().poll(&mut context).is_pending();
+                let _ = polled_tx.send(pending);
+            });
+            let polled = polled.recv_timeout(LONG);
+            // Taken before the verdict: it also ends a poll that blocked, so the scope ends.
+            let first = view.poll_next().expect("the finished buffer");
+            reader.read(&first);
+            assert_eq!(
+                polled,
+                Ok(true),
+                "the record waits for its segment as a future"
+            );
+        });
+        assert!(
+            waker.0.load(Ordering::SeqCst) > 0,
+            "the segment given back woke the waiting writer"
+        );
+        let mut context = std::task::Context::from_waker(&waker_handle);
+        match emit.as_mut().poll(&mut context) {
+            std::task::Poll::Ready(result) => result.unwrap(),
+            std::task::Poll::Pending => panic!("a segment came back, yet the record still waits"),
+        }
+    }
+    partition.finish().unwrap();
+    for _ in 0..8 {
+        let Some(item) = view.poll_next() else { break };
+        if item.buffer.data_type().is_buffer() {
+            reader.read(&item);
+        }
+    }
+    assert_eq!(reader.records, [(3000, 1), (3000, 2), (3000, 3)]);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn broadcasts_and_events_for_readers_that_stopped_wait_for_room_and_arrive_whole() {
     // Six subpartitions whose readers take nothing until the writer has queued all their
     // lanes hold (two items each, at one buffer per channel), then read everything: the

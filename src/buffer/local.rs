@@ -259,6 +259,16 @@ impl LocalBufferPool {
         self.wait_until(timeout, || self.shared.stock_one(channel).unwrap_or(true))
     }
 
+    /// [`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand) as a future (the
+    /// partition's single writer's, like [`request_builder`](Self::request_builder)).
+    pub(crate) fn until_segment_at_hand(
+        &self,
+        subpartition: usize,
+    ) -> UntilReady<'_, impl FnMut() -> bool + Unpin + '_> {
+        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        self.until_ready(move || self.shared.stock_one(channel).unwrap_or(true))
+    }
+
     /// A segment, waiting up to `timeout` while none is free and the pool cannot grow (the
     /// global pool is empty): how a gate takes its channels' exclusive segments, as Flink
     /// waits for them up to `exclusive-buffers-request-timeout-ms`. Fails when the pool is

@@ -337,25 +337,30 @@ impl ResultPartition {
         Ok(())
     }
 
-    /// Like [`emit_record`](Self::emit_record), but waits for the first buffer without
-    /// blocking the thread. (A record spanning more segments than are free takes overdraft
-    /// segments, and past `max-overdraft-buffers-per-gate` of them waits in the middle,
-    /// blocking.)
+    /// Like [`emit_record`](Self::emit_record), but waits for the first buffer, or for the
+    /// segment a record running past the open buffer needs, without blocking the thread. (A
+    /// record spanning more segments than are free takes overdraft segments, and past
+    /// `max-overdraft-buffers-per-gate` of them waits in the middle, blocking.)
     pub async fn emit_record_async<R: Record + ?Sized>(
         &mut self,
         record: &R,
         target: usize,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
-        let needs_builder = self
+        let open = self
             .unicast
             .get(target)
             .ok_or(PartitionError::NoSuchSubpartition {
                 index: target,
                 count: self.unicast.len(),
             })?
-            .as_ref()
-            .is_none_or(|b| b.is_full());
+            .as_ref();
+        if self.crosses(record, open) && self.pool.spec().max_segments_per_channel <= 1 {
+            // As `emit_record` does: the open buffer is all the subpartition may hold, so the
+            // record starts in a fresh one, waited for below.
+            self.finish_unicast_builder(target, Sent::Yes);
+        }
+        let needs_builder = self.unicast[target].as_ref().is_none_or(|b| b.is_full());
         if needs_builder {
             self.finish_unicast_builder(target, Sent::Yes);
             let subpartition = &self.handle.shared.subpartitions[target];
@@ -371,6 +376,13 @@ impl ResultPartition {
                 .await
                 .map_err(released_if_destroyed)?;
             self.install_unicast(target, builder)?;
+        }
+        if self.crosses(record, self.unicast[target].as_ref()) {
+            // The wait `emit_record` would block in before the record's first byte.
+            self.pool
+                .until_segment_at_hand(target)
+                .await
+                .map_err(released_if_destroyed)?;
         }
         self.emit_record(record, target)
     }
@@ -397,11 +409,13 @@ impl ResultPartition {
     }
 
     /// True when `record` starts in the open builder `open` and runs past its end. (A record
-    /// without an open builder waits for its first segment like any request.)
+    /// without an open builder waits for its first segment like any request; one whose open
+    /// builder is empty has its first segment at hand already.)
     fn crosses<R: Record + ?Sized>(&self, record: &R, open: Option<&BufferBuilder>) -> bool {
         open.is_some_and(|builder| {
             let len = record.encoded_len();
             !builder.is_full()
+                && builder.written() > 0
                 && len <= self.max_record_bytes
                 && record::framed_len(len) > builder.remaining()
         })
