@@ -327,8 +327,7 @@ impl ResultPartition {
             &mut self.sink(Target::Unicast(target))?,
             max_record_bytes,
         );
-        // Also after a record that failed once its bytes were committed (padded to its
-        // declared length): a buffer it filled is finished, readable, at once.
+        self.release_after_abandoned(&written);
         if self.unicast[target].as_ref().is_some_and(|b| b.is_full()) {
             self.finish_unicast_builder(target, Sent::Yes);
         }
@@ -400,6 +399,7 @@ impl ResultPartition {
         let max_record_bytes = self.max_record_bytes;
         let written =
             record::serialize(record, &mut self.sink(Target::Broadcast)?, max_record_bytes);
+        self.release_after_abandoned(&written);
         if self.broadcast.as_ref().is_some_and(|b| b.is_full()) {
             self.finish_broadcast_builder(Sent::Yes);
         }
@@ -594,6 +594,15 @@ impl ResultPartition {
         }
         self.finished = true;
         Ok(())
+    }
+
+    /// A record failed after part of it was published: its sink released the subpartitions
+    /// ([`SegmentSink::abandon`]), and the partition is released with them, so every later
+    /// write fails (as the failed task's partitions are in Flink).
+    fn release_after_abandoned(&mut self, written: &Result<(), RecordError>) {
+        if written.is_err() && self.handle.is_released() {
+            self.release();
+        }
     }
 
     /// Drops everything queued and finishes every builder; segments go back to the pool.
@@ -912,6 +921,17 @@ struct PartitionSink<'a> {
 }
 
 impl SegmentSink for PartitionSink<'_> {
+    /// Releases every subpartition before any of the failed record's rest is published, and
+    /// destroys the pool, so every later write fails (also after a panic the caller caught);
+    /// the writer then finishes the release ([`ResultPartition::release_after_abandoned`]).
+    fn abandon(&mut self) -> bool {
+        for subpartition in self.shared.subpartitions.iter() {
+            subpartition.release();
+        }
+        self.pool.destroy();
+        true
+    }
+
     #[inline]
     fn current_with_room(&mut self, bytes: usize) -> Option<&mut BufferBuilder> {
         self.slot.as_mut().filter(|b| b.remaining() >= bytes)

@@ -99,8 +99,9 @@ pub enum RecordError {
         max: usize,
     },
     /// A [`Record`] wrote a different number of bytes than its `encoded_len` said (a bug in
-    /// that impl). The stream stays well-formed: a shortfall is padded with zeros, an excess
-    /// is refused.
+    /// that impl). Nothing of it is read as a record: it is taken back, or, once part of it
+    /// was published, the sink ends its stream ([`SegmentSink::abandon`]; a partition is
+    /// released). An excess is refused.
     #[error("record declared {declared} bytes but wrote {written}")]
     LengthMismatch {
         /// What `encoded_len` returned.
@@ -147,6 +148,15 @@ pub trait SegmentSink {
     /// segment); returns whether it did. A sink that cannot returns false, and the record is
     /// then padded to its declared length instead, so the records after it stay readable.
     fn discard_uncommitted(&mut self) -> bool {
+        false
+    }
+
+    /// The record being written failed after part of it was published (it crossed into
+    /// another segment), so it can no longer be taken back: ends the stream the sink feeds,
+    /// so no reader takes what is left as a record (Flink fails the task, which releases its
+    /// partitions). Returns whether it did. A sink that cannot has the record padded to its
+    /// declared length and committed instead, so the records after it stay framed.
+    fn abandon(&mut self) -> bool {
         false
     }
 }
@@ -272,8 +282,9 @@ where
     out.write(&prefix[..prefix_bytes])?;
     // `encode` is the caller's code. If it panics (and the caller catches the unwind and
     // writes on), the record is ended as a failed one is, before the panic goes on: taken
-    // back, or padded to its declared length once part of it was published, so the bytes it
-    // left are not published with the next record. (Costs nothing unless it panics.)
+    // back, or its stream abandoned (padded, for a sink that cannot) once part of it was
+    // published, so the bytes it left are not published with the next record. (Costs
+    // nothing unless it panics.)
     let (encoded, panic) =
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record.encode(&mut out))) {
             Ok(encoded) => (encoded, None),
@@ -289,6 +300,14 @@ where
     // Flink, which serializes into a separate buffer first, sends nothing of it).
     let failed = encoded.is_err() || short > 0 || panic.is_some();
     if failed && !out.crossed && out.sink.discard_uncommitted() {
+        resume(panic);
+        encoded?;
+        return Err(RecordError::LengthMismatch {
+            declared: len,
+            written: len - short,
+        });
+    }
+    if failed && out.crossed && out.sink.abandon() {
         resume(panic);
         encoded?;
         return Err(RecordError::LengthMismatch {
