@@ -1048,6 +1048,65 @@ fn dropping_the_producer_keeps_queued_data_readable() {
 }
 
 #[test]
+fn a_manager_that_released_everything_refuses_new_partitions() {
+    // Its environment is going: a partition registered now would never be released, and its
+    // writer would wait for room for good.
+    let (network, config) = setup(64);
+    let manager = PartitionManager::new();
+    let before = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    manager.register(before.handle()).unwrap();
+    manager.release_all();
+    assert!(before.handle().is_released());
+    let later = ResultPartition::new(
+        ResultPartitionId {
+            partition: 77,
+            producer: 1,
+        },
+        1,
+        &network,
+        &config,
+    )
+    .unwrap();
+    assert_eq!(
+        manager.register(later.handle()).unwrap_err(),
+        PartitionError::Released
+    );
+    drop((before, later));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_reader_leaving_in_the_middle_of_a_record_ends_only_its_own_subpartition() {
+    // The record runs into a second segment, which its subpartition, released by its reader,
+    // refuses: the record fails, and the partition's other reader goes on (a failure of the
+    // record itself would release the whole partition; this one is not).
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (view0, _signal0) = view(&partition, 0);
+    let (mut view1, _signal1) = view(&partition, 1);
+    partition.emit_record(&[1u8; 10][..], 1).unwrap();
+    partition.emit_record(&[0u8; 10][..], 0).unwrap();
+    drop(view0);
+    assert!(partition.emit_record(&[0u8; 5000][..], 0).is_err());
+    assert!(
+        !partition.handle().is_released(),
+        "the other reader's stream goes on"
+    );
+    partition.emit_record(&[2u8; 20][..], 1).unwrap();
+    partition.finish().unwrap();
+    let mut reader = SpanningReader::new();
+    for _ in 0..8 {
+        let Some(item) = view1.poll_next() else { break };
+        if item.buffer.data_type().is_buffer() {
+            reader.read(&item);
+        }
+    }
+    assert_eq!(reader.records, [(10, 1), (20, 2)]);
+    drop((view1, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn the_manager_finds_partitions_and_allows_one_view_per_subpartition() {
     let (network, config) = setup(64);
     let manager = PartitionManager::new();

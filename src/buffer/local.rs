@@ -259,6 +259,13 @@ impl LocalBufferPool {
         self.wait_until(timeout, || self.shared.stock_one(channel).unwrap_or(true))
     }
 
+    /// True when a segment for `subpartition` is at hand now (see
+    /// [`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand)).
+    pub(crate) fn segment_at_hand(&self, subpartition: usize) -> bool {
+        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        self.shared.stock_one(channel).unwrap_or(true)
+    }
+
     /// [`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand) as a future (the
     /// partition's single writer's, like [`request_builder`](Self::request_builder)).
     pub(crate) fn until_segment_at_hand(

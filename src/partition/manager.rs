@@ -21,6 +21,9 @@ pub trait TaskEventListener: Send + Sync {
 pub struct PartitionManager {
     partitions: Mutex<HashMap<ResultPartitionId, PartitionHandle>>,
     task_event_listeners: Mutex<HashMap<ResultPartitionId, Arc<dyn TaskEventListener>>>,
+    /// Set by [`release_all`](Self::release_all) under the partitions' lock: a partition
+    /// registered after it would never be released (Flink's `isShutdown`).
+    shut_down: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for dyn TaskEventListener {
@@ -45,6 +48,9 @@ impl PartitionManager {
         // A listener the new producer of `id` subscribed before registering stays.
         self.forget_released(Some(id));
         let mut partitions = self.partitions.lock().expect("not poisoned");
+        if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(PartitionError::Released);
+        }
         if partitions.contains_key(&id) {
             return Err(PartitionError::DuplicatePartition(id));
         }
@@ -94,19 +100,19 @@ impl PartitionManager {
 
     /// Releases every registered partition (Flink's `ResultPartitionManager.shutdown`): the
     /// environment is going, and no consumer can reach them any more. Their writers' next
-    /// emit, or the wait they are blocked in, ends with `Released`.
+    /// emit, or the wait they are blocked in, ends with `Released`; a partition registered
+    /// later is refused as released.
     pub fn release_all(&self) {
         self.task_event_listeners
             .lock()
             .expect("not poisoned")
             .clear();
-        let partitions: Vec<PartitionHandle> = self
-            .partitions
-            .lock()
-            .expect("not poisoned")
-            .drain()
-            .map(|(_, partition)| partition)
-            .collect();
+        let partitions: Vec<PartitionHandle> = {
+            let mut partitions = self.partitions.lock().expect("not poisoned");
+            self.shut_down
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            partitions.drain().map(|(_, partition)| partition).collect()
+        };
         // Outside the lock: a release wakes listeners, which may look partitions up.
         for partition in partitions {
             partition.release();

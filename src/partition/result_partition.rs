@@ -292,22 +292,24 @@ impl ResultPartition {
                 }
             }
         }
-        self.emit_record_general(record, target)
+        self.emit_record_general(record, target, true)
     }
 
     /// [`emit_record`](Self::emit_record) for every case: requests builders, spans segments,
-    /// reports errors.
+    /// reports errors. `fire_timer`: fire a due barrier timer first (the async emit fired it
+    /// already, before its wait).
     #[inline(never)]
     fn emit_record_general<R: Record + ?Sized>(
         &mut self,
         record: &R,
         target: usize,
+        fire_timer: bool,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
         if self.broadcast.is_some() {
             self.finish_broadcast_builder(Sent::Yes);
         }
-        if self.barrier_timer.is_some() {
+        if fire_timer && self.barrier_timer.is_some() {
             self.fire_barrier_timer();
         }
         let open = self.unicast.get(target).and_then(Option::as_ref);
@@ -376,14 +378,23 @@ impl ResultPartition {
                 .map_err(released_if_destroyed)?;
             self.install_unicast(target, builder)?;
         }
-        if self.crosses(record, self.unicast[target].as_ref()) {
-            // The wait `emit_record` would block in before the record's first byte.
+        // The wait `emit_record` would block in before the record's first byte. A barrier
+        // timer due meanwhile fires here (it may take the segment waited for: then wait
+        // again), and the write below fires none, so it finds the segment still at hand.
+        // Bounded by the back pressure, as the wait is.
+        loop {
+            self.fire_barrier_timer();
+            if !self.crosses(record, self.unicast[target].as_ref())
+                || self.pool.segment_at_hand(target)
+            {
+                break;
+            }
             self.pool
                 .until_segment_at_hand(target)
                 .await
                 .map_err(released_if_destroyed)?;
         }
-        self.emit_record(record, target)
+        self.emit_record_general(record, target, false)
     }
 
     /// Writes `record` once into a segment shared by every subpartition.
@@ -924,11 +935,23 @@ impl SegmentSink for PartitionSink<'_> {
     /// Releases every subpartition before any of the failed record's rest is published, and
     /// destroys the pool, so every later write fails (also after a panic the caller caught);
     /// the writer then finishes the release ([`ResultPartition::release_after_abandoned`]).
+    /// Unless the record failed because its own reader went (its subpartition released, a
+    /// broadcast's all): that stream has ended already, and the others go on, as in Flink.
+    /// The record's open buffer is dropped uncounted either way: nothing of it is sent.
     fn abandon(&mut self) -> bool {
-        for subpartition in self.shared.subpartitions.iter() {
-            subpartition.release();
+        let ended = match self.target {
+            Target::Unicast(index) => self.shared.subpartitions[index].is_released(),
+            Target::Broadcast => self.shared.subpartitions.iter().all(|s| s.is_released()),
+        };
+        if !ended {
+            for subpartition in self.shared.subpartitions.iter() {
+                subpartition.release();
+            }
+            self.pool.destroy();
         }
-        self.pool.destroy();
+        if let Some(builder) = self.slot.take() {
+            finish_builder(builder, self.target, self.shared, Sent::No);
+        }
         true
     }
 
