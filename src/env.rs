@@ -45,6 +45,10 @@ pub enum EnvError {
     /// TLS is on (`security.ssl.internal.enabled`) and its certificates cannot be used.
     #[error(transparent)]
     Tls(#[from] TlsError),
+    /// The environment's I/O thread has stopped (an OS error or a panic ended it): nothing it
+    /// creates could be served or connected.
+    #[error("the network's I/O thread has stopped")]
+    Stopped,
     /// An `EnvConfig` field the environment cannot work with.
     #[error("EnvConfig::{field}: {reason}")]
     Config {
@@ -359,12 +363,22 @@ impl ShuffleEnvironment {
         &self.config
     }
 
+    /// False once the I/O thread has stopped: an OS error or a panic ended its loop (it logs
+    /// why). Partitions and remote gates are refused from then on (`EnvError::Stopped`).
+    pub fn is_running(&self) -> bool {
+        !self.driver.handle().waker.is_stopped()
+    }
+
     /// Creates and registers a pipelined partition with `subpartitions` subpartitions.
     pub fn create_partition(
         &self,
         id: ResultPartitionId,
         subpartitions: usize,
     ) -> Result<ResultPartition, EnvError> {
+        // No consumer could reach it: its writer would wait for room for good.
+        if !self.is_running() {
+            return Err(EnvError::Stopped);
+        }
         let partition =
             ResultPartition::new(id, subpartitions, &self.network, &self.config.network)?;
         self.manager.register(partition.handle())?;
@@ -374,6 +388,14 @@ impl ShuffleEnvironment {
     /// Creates a gate over `channels`, sets it up, requests its partitions and connects its
     /// remote channels (connection index = channel index modulo connections per peer).
     pub fn create_gate(&self, channels: &[ChannelDescriptor]) -> Result<SingleInputGate, EnvError> {
+        // A channel that is or may turn remote would never be connected.
+        if !self.is_running()
+            && channels
+                .iter()
+                .any(|c| !matches!(c.location, ProducerLocation::Local))
+        {
+            return Err(EnvError::Stopped);
+        }
         let specs = channels
             .iter()
             .map(|c| ChannelSpec {
@@ -449,5 +471,52 @@ impl ShuffleEnvironment {
                 channel: channel.shared().clone(),
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_environment_whose_io_thread_stopped_refuses_what_it_could_not_serve() {
+        let mut env = ShuffleEnvironment::start(EnvConfig {
+            transport: Transport::Epoll,
+            ..EnvConfig::default()
+        })
+        .unwrap();
+        let id = |partition| ResultPartitionId {
+            partition,
+            producer: 1,
+        };
+        let local = ChannelDescriptor {
+            consumed: crate::gate::ConsumedSubpartition {
+                partition: id(1),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Local,
+        };
+        let remote = ChannelDescriptor {
+            location: ProducerLocation::Remote(env.local_addr()),
+            ..local
+        };
+        assert!(env.is_running());
+        // As an OS error or a panic ends the loop.
+        env.driver.shut_down();
+        assert!(!env.is_running());
+        assert!(matches!(
+            env.create_partition(id(2), 1),
+            Err(EnvError::Stopped)
+        ));
+        assert!(matches!(env.create_gate(&[remote]), Err(EnvError::Stopped)));
+        // Local channels need no I/O thread.
+        let partition = ResultPartition::new(id(1), 1, &env.network, &env.config.network).unwrap();
+        env.manager.register(partition.handle()).unwrap();
+        let gate = env.create_gate(&[local]).unwrap();
+        drop((gate, partition));
+        assert_eq!(
+            env.network.available_segments(),
+            env.network.total_segments()
+        );
     }
 }
