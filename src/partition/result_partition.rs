@@ -383,7 +383,10 @@ impl ResultPartition {
         // again), and the write below fires none, so it finds the segment still at hand.
         // Bounded by the back pressure, as the wait is.
         loop {
-            self.fire_barrier_timer();
+            // As the sync path: no clock read per record without a timer.
+            if self.barrier_timer.is_some() {
+                self.fire_barrier_timer();
+            }
             if !self.crosses(record, self.unicast[target].as_ref())
                 || self.pool.segment_at_hand(target)
             {
