@@ -413,6 +413,7 @@ impl ShuffleEnvironment {
             &self.network,
             &self.config.network,
         );
+        gate.set_connected_by_environment();
         gate.setup()?;
         gate.request_partitions(Instant::now())?;
         for (index, descriptor) in channels.iter().enumerate() {
@@ -440,7 +441,7 @@ impl ShuffleEnvironment {
         // update, or a channel created remote) is registered on its connection already, and
         // a second registration would request its subpartition twice, which fails it.
         let was_unknown = matches!(gate.channel(index), Some(InputChannel::Unknown(_)));
-        gate.update_channel(index, channel_location, Instant::now())?;
+        gate.locate_channel(index, channel_location, Instant::now())?;
         if let (true, Some(peer)) = (was_unknown, peer) {
             self.connect(gate, index, peer);
         }

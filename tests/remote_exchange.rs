@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
-    AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate,
-    ReaderError, ReaderItem, RecordReader, UnionInputGate,
+    AlignmentMode, ChannelLocation, CheckpointedInputGate, ConsumedSubpartition, GateError,
+    GateItem, InputChannel, InputGate, ReaderError, ReaderItem, RecordReader, UnionInputGate,
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{
@@ -1005,6 +1005,42 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once_epoll,
     a_channel_located_twice_is_connected_once_uring
 );
+
+/// A gate the environment created connects its remote channels through the environment: one
+/// located as remote through the gate alone (no producer address) would wait for good, so
+/// the gate refuses, and the environment's update still connects it.
+#[test]
+fn a_gate_of_the_environment_locates_remote_channels_only_through_it() {
+    let producer_env = env(1, Transport::Epoll);
+    let consumer_env = env(2, Transport::Epoll);
+    let mut gate = consumer_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Unknown,
+        }])
+        .unwrap();
+    assert_eq!(
+        gate.update_channel(0, ChannelLocation::Remote, Instant::now()),
+        Err(GateError::LocateThroughEnvironment(0))
+    );
+    assert!(matches!(gate.channel(0), Some(InputChannel::Unknown(_))));
+    consumer_env
+        .update_channel(
+            &mut gate,
+            0,
+            ProducerLocation::Remote(producer_env.local_addr()),
+        )
+        .unwrap();
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    partition.emit_record(&b"located"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(gate, b"located");
+    drop(partition);
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
 
 /// Task events a producer's partition received; with `panic_on_first`, the delivery of the
 /// first one panics instead (a producer's bug).

@@ -120,6 +120,15 @@ pub enum GateError {
     /// The operation needs the channel's producer location, which is not known yet.
     #[error("channel {0} has no known producer yet")]
     UnknownChannel(usize),
+    /// A channel of a gate a [`ShuffleEnvironment`](crate::env::ShuffleEnvironment) created
+    /// was located as remote through the gate itself: the environment connects a remote
+    /// channel when it locates it, so such a channel would never be served. Locate it through
+    /// `ShuffleEnvironment::update_channel`, which knows the producer's address.
+    #[error(
+        "channel {0}: a shuffle environment's gate locates remote channels through \
+         ShuffleEnvironment::update_channel, which connects them"
+    )]
+    LocateThroughEnvironment(usize),
     /// The gate's buffer pool refused.
     #[error(transparent)]
     Pool(#[from] PoolError),

@@ -61,6 +61,9 @@ pub struct SingleInputGate {
     /// and the channel turning remote would find none (it cannot wait: only its own task's
     /// reads, the caller's, would free them).
     reserved: Vec<Vec<crate::buffer::PooledSegment>>,
+    /// Created by a shuffle environment, which connects the remote channels: one located as
+    /// remote here, without the producer's address, would never be connected.
+    connected_by_environment: bool,
 }
 
 impl fmt::Debug for SingleInputGate {
@@ -100,7 +103,13 @@ impl SingleInputGate {
             metrics: GateMetrics::default(),
             timer: super::WakeTimer::default(),
             reserved: (0..count).map(|_| Vec::new()).collect(),
+            connected_by_environment: false,
         }
+    }
+
+    /// Marks the gate as one whose remote channels the environment connects.
+    pub(crate) fn set_connected_by_environment(&mut self) {
+        self.connected_by_environment = true;
     }
 
     /// Uses `backoff` for partition-request retries instead of the configured one
@@ -188,7 +197,25 @@ impl SingleInputGate {
     /// is requested if partitions were, and receives the pending task events. A channel
     /// turning remote gets the exclusive segments [`setup`](Self::setup) took for it (one
     /// turning local gives them back to the pool), so this does not wait for memory.
+    ///
+    /// A gate a shuffle environment created refuses to locate a channel as remote here
+    /// ([`GateError::LocateThroughEnvironment`]): `ShuffleEnvironment::update_channel` does
+    /// that, and connects the channel to its producer.
     pub fn update_channel(
+        &mut self,
+        index: usize,
+        location: ChannelLocation,
+        now: Instant,
+    ) -> Result<(), GateError> {
+        if self.connected_by_environment && location == ChannelLocation::Remote {
+            return Err(GateError::LocateThroughEnvironment(index));
+        }
+        self.locate_channel(index, location, now)
+    }
+
+    /// [`update_channel`](Self::update_channel) without the environment's check: the
+    /// environment connects what this locates as remote.
+    pub(crate) fn locate_channel(
         &mut self,
         index: usize,
         location: ChannelLocation,
