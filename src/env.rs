@@ -178,37 +178,61 @@ impl fmt::Debug for ShuffleEnvironment {
     }
 }
 
+/// The environment's timeouts are within what its loops can wait for.
+fn check_timeouts(config: &EnvConfig) -> Result<(), EnvError> {
+    for (field, value, zero_allowed) in [
+        (
+            "partition_request_timeout",
+            config.partition_request_timeout,
+            true,
+        ),
+        ("connect_timeout", config.connect_timeout, false),
+    ] {
+        if value > MAX_ENV_TIMEOUT || (value.is_zero() && !zero_allowed) {
+            return Err(EnvError::Config {
+                field,
+                reason: format!(
+                    "{value:?}: must be {}",
+                    if zero_allowed {
+                        "at most a day"
+                    } else {
+                        "above zero and at most a day"
+                    }
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl ShuffleEnvironment {
     /// Maps the network memory, binds the server and starts the I/O thread. Fails when
     /// authentication is on (`fluxgate.security.auth`) and no secret is configured, when TLS
     /// is on (`security.ssl.internal.enabled`) and its files cannot be used, and when TLS is
     /// on with `transport = uring` (TLS runs on the epoll driver only).
     pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
-        for (field, value, zero_allowed) in [
-            (
-                "partition_request_timeout",
-                config.partition_request_timeout,
-                true,
-            ),
-            ("connect_timeout", config.connect_timeout, false),
-        ] {
-            if value > MAX_ENV_TIMEOUT || (value.is_zero() && !zero_allowed) {
-                return Err(EnvError::Config {
-                    field,
-                    reason: format!(
-                        "{value:?}: must be {}",
-                        if zero_allowed {
-                            "at most a day"
-                        } else {
-                            "above zero and at most a day"
-                        }
-                    ),
-                });
-            }
-        }
-        let secret = config.network.resolve_secret(config.bind)?.map(Arc::new);
+        check_timeouts(&config)?;
+        // Bound before the network memory is mapped, whichever driver serves it: a port in
+        // use is `EnvError::Io` at once, not a failed driver, and auto's fallback does not
+        // bind again.
+        let listener = std::net::TcpListener::bind(config.bind)?;
+        Self::serve(listener, config)
+    }
+
+    /// As [`start`](Self::start), serving on `listener`, which the caller bound (a socket
+    /// handed over by a service manager, a port a resource manager reserved); `config.bind`
+    /// is not used. Whether connections must authenticate (`fluxgate.security.auth = auto`)
+    /// follows the listener's address.
+    pub fn start_on(listener: std::net::TcpListener, config: EnvConfig) -> Result<Self, EnvError> {
+        check_timeouts(&config)?;
+        Self::serve(listener, config)
+    }
+
+    fn serve(listener: std::net::TcpListener, config: EnvConfig) -> Result<Self, EnvError> {
+        let bound = listener.local_addr()?;
+        let secret = config.network.resolve_secret(bound)?.map(Arc::new);
         if secret.is_some() {
-            tracing::info!(bind = %config.bind, "connections authenticate with the cluster secret");
+            tracing::info!(%bound, "connections authenticate with the cluster secret");
         }
         let tls = TlsContext::from_config(&config.network)?.map(Arc::new);
         if tls.is_some() {
@@ -220,12 +244,8 @@ impl ShuffleEnvironment {
                         .into(),
                 ));
             }
-            tracing::info!(bind = %config.bind, "connections run over mutual TLS with the cluster CA");
+            tracing::info!(%bound, "connections run over mutual TLS with the cluster CA");
         }
-        // Bound once, before the network memory is mapped, whichever driver serves it: a port
-        // in use is `EnvError::Io` at once, not a failed driver, and auto's fallback does not
-        // bind again.
-        let listener = std::net::TcpListener::bind(config.bind)?;
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
         let options = &config.network;

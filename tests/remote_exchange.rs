@@ -748,6 +748,13 @@ fn env_from(
     options: &[(&str, &str)],
     adjust: impl FnOnce(&mut EnvConfig),
 ) -> ShuffleEnvironment {
+    let mut config = config_for(node, transport, options);
+    adjust(&mut config);
+    ShuffleEnvironment::start(config).unwrap()
+}
+
+/// The tests' environment settings: small segments and network memory.
+fn config_for(node: u128, transport: Transport, options: &[(&str, &str)]) -> EnvConfig {
     let mut network = NetworkConfig::default();
     for (key, value) in [
         ("taskmanager.memory.segment-size", "8kb"),
@@ -759,14 +766,12 @@ fn env_from(
     {
         network.set(key, value).unwrap();
     }
-    let mut config = EnvConfig {
+    EnvConfig {
         network,
         node,
         transport,
         ..EnvConfig::default()
-    };
-    adjust(&mut config);
-    ShuffleEnvironment::start(config).unwrap()
+    }
 }
 
 /// A one-channel gate on `consumer_env` reading `pid(0)` from `peer`.
@@ -1004,6 +1009,63 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once,
     a_channel_located_twice_is_connected_once_epoll,
     a_channel_located_twice_is_connected_once_uring
+);
+
+/// A listener that stops listening (shut down under the environment here) fails every accept
+/// for good: the driver gives it up and says so, rather than retrying every 10 ms for as
+/// long as the process lives, and the connections already open go on.
+fn a_listener_that_failed_for_good_is_given_up(transport: Transport) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let same_socket = listener.try_clone().unwrap();
+    let producer_env =
+        ShuffleEnvironment::start_on(listener, config_for(1, transport, &[])).unwrap();
+    assert_eq!(
+        producer_env.transport(),
+        transport,
+        "the requested driver runs"
+    );
+    let consumer_env = env(2, transport);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let mut reader = RecordReader::new(
+        remote_gate(&consumer_env, producer_env.local_addr()),
+        1 << 20,
+    );
+    partition.emit_record(&b"before"[..], 0).unwrap();
+    partition.flush(0);
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"before"),
+        other => panic!("expected the first record, got {other:?}"),
+    }
+    socket2::SockRef::from(&same_socket)
+        .shutdown(std::net::Shutdown::Read)
+        .unwrap();
+    assert!(
+        common::wait_until(LONG, || producer_env
+            .driver_stats()
+            .is_some_and(|stats| stats.listener_failed)),
+        "the driver gives the listener up"
+    );
+    partition.emit_record(&b"after"[..], 0).unwrap();
+    partition.finish().unwrap();
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"after"),
+        other => panic!("the open connection goes on, got {other:?}"),
+    }
+    while let Some(item) = reader.next_timeout(LONG).unwrap() {
+        assert!(matches!(item, ReaderItem::Event { .. }), "{item:?}");
+    }
+    let stats = producer_env.driver_stats().unwrap();
+    assert_eq!(
+        stats.failed_accepts, 1,
+        "the failed listener is not retried"
+    );
+    drop((reader, partition, same_socket));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_listener_that_failed_for_good_is_given_up,
+    a_listener_that_failed_for_good_is_given_up_epoll,
+    a_listener_that_failed_for_good_is_given_up_uring
 );
 
 /// A gate the environment created connects its remote channels through the environment: one

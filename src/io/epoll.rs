@@ -23,8 +23,9 @@ use socket2::SockRef;
 use super::conn::{Connection, Side};
 pub use super::DriverConfig;
 use super::{
-    client_for, discard_input, refuse_connection, BusyPoll, Command, Discarded, DriverHandle,
-    IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
+    client_for, discard_input, listener_failed_for_good, refuse_connection, BusyPoll, Command,
+    Discarded, DriverHandle, IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF,
+    SHUTDOWN_REASON,
 };
 use crate::partition::PartitionManager;
 use crate::protocol::{ProtocolError, ServerConnection};
@@ -94,6 +95,7 @@ impl EpollDriver {
             worked: false,
             sleeps: 0,
             failed_accepts: 0,
+            listener_failed: false,
             refused_connections: 0,
             short_writes: 0,
             protocol_errors: 0,
@@ -201,6 +203,8 @@ struct Loop {
     sleeps: u64,
     /// `DriverStats::failed_accepts`.
     failed_accepts: u64,
+    /// `DriverStats::listener_failed`.
+    listener_failed: bool,
     /// `DriverStats::refused_connections`.
     refused_connections: u64,
     /// `DriverStats::short_writes`: writes the send buffer took in part or not at all.
@@ -383,6 +387,7 @@ impl Loop {
                         sleeps: self.sleeps,
                         open_connections: self.connections.len() as u64,
                         failed_accepts: self.failed_accepts,
+                        listener_failed: self.listener_failed,
                         refused_connections: self.refused_connections,
                         short_writes: self.short_writes,
                         protocol_errors: self.protocol_errors,
@@ -474,6 +479,19 @@ impl Loop {
                         error.kind(),
                         io::ErrorKind::ConnectionAborted | io::ErrorKind::Interrupted
                     ) => {}
+                Err(error) if error.raw_os_error().is_some_and(listener_failed_for_good) => {
+                    // Retrying would fail the same way every pause for good.
+                    self.failed_accepts += 1;
+                    self.listener_failed = true;
+                    if let Err(error) = self.poll.registry().deregister(&mut self.listener) {
+                        tracing::debug!(%error, "deregistering the failed listener");
+                    }
+                    tracing::error!(
+                        %error,
+                        "the listener failed for good: no new connection is accepted (open ones go on)"
+                    );
+                    return;
+                }
                 Err(error) => {
                     // Out of file descriptors or memory: try again after a pause (logged once
                     // per streak, not every pause).

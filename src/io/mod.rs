@@ -48,6 +48,16 @@ pub(crate) const ERROR_RESPONSE_LINGER: Duration = Duration::from_secs(5);
 /// file descriptors or memory): the connections the kernel queued meanwhile are taken then.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 
+/// Whether an accept that failed with `errno` can never succeed on this listener: the socket
+/// is not (or no longer) a listening socket. Everything else (no descriptors, no memory, a
+/// connection that went away, the firewall refusing one peer) passes.
+pub(crate) fn listener_failed_for_good(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP | libc::EFAULT
+    )
+}
+
 /// What an I/O thread needs to know (either driver).
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
@@ -253,12 +263,17 @@ pub struct DriverStats {
     pub sleeps: u64,
     /// Connections open now (accepted and opened, closing ones included).
     pub open_connections: u64,
-    /// Accepts that failed for want of resources (descriptors, memory); the connections
-    /// they left in the listener's backlog are accepted again 10 ms later.
+    /// Accepts that failed: for want of resources (descriptors, memory), whose connections
+    /// left in the listener's backlog are accepted 10 ms later, or for good
+    /// (`listener_failed`).
     pub failed_accepts: u64,
     /// Connections closed at once for `fluxgate.network.max-connections` (their consumers
     /// connect again after the request back-off).
     pub refused_connections: u64,
+    /// The listener failed for good (the kernel refused it with an error no retry mends,
+    /// such as a socket that stopped listening): no new connection is accepted, while the
+    /// open ones go on. Consumers then find the port refused.
+    pub listener_failed: bool,
     /// `io_uring_enter` calls.
     pub enters: u64,
     /// Reads submitted.

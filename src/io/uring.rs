@@ -53,8 +53,9 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 
 use super::conn::{Connection, Side};
 use super::{
-    client_for, refuse_connection, BusyPoll, Command, DriverConfig, DriverHandle, DriverStats,
-    IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF, SHUTDOWN_REASON,
+    client_for, listener_failed_for_good, refuse_connection, BusyPoll, Command, DriverConfig,
+    DriverHandle, DriverStats, IoWaker, PendingConnects, RefusedConnects, WakeFn, ACCEPT_BACKOFF,
+    SHUTDOWN_REASON,
 };
 use crate::buffer::Buffer;
 use crate::partition::PartitionManager;
@@ -948,7 +949,10 @@ impl Loop {
     }
 
     fn arm_listener_and_wake(&mut self, now: Instant) {
-        if !self.accept_armed && self.accept_paused_until.is_none_or(|until| now >= until) {
+        if !self.accept_armed
+            && !self.stats.listener_failed
+            && self.accept_paused_until.is_none_or(|until| now >= until)
+        {
             self.accept_paused_until = None;
             let entry = opcode::Accept::new(
                 types::Fd(self.listener.as_raw_fd()),
@@ -1620,6 +1624,15 @@ impl Loop {
         }
         match -result {
             libc::EINTR | libc::EAGAIN | libc::ECONNABORTED | libc::ECANCELED => {}
+            errno if listener_failed_for_good(errno) => {
+                // Retrying would fail the same way every pause for good.
+                self.stats.failed_accepts += 1;
+                self.stats.listener_failed = true;
+                tracing::error!(
+                    error = %io::Error::from_raw_os_error(errno),
+                    "the listener failed for good: no new connection is accepted (open ones go on)"
+                );
+            }
             errno => {
                 // Out of file descriptors or memory: try again after a pause (logged once per
                 // streak, not every pause).
