@@ -175,31 +175,65 @@ fn split_user_data(data: u64) -> (u64, usize, u32) {
 
 /// Whether this process can run the io_uring driver: `kernel.io_uring_disabled` is not 2, a
 /// ring can be created, it supports the wait timeout (`IORING_FEAT_EXT_ARG`, Linux 5.11) and
-/// every opcode the driver uses. The error says what is missing. Probed once per process.
+/// every opcode the driver uses. The error says what is missing. A verdict that lasts is
+/// kept for the process; a passing shortage (no descriptor or memory for the ring just then)
+/// is probed again next time, so one bad moment does not leave every later environment on
+/// epoll.
 pub fn probe() -> Result<(), String> {
     static PROBED: OnceLock<Result<(), String>> = OnceLock::new();
-    PROBED.get_or_init(probe_now).clone()
+    if let Some(verdict) = PROBED.get() {
+        return verdict.clone();
+    }
+    match probe_now() {
+        Probed::Lasting(verdict) => PROBED.get_or_init(|| verdict).clone(),
+        Probed::Passing(reason) => Err(reason),
+    }
 }
 
-fn probe_now() -> Result<(), String> {
+/// What one probe found.
+enum Probed {
+    /// Holds for the life of the process.
+    Lasting(Result<(), String>),
+    /// A shortage of the moment: the next probe may pass.
+    Passing(String),
+}
+
+fn probe_now() -> Probed {
+    let setup_failed = |error: io::Error, what: String| match error.raw_os_error() {
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR) => {
+            Probed::Passing(what)
+        }
+        _ => Probed::Lasting(Err(what)),
+    };
     let sysctl = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
         .ok()
         .map(|s| s.trim().to_owned());
     if sysctl.as_deref() == Some("2") {
-        return Err("kernel.io_uring_disabled = 2 (io_uring is off for every process)".into());
+        return Probed::Lasting(Err(
+            "kernel.io_uring_disabled = 2 (io_uring is off for every process)".into(),
+        ));
     }
-    let ring = IoUring::new(8).map_err(|error| {
-        let hint = match (error.raw_os_error(), sysctl.as_deref()) {
-            (Some(libc::EPERM), Some("1")) => {
-                " (kernel.io_uring_disabled = 1: only privileged processes or kernel.io_uring_group)"
-            }
-            (Some(libc::EPERM), _) => " (blocked, e.g. by a seccomp profile)",
-            (Some(libc::ENOSYS), _) => " (kernel without io_uring, or a sandbox hiding it)",
-            (Some(libc::ENOMEM), _) => " (locked-memory limit)",
-            _ => "",
-        };
-        format!("creating a ring failed: {error}{hint}")
-    })?;
+    let ring = match IoUring::new(8) {
+        Ok(ring) => ring,
+        Err(error) => {
+            let hint = match (error.raw_os_error(), sysctl.as_deref()) {
+                (Some(libc::EPERM), Some("1")) => {
+                    " (kernel.io_uring_disabled = 1: only privileged processes or kernel.io_uring_group)"
+                }
+                (Some(libc::EPERM), _) => " (blocked, e.g. by a seccomp profile)",
+                (Some(libc::ENOSYS), _) => " (kernel without io_uring, or a sandbox hiding it)",
+                (Some(libc::ENOMEM), _) => " (locked-memory limit)",
+                _ => "",
+            };
+            let what = format!("creating a ring failed: {error}{hint}");
+            return setup_failed(error, what);
+        }
+    };
+    Probed::Lasting(check_ring(&ring))
+}
+
+/// Whether `ring`'s kernel has what the driver uses.
+fn check_ring(ring: &IoUring) -> Result<(), String> {
     if !ring.params().is_feature_ext_arg() {
         return Err("the kernel lacks IORING_FEAT_EXT_ARG (wait timeouts, Linux 5.11)".into());
     }
