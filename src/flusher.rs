@@ -23,8 +23,8 @@ impl fmt::Debug for OutputFlusher {
 
 impl OutputFlusher {
     /// Flushes `partition` every `interval` (at least 1 ms: a zero interval would make the
-    /// thread spin) until dropped.
-    pub fn start(partition: PartitionHandle, interval: Duration) -> Self {
+    /// thread spin) until dropped. Fails when the thread cannot be started.
+    pub fn start(partition: PartitionHandle, interval: Duration) -> std::io::Result<Self> {
         let interval = interval.max(Duration::from_millis(1));
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let signal = stop.clone();
@@ -53,12 +53,11 @@ impl OutputFlusher {
                         );
                     }
                 }
-            })
-            .expect("spawning the output flusher thread");
-        Self {
+            })?;
+        Ok(Self {
             stop,
             thread: Some(thread),
-        }
+        })
     }
 }
 

@@ -771,29 +771,33 @@ fn produce_one(
     match args.partitioner {
         Partitioner::RoundRobin => emit_for(
             args,
-            RecordWriter::new(partition, RoundRobinSelector::starting_at(index), timeout),
+            RecordWriter::try_new(partition, RoundRobinSelector::starting_at(index), timeout)
+                .map_err(|e| e.to_string())?,
             started,
         ),
         Partitioner::Hash => emit_for(
             args,
-            RecordWriter::new(
+            RecordWriter::try_new(
                 partition,
                 KeyHashSelector::new(
                     record_key as fn(&[u8]) -> u64,
                     crate::topology::max_parallelism(args.consumers),
                 ),
                 timeout,
-            ),
+            )
+            .map_err(|e| e.to_string())?,
             started,
         ),
         Partitioner::Broadcast => emit_for(
             args,
-            RecordWriter::new(partition, BroadcastSelector, timeout),
+            RecordWriter::try_new(partition, BroadcastSelector, timeout)
+                .map_err(|e| e.to_string())?,
             started,
         ),
         Partitioner::Forward => emit_for(
             args,
-            RecordWriter::new(partition, ToChannel(index), timeout),
+            RecordWriter::try_new(partition, ToChannel(index), timeout)
+                .map_err(|e| e.to_string())?,
             started,
         ),
     }

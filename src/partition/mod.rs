@@ -120,4 +120,8 @@ pub enum PartitionError {
     /// barrier's options).
     #[error("an aligned checkpoint barrier cannot be a priority event")]
     PriorityAlignedBarrier,
+    /// The output flusher thread (`execution.buffer-timeout` above zero) could not be
+    /// started: the system refused a thread.
+    #[error("starting the output flusher thread failed: {0}")]
+    Flusher(String),
 }

@@ -163,19 +163,35 @@ impl<S> fmt::Debug for RecordWriter<S> {
 impl<S> RecordWriter<S> {
     /// A writer over `partition`; with `BufferTimeout::Every` it starts an output flusher
     /// thread that stops when the writer drops.
+    ///
+    /// # Panics
+    ///
+    /// When the flusher thread cannot be started, as `std::thread::spawn` does;
+    /// [`try_new`](Self::try_new) returns that error instead.
     pub fn new(partition: ResultPartition, selector: S, timeout: BufferTimeout) -> Self {
+        Self::try_new(partition, selector, timeout).expect("starting the output flusher")
+    }
+
+    /// As [`new`](Self::new), failing with [`PartitionError::Flusher`] when the system
+    /// refuses the flusher thread.
+    pub fn try_new(
+        partition: ResultPartition,
+        selector: S,
+        timeout: BufferTimeout,
+    ) -> Result<Self, PartitionError> {
         let flusher = match timeout {
-            BufferTimeout::Every(interval) => {
-                Some(OutputFlusher::start(partition.handle(), interval))
-            }
+            BufferTimeout::Every(interval) => Some(
+                OutputFlusher::start(partition.handle(), interval)
+                    .map_err(|error| PartitionError::Flusher(error.to_string()))?,
+            ),
             _ => None,
         };
-        Self {
+        Ok(Self {
             partition,
             selector,
             flush_always: timeout == BufferTimeout::Always,
             _flusher: flusher,
-        }
+        })
     }
 
     /// Emits `record` to the subpartition(s) the selector picks.
