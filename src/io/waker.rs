@@ -25,6 +25,11 @@ pub struct IoWaker<W: Fn() + Send + Sync> {
     parked: AtomicBool,
     /// The I/O thread's loop has ended: nobody takes commands any more.
     stopped: AtomicBool,
+    /// A submit found the command queue full for all of [`SUBMIT_PATIENCE`], and none has
+    /// found room since: the thread is taken as stuck, and a submit that finds the queue
+    /// full gives up at once rather than waiting its patience out again (creating a gate
+    /// with many remote channels would wait that long per channel).
+    stuck: AtomicBool,
     wake: W,
 }
 
@@ -42,6 +47,7 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
         Self {
             parked: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
+            stuck: AtomicBool::new(false),
             wake,
         }
     }
@@ -109,7 +115,8 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
 
     /// A task thread hands `command` to the I/O thread through its bounded `queue` and wakes
     /// it if parked. Blocks (bounded) only if the queue is full; gives the command back when
-    /// the queue stayed full for [`SUBMIT_PATIENCE`] (the I/O thread is stuck) or the thread
+    /// the queue stayed full for [`SUBMIT_PATIENCE`] (the I/O thread is stuck: until the queue
+    /// has room again, later submits give up as soon as they find it full) or the thread
     /// has [stopped](Self::stop). A command it queued may still meet a thread that stopped
     /// meanwhile: [`take_back_if_stopped`](Self::take_back_if_stopped) says.
     pub fn submit<T>(&self, queue: &ArrayQueue<T>, command: T) -> Result<(), T> {
@@ -129,13 +136,25 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
         // take several, and whoever waits for the command relies on the patience.
         let deadline = Instant::now() + SUBMIT_PATIENCE;
         for _ in 0..1_000_000 {
-            if give_up() || self.is_stopped() || Instant::now() >= deadline {
+            if give_up() || self.is_stopped() {
+                return Err(command);
+            }
+            if Instant::now() >= deadline {
+                self.stuck.store(true, Ordering::Relaxed);
                 return Err(command);
             }
             match queue.push(command) {
                 Ok(()) => {
+                    if self.stuck.load(Ordering::Relaxed) {
+                        self.stuck.store(false, Ordering::Relaxed);
+                    }
                     self.wake_if_parked();
                     return Ok(());
+                }
+                Err(back) if self.stuck.load(Ordering::Relaxed) => {
+                    // Still full since a submit waited its patience out: still stuck.
+                    self.wake_if_parked();
+                    return Err(back);
                 }
                 Err(back) => {
                     command = back;
@@ -151,7 +170,10 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
 
 /// How long [`IoWaker::submit`] waits for room in a full command queue before it gives up
 /// (the I/O thread is taken as stuck).
+#[cfg(not(test))]
 pub const SUBMIT_PATIENCE: Duration = Duration::from_secs(10);
+#[cfg(test)]
+pub const SUBMIT_PATIENCE: Duration = Duration::from_millis(100);
 
 impl<W: Fn() + Send + Sync> IoWaker<W> {
     /// The I/O thread's loop has ended, by shutdown or because an OS error stopped it: from
@@ -273,8 +295,45 @@ impl IdleWait {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use super::BusyPoll;
+    use super::{BusyPoll, IoWaker};
+    use crate::sync::ArrayQueue;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    /// A thread that stopped taking commands costs the first submit to its full queue its
+    /// patience, and each later one a single look until the queue has room again: a gate
+    /// with many remote channels waited the patience out once per channel.
+    #[test]
+    fn submits_to_a_stuck_thread_wait_their_patience_out_once() {
+        let looks = AtomicUsize::new(0);
+        let waker = IoWaker::new(|| {
+            looks.fetch_add(1, Ordering::Relaxed);
+        });
+        let queue = ArrayQueue::new(1);
+        waker.submit(&queue, 0).unwrap();
+        // Parked, so that every look at the full queue signals (and counts).
+        let park = || waker.prepare_park(|| false);
+        let submit_parked = |command| {
+            let looks_before = looks.load(Ordering::Relaxed);
+            let submitted = waker.submit_unless(&queue, command, || {
+                park();
+                false
+            });
+            (submitted, looks.load(Ordering::Relaxed) - looks_before)
+        };
+        let (first, first_looks) = submit_parked(1);
+        assert_eq!(first, Err(1), "the queue stayed full");
+        assert!(first_looks > 1, "the first submit waited: {first_looks}");
+        let (second, second_looks) = submit_parked(2);
+        assert_eq!(second, Err(2));
+        assert_eq!(second_looks, 1, "the next submit looked once");
+        // Room again: the thread is no longer taken as stuck.
+        assert_eq!(queue.pop(), Some(0));
+        waker.submit(&queue, 3).unwrap();
+        let (third, third_looks) = submit_parked(4);
+        assert_eq!(third, Err(4));
+        assert!(third_looks > 1, "a submit after room was found waits again");
+    }
 
     #[test]
     fn without_a_window_the_thread_parks_at_once() {
