@@ -15,8 +15,8 @@ use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, BufferOrEvent, ChannelLocation, ChannelSpec, CheckpointedInputGate,
-    ConsumedSubpartition, CreditListener, GateError, GateItem, InputGate, RemoteChannelShared,
-    SingleInputGate, UnionInputGate, UNCREDITED_EVENTS,
+    ConsumedSubpartition, CreditListener, GateError, GateItem, InputGate, ReaderItem, RecordReader,
+    RemoteChannelShared, SingleInputGate, UnionInputGate, UNCREDITED_EVENTS,
 };
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
@@ -368,6 +368,68 @@ fn a_buffer_behind_an_undecodable_event_is_read_after_the_error() {
         .unwrap()
         .expect("the buffer behind the bad event");
     assert_eq!(data(&after.item), b"after");
+}
+
+/// The same in a union: the member gate whose channel read the bad event stays in the
+/// union's turn while its other channel has data queued. It was left out, and the other
+/// channel's notifications folded into the member's entry that was gone: read for good.
+#[test]
+fn a_union_reads_a_member_on_after_one_of_its_channels_read_an_undecodable_event() {
+    let f = fixture();
+    let member = f.remote_gate(2);
+    let (bad, _) = attach(&member, 0);
+    let (good, _) = attach(&member, 1);
+    let mut union = UnionInputGate::new(vec![member]);
+    let mut bad_sender = Sender::new(&bad);
+    let mut good_sender = Sender::new(&good);
+    bad_sender
+        .send(b"\xFFnot an event", DataType::EventBuffer, 0)
+        .unwrap();
+    good_sender.send(b"good", DataType::DataBuffer, 0).unwrap();
+    assert!(matches!(
+        union.next_timeout(LONG),
+        Err(GateError::Event { channel: 0, .. })
+    ));
+    let item = union
+        .next_timeout(LONG)
+        .unwrap()
+        .expect("the other channel's buffer");
+    assert_eq!((item.channel, data(&item.item)), (1, b"good".to_vec()));
+    drop(item);
+    union.close();
+    drop(union);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
+/// `Duration::MAX`, a common way to say "no deadline", waits without one: it panicked adding
+/// itself to the clock, in the gate's read and in the record reader's.
+#[test]
+fn a_timeout_beyond_the_clock_waits_without_a_deadline() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    sender.send(b"ready", DataType::DataBuffer, 0).unwrap();
+    let ready = gate.next_timeout(Duration::MAX).unwrap().expect("a buffer");
+    assert_eq!(data(&ready.item), b"ready");
+    drop(ready);
+    // The reader waits (its idle time grows) before the record comes.
+    let idle = gate.metrics().idle.clone();
+    let mut reader = RecordReader::new(gate, 1 << 10);
+    let late = thread::spawn(move || {
+        assert!(common::wait_until(LONG, || idle.total() > Duration::ZERO));
+        sender
+            .send(&common::framed_record(b"late"), DataType::DataBuffer, 0)
+            .unwrap();
+    });
+    match reader.next_timeout(Duration::MAX).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"late"),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    late.join().unwrap();
+    reader.gate_mut().close();
+    drop(reader);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
 #[test]

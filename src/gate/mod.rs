@@ -206,9 +206,10 @@ pub trait InputGate {
     fn next(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
         self.next_until(None)
     }
-    /// [`next`](Self::next) giving up after `timeout` with [`GateError::TimedOut`].
+    /// [`next`](Self::next) giving up after `timeout` with [`GateError::TimedOut`]; a
+    /// timeout beyond what the clock can count (`Duration::MAX`) waits without a deadline.
     fn next_timeout(&mut self, timeout: Duration) -> Result<Option<BufferOrEvent>, GateError> {
-        self.next_until(Some(Instant::now() + timeout))
+        self.next_until(Instant::now().checked_add(timeout))
     }
     /// Unblocks a channel after an aligned barrier.
     fn resume_consumption(&mut self, channel: usize) -> Result<(), GateError>;

@@ -174,8 +174,10 @@ impl<G: InputGate> RecordReader<G> {
                 (None, Wait::Poll) => None,
                 (None, Wait::Forever) => self.gate.next_until(None)?,
                 (None, Wait::For(timeout)) => {
-                    let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
-                    self.gate.next_until(Some(deadline))?
+                    // A timeout beyond what the clock can count waits without a deadline.
+                    let deadline =
+                        *deadline.get_or_insert_with(|| Instant::now().checked_add(timeout));
+                    self.gate.next_until(deadline)?
                 }
             };
             let Some(item) = next else {

@@ -125,13 +125,16 @@ impl BufferManager {
         closed: &dyn Fn() -> bool,
     ) -> Result<Vec<crate::buffer::PooledSegment>, GateError> {
         let mut segments = Vec::with_capacity(exclusive);
-        let deadline = Instant::now() + timeout;
+        // A timeout beyond what the clock can count waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
         for _ in 0..exclusive {
             let segment = if pool.requested_segments() >= pool.spec().max_segments {
                 pool.request_segment()
             } else {
                 match pool.request_segment_blocking_unless(
-                    deadline.saturating_duration_since(Instant::now()),
+                    deadline.map_or(timeout, |deadline| {
+                        deadline.saturating_duration_since(Instant::now())
+                    }),
                     closed,
                 ) {
                     Ok(segment) => Some(segment),

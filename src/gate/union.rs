@@ -151,7 +151,17 @@ impl InputGate for UnionInputGate {
                     self.close();
                     return Err(GateError::Closed);
                 }
-                read => read.map_err(|error| error.offset_channel(offset))?,
+                Err(error) => {
+                    // The member reads on after a channel's error (a bad event fails only that
+                    // read): it stays in turn while its other channels are queued, whose flags
+                    // fold their next notifications into its entry here.
+                    let gate = &self.gates[index as usize];
+                    if gate.queue().has_channels() {
+                        self.queue.enqueue(index, gate.queue().has_priority());
+                    }
+                    return Err(error.offset_channel(offset));
+                }
+                Ok(read) => read,
             };
             let Some(mut item) = read else {
                 // Channels queued again while the member read (their flags set, so their
