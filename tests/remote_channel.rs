@@ -681,6 +681,63 @@ fn a_backlog_of_zero_lets_surplus_floating_segments_go_back() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// An aligned barrier stops the sender until consumption resumes, so the backlog the data
+/// before it announced no longer holds: a channel with exclusive segments stops taking
+/// floating ones (the channels still to bring their barriers need them). It kept waiting for
+/// them through the whole alignment, and took each one the pool got back as credit its
+/// blocked sender could not use.
+#[test]
+fn a_blocked_channel_takes_no_more_floating_segments() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let mut sender = Sender::new(&shared);
+    // A backlog beyond the gate's pool: every floating segment, and still waiting for more.
+    buffers.on_sender_backlog(FLOATING + 10);
+    assert_eq!(buffers.available(), EXCLUSIVE + FLOATING);
+    assert!(buffers.is_waiting_for_floating());
+    sender.announce();
+    // "a" goes into a floating segment, so its return goes to the gate's pool.
+    sender
+        .send(b"a", DataType::DataBuffer, FLOATING + 10)
+        .unwrap();
+    let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+        id: 1,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Aligned,
+    });
+    let segment = buffers.event_segment(64).unwrap();
+    let sequence = sender.sequence;
+    sender
+        .deliver(
+            segment,
+            &encoded(&barrier),
+            DataType::AlignedCheckpointBarrier,
+            sequence,
+            0,
+            0,
+        )
+        .unwrap();
+    let a = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
+    assert_eq!(a.as_slice(), b"a");
+    drop(a);
+    assert_eq!(
+        buffers.unannounced_credit(),
+        0,
+        "the blocked channel took the returned segment as credit"
+    );
+    assert_eq!(buffers.available(), EXCLUSIVE + FLOATING - 1);
+    assert!(!buffers.is_waiting_for_floating());
+    let read = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(read.item, GateItem::Event { .. }), "the barrier");
+    drop(read);
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 /// A channel without exclusive segments gives its floating ones back when an aligned barrier
 /// blocks its sender (Flink's `onBlockingUpstream`), takes no new ones while blocked, and on
 /// resume drops the credit it had not announced for them; a resume that no barrier blocked

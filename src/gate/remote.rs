@@ -643,11 +643,14 @@ impl RemoteChannelShared {
             self.announced_checkpoint
                 .store(checkpoint, Ordering::Release);
         }
-        if !is_blocking {
-            // Every response, a backlog of 0 too, as Flink's `onBuffer`: a channel keeps
-            // wanting floating segments only while its sender has buffers for them.
-            self.buffers.on_sender_backlog(backlog);
-        }
+        // Every response, a backlog of 0 too, as Flink's `onBuffer`: a channel keeps wanting
+        // floating segments only while its sender has buffers for them. A sender stopped
+        // behind an aligned barrier has none it may send until resumed (Flink's blocked
+        // subpartition reports a backlog of 0), so a channel with exclusive segments lets its
+        // surplus floating ones go back to the other channels while it waits for the rest of
+        // the alignment.
+        self.buffers
+            .on_sender_backlog(if is_blocking { 0 } else { backlog });
         self.queue.enqueue(self.channel as u32, priority);
         Ok(())
     }
