@@ -13,7 +13,9 @@ use fluxgate::gate::{
     AlignmentMode, ChannelLocation, ChannelSpec, ChannelStateSink, CheckpointedInputGate,
     ConsumedSubpartition, GateError, GateItem, InputGate, SingleInputGate,
 };
-use fluxgate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
+use fluxgate::partition::{
+    PartitionManager, ResultPartition, ResultPartitionId, TaskEventListener,
+};
 use fluxgate::protocol::auth::{Nonce, Transcript};
 use fluxgate::protocol::frame::{
     encode_buffer_response, encode_header, BufferResponseHeader, BUFFER_RESPONSE_HEADER,
@@ -164,6 +166,8 @@ impl Pair {
 struct Setup {
     consumer_network: NetworkBufferPool,
     producer_network: NetworkBufferPool,
+    /// The producer side's partitions, as its server finds them.
+    manager: Arc<PartitionManager>,
     producers: Vec<ResultPartition>,
     gate: SingleInputGate,
     pair: Pair,
@@ -246,7 +250,7 @@ fn setup_with(
             secret: server_secret,
             ..ServerConfig::default()
         },
-        manager,
+        manager.clone(),
         SERVER_NONCE,
     );
     let rng = TestRng::from_seed(
@@ -256,6 +260,7 @@ fn setup_with(
     Setup {
         consumer_network,
         producer_network,
+        manager,
         producers,
         gate,
         pair: Pair {
@@ -494,6 +499,7 @@ fn an_unaligned_barrier_persists_the_data_it_overtakes_in_the_consumer() {
         mut producers,
         gate,
         mut pair,
+        ..
     } = setup_with(1, 7, 1 << 20, None, None);
     // Three flushed records: two buffers sent with the two exclusive credits and queued
     // unread, and a third the sender holds for want of credit.
@@ -665,6 +671,36 @@ fn all_back(s: Setup) {
         s.producer_network.available_segments(),
         s.producer_network.total_segments()
     );
+}
+
+/// Task events a producer heard.
+#[derive(Default)]
+struct HeardTaskEvents(Mutex<Vec<Event>>);
+
+impl TaskEventListener for HeardTaskEvents {
+    fn on_task_event(&self, event: &Event) {
+        self.0.lock().unwrap().push(event.clone());
+    }
+}
+
+/// A task event sent just before the gate closed (within one turn of the I/O thread) still
+/// reaches the producer, ahead of the cancel, as Flink writes a task event at once. The
+/// connection saw the channel released first and sent only the cancel.
+#[test]
+fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer() {
+    let mut s = setup(1, 11, 64);
+    let heard = Arc::new(HeardTaskEvents::default());
+    s.manager
+        .subscribe_task_events(s.producers[0].handle().id(), heard.clone());
+    settle(&mut s.pair);
+    s.gate.send_task_event(&Event::Task(b"last word".to_vec()));
+    s.gate.close();
+    settle(&mut s.pair);
+    assert_eq!(
+        *heard.0.lock().unwrap(),
+        [Event::Task(b"last word".to_vec())]
+    );
+    all_back(s);
 }
 
 #[test]

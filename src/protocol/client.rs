@@ -504,6 +504,19 @@ impl ClientConnection {
                 continue;
             }
             if channel.shared.is_released() {
+                // Task events the task sent before it let go leave first, as Flink writes
+                // them at once: the producer may be waiting for one.
+                let partition = channel.partition;
+                for event in channel.shared.take_task_events() {
+                    encode(
+                        &mut self.outbound,
+                        &Message::TaskEventRequest {
+                            partition,
+                            receiver,
+                            event,
+                        },
+                    );
+                }
                 encode(
                     &mut self.outbound,
                     &Message::CancelPartitionRequest { receiver },
