@@ -432,6 +432,76 @@ fn a_timeout_beyond_the_clock_waits_without_a_deadline() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// A channel can hold more segments than its exclusive ones and the gate's floating quota:
+/// the exclusive segments of channels that ended go back to the gate's pool and can be lent
+/// to it. It receives that many buffers, in order. Its lanes keep room only for the usual
+/// number and grow beyond it while needed (they were sized for the gate's whole pool, each:
+/// memory that grew with the square of the channel count).
+#[test]
+fn a_channel_holding_more_than_its_usual_segments_receives_them_all_in_order() {
+    const CHANNELS: usize = 12;
+    let f = fixture();
+    let mut gate = f.remote_gate(CHANNELS);
+    let attached: Vec<_> = (0..CHANNELS).map(|i| attach(&gate, i)).collect();
+    // Every channel but the first ends: its exclusive segments go back to the gate's pool.
+    for (shared, _) in &attached[1..] {
+        let mut sender = Sender::new(shared);
+        let segment = shared.buffers().event_segment(64).unwrap();
+        sender
+            .deliver(
+                segment,
+                &encoded(&Event::EndOfPartition),
+                DataType::EventBuffer,
+                0,
+                0,
+                0,
+            )
+            .unwrap();
+    }
+    for _ in 1..CHANNELS {
+        let item = gate
+            .next_timeout(LONG)
+            .unwrap()
+            .expect("an end of partition");
+        assert!(matches!(item.item, GateItem::Event { .. }), "{item:?}");
+    }
+    let (shared, _) = &attached[0];
+    shared.buffers().on_sender_backlog(1000);
+    let mut sender = Sender::new(shared);
+    // Sends on every credit the channel announces, until it announces none (the gate's pool
+    // is all in this channel's buffers).
+    let mut sent = 0u32;
+    for _ in 0..1000 {
+        sender.announce();
+        if sender.credit() == 0 {
+            break;
+        }
+        while sender.credit() > 0 {
+            sender
+                .send(&sent.to_be_bytes(), DataType::DataBuffer, 1000)
+                .unwrap();
+            sent += 1;
+        }
+    }
+    assert_eq!(
+        sent as usize,
+        CHANNELS * EXCLUSIVE + FLOATING,
+        "the whole gate pool"
+    );
+    assert!(sent as usize > EXCLUSIVE + FLOATING + UNCREDITED_EVENTS);
+    for i in 0..sent {
+        let item = gate.next_timeout(LONG).unwrap().expect("a buffer");
+        assert_eq!(
+            (item.channel, data(&item.item)),
+            (0, i.to_be_bytes().to_vec())
+        );
+    }
+    gate.close();
+    drop(gate);
+    drop(attached);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 #[test]
 fn a_backlog_brings_floating_segments_bounded_by_the_gate_pool() {
     let f = fixture();

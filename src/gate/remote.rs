@@ -483,14 +483,93 @@ struct Received {
     data_before: u64,
 }
 
+/// One lane of a remote channel's received items: the transport's thread pushes, the gate's
+/// reader pops. A lock-free ring holds what a channel usually holds (its exclusive segments,
+/// the gate's floating ones, and the events it may take without credit), so its memory does
+/// not grow with the gate's channel count. A channel that holds more (floating segments its
+/// gate got back from released channels) spills the rest, in order, into a list behind a
+/// lock, which either side touches only while something is spilled.
+struct ReceivedLane {
+    ring: ArrayQueue<Received>,
+    /// Set (by the pusher, under the lock) while `overflow` holds items or a push is on its
+    /// way there; cleared by the popper that empties it. While set, pushes go to `overflow`,
+    /// so items keep their order: the ring was empty when the popper first went there, and
+    /// nothing enters the ring while this is set.
+    spilled: AtomicBool,
+    overflow: Mutex<VecDeque<Received>>,
+    overflow_len: AtomicUsize,
+    /// Most items the lane holds, ring and overflow together.
+    max_items: usize,
+}
+
+impl ReceivedLane {
+    /// A lane holding up to `max_items`, `usual` of them in the ring.
+    fn new(usual: usize, max_items: usize) -> Self {
+        let ring = usual.clamp(1, max_items.max(1));
+        Self {
+            ring: ArrayQueue::new(ring),
+            spilled: AtomicBool::new(false),
+            overflow: Mutex::new(VecDeque::new()),
+            overflow_len: AtomicUsize::new(0),
+            max_items: max_items.max(ring),
+        }
+    }
+
+    /// Queues `item` behind everything before it; gives it back when the lane holds
+    /// `max_items` already.
+    fn push(&self, item: Received) -> Result<(), Received> {
+        let item = if self.spilled.load(Ordering::SeqCst) {
+            item
+        } else {
+            match self.ring.push(item) {
+                Ok(()) => return Ok(()),
+                Err(item) => item,
+            }
+        };
+        let mut overflow = self.overflow.lock().expect("not poisoned");
+        if self.ring.len() + overflow.len() >= self.max_items {
+            return Err(item);
+        }
+        overflow.push_back(item);
+        self.overflow_len.store(overflow.len(), Ordering::Relaxed);
+        self.spilled.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// The oldest item, if any.
+    fn pop(&self) -> Option<Received> {
+        if let Some(item) = self.ring.pop() {
+            return Some(item);
+        }
+        if !self.spilled.load(Ordering::SeqCst) {
+            return None;
+        }
+        let mut overflow = self.overflow.lock().expect("not poisoned");
+        let item = overflow.pop_front();
+        self.overflow_len.store(overflow.len(), Ordering::Relaxed);
+        if overflow.is_empty() {
+            self.spilled.store(false, Ordering::SeqCst);
+        }
+        item
+    }
+
+    fn len(&self) -> usize {
+        self.ring.len() + self.overflow_len.load(Ordering::Relaxed)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ring.is_empty() && !self.spilled.load(Ordering::SeqCst)
+    }
+}
+
 /// What the transport and the gate share of one remote channel.
 pub struct RemoteChannelShared {
     channel: usize,
     consumed: ConsumedSubpartition,
     queue: Arc<ChannelQueue>,
     buffers: Arc<BufferManager>,
-    received: ArrayQueue<Received>,
-    received_priority: ArrayQueue<Received>,
+    received: ReceivedLane,
+    received_priority: ReceivedLane,
     /// Items pushed onto `received` so far. Written only by the transport's thread (the one
     /// calling `on_buffer`), so a priority item can note how many came before it.
     data_received: AtomicU64,
@@ -767,22 +846,28 @@ impl fmt::Debug for RemoteInputChannel {
 }
 
 impl RemoteInputChannel {
+    /// A channel that may hold up to `max_received` buffers at once (its gate's pool) and
+    /// usually holds at most `usual_received` (its exclusive and the gate's floating ones):
+    /// its lanes keep room for the usual number and grow beyond it only while needed.
     pub(crate) fn new(
         channel: usize,
         consumed: ConsumedSubpartition,
         queue: Arc<ChannelQueue>,
         buffers: Arc<BufferManager>,
         max_received: usize,
+        usual_received: usize,
     ) -> Self {
+        // Credit bounds the buffers; events arrive without credit and need room too.
+        let usual = usual_received.min(max_received).max(1) + UNCREDITED_EVENTS;
+        let most = max_received.max(1) + UNCREDITED_EVENTS;
         Self {
             shared: Arc::new(RemoteChannelShared {
                 channel,
                 consumed,
                 queue,
                 buffers,
-                // Credit bounds the buffers; events arrive without credit and need room too.
-                received: ArrayQueue::new(max_received.max(1) + UNCREDITED_EVENTS),
-                received_priority: ArrayQueue::new(max_received.max(1) + UNCREDITED_EVENTS),
+                received: ReceivedLane::new(usual, most),
+                received_priority: ReceivedLane::new(usual, most),
                 data_received: AtomicU64::new(0),
                 expected_sequence: AtomicU64::new(0),
                 error: Mutex::new(None),
@@ -800,7 +885,7 @@ impl RemoteInputChannel {
             requested: false,
             data_taken: 0,
             stashed: None,
-            pending: VecDeque::with_capacity(max_received.max(1) + UNCREDITED_EVENTS),
+            pending: VecDeque::with_capacity(usual),
             unread_before_priority: 0,
         }
     }

@@ -495,6 +495,7 @@ impl SingleInputGate {
                     self.queue.clone(),
                     buffers,
                     max,
+                    self.config.buffers_per_channel + self.config.floating_buffers_per_gate,
                 ))
             }
             ChannelLocation::Unknown => {
