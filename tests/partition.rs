@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use fluxgate::buffer::{DataType, NetworkBufferPool};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::partition::{
-    AvailabilityListener, BufferAndBacklog, BufferTimeout, KeyHashSelector, PartitionError,
-    PartitionManager, RecordWriter, ResultPartition, ResultPartitionId, RoundRobinSelector,
-    SubpartitionView,
+    AvailabilityListener, BufferAndBacklog, BufferTimeout, ChannelSelector, KeyHashSelector,
+    PartitionError, PartitionManager, RecordWriter, ResultPartition, ResultPartitionId,
+    RoundRobinSelector, Selection, SubpartitionView,
 };
 use fluxgate::record::{RecordDeserializer, RecordError};
 use fluxgate::NetworkConfig;
@@ -1716,6 +1716,89 @@ fn an_async_record_running_past_the_open_buffer_waits_for_its_next_segment_witho
     }
     assert_eq!(reader.records, [(3000, 1), (3000, 2), (3000, 3)]);
     drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A selector that broadcasts every record and counts how often it was asked.
+#[derive(Default)]
+struct CountedBroadcast(usize);
+
+impl ChannelSelector<[u8]> for CountedBroadcast {
+    fn select(&mut self, _record: &[u8], _channels: usize) -> Selection {
+        self.0 += 1;
+        Selection::Broadcast
+    }
+}
+
+/// An async emit of a broadcast record waits for its segment as a future, as a unicast one
+/// does, and asks the selector once. It blocked the thread (a single-threaded executor whose
+/// reader ran on it deadlocked), and asked the selector a second time, so a selector that
+/// broadcasts some records could send one of them to a single channel instead.
+#[test]
+fn an_async_broadcast_waits_for_its_segment_without_blocking_and_selects_once() {
+    // Two segments in the whole network: the third record, running past the second buffer,
+    // needs one the reader has to give back first.
+    let (network, config) = setup(2);
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    let mut writer =
+        RecordWriter::new(partition, CountedBroadcast::default(), BufferTimeout::Never);
+    let waker = Arc::new(CountingWaker::default());
+    let waker_handle = std::task::Waker::from(waker.clone());
+    let mut reader = SpanningReader::new();
+    for fill in [1u8, 2] {
+        let mut context = std::task::Context::from_waker(&waker_handle);
+        let record = [fill; 3000];
+        let emit = std::pin::pin!(writer.emit_async(&record[..]));
+        assert!(emit.poll(&mut context).is_ready(), "a segment was at hand");
+    }
+    {
+        let (polled_tx, polled) = mpsc::channel();
+        let record = [3u8; 3000];
+        let mut emit = std::pin::pin!(writer.emit_async(&record[..]));
+        // Bounded: a poll that blocks the thread is caught by the receive's timeout below.
+        thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut context = std::task::Context::from_waker(&waker_handle);
+                let pending = emit.as_mut().poll(&mut context).is_pending();
+                let _ = polled_tx.send(pending);
+            });
+            let polled = polled.recv_timeout(LONG);
+            // Taken before the verdict: it also ends a poll that blocked, so the scope ends.
+            let first = view.poll_next().expect("the finished buffer");
+            reader.read(&first);
+            assert_eq!(
+                polled,
+                Ok(true),
+                "the record waits for its segment as a future"
+            );
+        });
+        let mut context = std::task::Context::from_waker(&waker_handle);
+        match emit.as_mut().poll(&mut context) {
+            std::task::Poll::Ready(result) => result.unwrap(),
+            std::task::Poll::Pending => panic!("a segment came back, yet the record still waits"),
+        }
+    }
+    assert_eq!(
+        writer.selector().0,
+        3,
+        "the selector was asked once per record"
+    );
+    // The reader takes the finished buffer first: the end of partition needs its segment.
+    let second = view
+        .poll_next()
+        .expect("the second buffer, finished by the third record");
+    reader.read(&second);
+    drop(second);
+    writer.finish().unwrap();
+    for _ in 0..8 {
+        let Some(item) = view.poll_next() else { break };
+        if item.buffer.data_type().is_buffer() {
+            reader.read(&item);
+        }
+    }
+    assert_eq!(reader.records, [(3000, 1), (3000, 2), (3000, 3)]);
+    drop((view, writer));
     assert_eq!(network.available_segments(), network.total_segments());
 }
 

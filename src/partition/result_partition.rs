@@ -410,6 +410,67 @@ impl ResultPartition {
         if self.crosses(record, self.broadcast.as_ref()) {
             self.wait_for_segment_at_hand(UNACCOUNTED)?;
         }
+        self.broadcast_record_general(record)
+    }
+
+    /// Like [`broadcast_record`](Self::broadcast_record), but waits for room in every
+    /// subpartition's queue, for the buffer and for the segment a record running past the
+    /// open buffer needs without blocking the thread, as
+    /// [`emit_record_async`](Self::emit_record_async) does.
+    pub async fn broadcast_record_async<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+    ) -> Result<(), PartitionError> {
+        self.check_writable()?;
+        self.finish_unicast_builders(Sent::Yes);
+        if self.broadcast.as_ref().is_none_or(|b| b.is_full()) {
+            self.finish_broadcast_builder(Sent::Yes);
+            let subpartitions = &self.handle.shared.subpartitions;
+            if !subpartitions.iter().all(|s| s.has_room(Queued::Buffer)) {
+                self.pool
+                    .until_ready(|| {
+                        subpartitions
+                            .iter()
+                            .all(|s| s.has_room_or_listen(Queued::Buffer))
+                    })
+                    .await
+                    .map_err(released_if_destroyed)?;
+            }
+            let builder = self
+                .pool
+                .request_builder(UNACCOUNTED)
+                .await
+                .map_err(released_if_destroyed)?;
+            let consumer = builder.create_consumer_from_beginning();
+            queue_in_open_subpartitions(&self.handle.shared, |subpartition| {
+                subpartition.add_data(consumer.copy())
+            })?;
+            self.broadcast = Some(builder);
+        }
+        // As the unicast async emit: a barrier timer due meanwhile fires here, and the write
+        // below finds the segment it waited for still at hand.
+        loop {
+            if self.barrier_timer.is_some() {
+                self.fire_barrier_timer();
+            }
+            if !self.crosses(record, self.broadcast.as_ref())
+                || self.pool.segment_at_hand(UNACCOUNTED)
+            {
+                break;
+            }
+            self.pool
+                .until_segment_at_hand(UNACCOUNTED)
+                .await
+                .map_err(released_if_destroyed)?;
+        }
+        self.broadcast_record_general(record)
+    }
+
+    /// The write of [`broadcast_record`](Self::broadcast_record) once its waits are over.
+    fn broadcast_record_general<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+    ) -> Result<(), PartitionError> {
         let max_record_bytes = self.max_record_bytes;
         let written =
             record::serialize(record, &mut self.sink(Target::Broadcast)?, max_record_bytes);

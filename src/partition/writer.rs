@@ -218,7 +218,8 @@ impl<S> RecordWriter<S> {
         Ok(())
     }
 
-    /// Emits without blocking the thread while waiting for the first buffer.
+    /// Emits without blocking the thread while waiting for buffers, unicast or broadcast.
+    /// The selector is asked once per record, as by [`emit`](Self::emit).
     pub async fn emit_async<R: Record + ?Sized>(&mut self, record: &R) -> Result<(), PartitionError>
     where
         S: ChannelSelector<R>,
@@ -230,10 +231,15 @@ impl<S> RecordWriter<S> {
                 if self.flush_always {
                     self.partition.flush(target);
                 }
-                Ok(())
             }
-            Selection::Broadcast => self.emit(record),
+            Selection::Broadcast => {
+                self.partition.broadcast_record_async(record).await?;
+                if self.flush_always {
+                    self.partition.flush_all();
+                }
+            }
         }
+        Ok(())
     }
 
     /// Queues an event in every subpartition (priority: ahead of queued data).
