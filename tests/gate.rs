@@ -767,7 +767,9 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
     let mut read = Box::pin(gate.next_async());
     assert!(read.as_mut().poll(&mut cx).is_pending());
     thread::scope(|s| {
-        s.spawn(move || {
+        // The producer stays alive until the read resolved: dropped unfinished, it would
+        // release its partition.
+        let _producer_thread = s.spawn(move || {
             send(&mut producer, b"async");
             producer
         });

@@ -1032,18 +1032,41 @@ fn releasing_wakes_a_parked_reader_so_it_lets_go_of_its_segment() {
     drop(view);
 }
 
+/// A producer dropped after `finish` leaves what it queued readable, the end behind it.
 #[test]
-fn dropping_the_producer_keeps_queued_data_readable() {
+fn dropping_a_finished_producer_keeps_queued_data_readable() {
     let (network, config) = setup(64);
     let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, _) = view(&partition, 0);
     partition.emit_record(&b"kept"[..], 0).unwrap();
+    partition.finish().unwrap();
     drop(partition);
     assert_eq!(
         records_of(&view.poll_next().unwrap()),
         vec![b"kept".to_vec()]
     );
+    let end = view.poll_next().expect("the end of the partition");
+    assert_eq!(end.buffer.data_type(), DataType::EventBuffer);
+    drop(end);
     drop(view);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A producer dropped without `finish` failed (an early return, a panic): its partition is
+/// released, as Flink's failing task releases its partitions, so readers see the release
+/// instead of waiting for good for an end that never comes.
+#[test]
+fn dropping_an_unfinished_producer_releases_its_partition() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let handle = partition.handle();
+    let (mut view, _) = view(&partition, 0);
+    partition.emit_record(&b"lost"[..], 0).unwrap();
+    drop(partition);
+    assert!(handle.is_released());
+    assert!(view.is_released());
+    assert!(view.poll_next().is_none(), "a released view yields nothing");
+    drop((view, handle));
     assert_eq!(network.available_segments(), network.total_segments());
 }
 

@@ -612,10 +612,11 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: T
         reader.next_timeout(LONG).unwrap(),
         Some(ReaderItem::Record { .. })
     ));
-    // The producer's process goes away: its I/O thread and sockets close.
+    // The producer's process goes away: its I/O thread and sockets close (the partition,
+    // dropped unfinished, is released only after: the consumer sees the connection's loss).
     let producer_addr = producer_env.local_addr();
-    drop(partition);
     drop(producer_env);
+    drop(partition);
     let error = loop {
         match reader.next_timeout(LONG) {
             Ok(Some(_)) => continue,

@@ -788,9 +788,17 @@ impl ResultPartition {
 
 impl Drop for ResultPartition {
     fn drop(&mut self) {
-        // Queued data stays readable; readers learn that the tail buffers are complete.
-        self.finish_unicast_builders(Sent::Yes);
-        self.finish_broadcast_builder(Sent::Yes);
+        if self.finished {
+            // Queued data stays readable, EndOfPartition behind it.
+            self.finish_unicast_builders(Sent::Yes);
+            self.finish_broadcast_builder(Sent::Yes);
+        } else {
+            // A producer gone without finishing failed (an early return, a panic): nothing
+            // would ever end its readers' streams, so they would wait for good. Released, as
+            // Flink's failing task releases its partitions: readers see the release
+            // (`ProducerFailed` across the wire) and fail over.
+            self.release();
+        }
     }
 }
 
