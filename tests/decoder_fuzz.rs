@@ -1765,14 +1765,20 @@ fn message() -> impl Strategy<Value = Message> {
         )
             .prop_map(
                 |(receiver, sequence_number, backlog, data_type, compressed, size, overtaken)| {
+                    // As a sender writes them: only data is compressed, only a priority
+                    // item overtakes.
                     Message::BufferResponse(BufferResponseHeader {
                         receiver,
                         sequence_number,
                         backlog,
                         data_type,
-                        compressed,
+                        compressed: compressed && data_type.is_buffer(),
                         size,
-                        overtaken,
+                        overtaken: if data_type.has_priority() {
+                            overtaken
+                        } else {
+                            0
+                        },
                     })
                 }
             ),

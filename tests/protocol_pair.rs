@@ -812,6 +812,57 @@ fn oversized_lengths_and_unknown_ids_are_decode_errors() {
     all_back(s);
 }
 
+/// Frames whose fields contradict each other are refused, as no sender of this protocol
+/// writes them: a priority flag that disagrees with the data type, a compressed event, a
+/// non-priority item that says it overtook data, an error without a receiver that names one.
+#[test]
+fn frames_whose_fields_contradict_each_other_are_refused() {
+    let buffer = |data_type: DataType, compressed: bool, overtaken: u32, priority: bool| {
+        let mut bytes = [0u8; BUFFER_RESPONSE_HEADER];
+        let header = BufferResponseHeader {
+            receiver: ReceiverId(7),
+            sequence_number: 0,
+            backlog: 0,
+            data_type,
+            compressed,
+            size: 0,
+            overtaken,
+        };
+        encode_buffer_response(&mut bytes, &header, priority);
+        bytes.to_vec()
+    };
+    let decoded = |bytes: &[u8]| {
+        let header: &[u8; FRAME_HEADER] = bytes[..FRAME_HEADER].try_into().unwrap();
+        let parsed = fluxgate::protocol::frame::decode_header(header, SEGMENT).unwrap();
+        Message::decode(&parsed, &bytes[FRAME_HEADER..])
+    };
+    let refused = |bytes: &[u8]| matches!(decoded(bytes), Err(DecodeError::InvalidField { .. }));
+    // As senders write them: accepted.
+    assert!(decoded(&buffer(DataType::DataBuffer, true, 0, false)).is_ok());
+    assert!(decoded(&buffer(DataType::PrioritizedEventBuffer, false, 3, true)).is_ok());
+    // Contradictions: refused.
+    assert!(refused(&buffer(DataType::DataBuffer, false, 0, true)));
+    assert!(refused(&buffer(
+        DataType::PrioritizedEventBuffer,
+        false,
+        0,
+        false
+    )));
+    assert!(refused(&buffer(DataType::EventBuffer, true, 0, false)));
+    assert!(refused(&buffer(DataType::DataBuffer, false, 3, false)));
+    let mut error = Vec::new();
+    Message::ErrorResponse {
+        receiver: None,
+        kind: ErrorKind::Protocol,
+        message: "bad".into(),
+    }
+    .encode(&mut error);
+    assert!(decoded(&error).is_ok());
+    // The receiver id field, after the frame header and the has-receiver byte.
+    error[FRAME_HEADER + 16] = 1;
+    assert!(refused(&error));
+}
+
 /// Runs a pair until both sides stopped (an error each, or nothing moves): returns each
 /// side's error. A client that failed still hands the server what it queued (its reason).
 fn run_until_refused(s: &mut Setup) -> (Option<ProtocolError>, Option<ProtocolError>) {

@@ -418,9 +418,19 @@ pub fn decode_buffer_response(
             value: flags.into(),
         });
     }
+    // The priority flag repeats what the data type says; a compressed item is data (events
+    // are never compressed); only a priority item overtakes. A frame that says otherwise was
+    // not written by a sender of this protocol.
+    let priority = flags & 0b10 != 0;
+    if priority != data_type.has_priority() || (flags & 1 != 0 && !data_type.is_buffer()) {
+        return Err(DecodeError::InvalidField {
+            field: "buffer flags",
+            value: flags.into(),
+        });
+    }
     let size = r.u32();
     let overtaken = r.u32();
-    if overtaken > MAX_OVERTAKEN {
+    if overtaken > MAX_OVERTAKEN || (overtaken != 0 && !priority) {
         return Err(DecodeError::InvalidField {
             field: "overtaken",
             value: overtaken.into(),
@@ -641,7 +651,8 @@ impl Message {
                 let receiver = r.u128();
                 let kind_byte = r.u8();
                 let len = r.u16() as usize;
-                if has_receiver > 1 {
+                // Without a receiver its id field is zero, as the encoder writes it.
+                if has_receiver > 1 || (has_receiver == 0 && receiver != 0) {
                     return Err(DecodeError::InvalidField {
                         field: "has receiver",
                         value: has_receiver.into(),
