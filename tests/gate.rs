@@ -1322,7 +1322,9 @@ fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
     let mut read = Box::pin(union.next_async());
     assert!(read.as_mut().poll(&mut cx).is_pending());
     thread::scope(|s| {
-        s.spawn(move || {
+        // The producer stays alive until the read resolved: dropped unfinished, it would
+        // release its partition.
+        let _producer_thread = s.spawn(move || {
             send(&mut b, b"union-async");
             b
         });
