@@ -370,6 +370,43 @@ fn a_buffer_behind_an_undecodable_event_is_read_after_the_error() {
     assert_eq!(data(&after.item), b"after");
 }
 
+/// A blocking barrier whose bytes do not decode fails that read and then its channel for
+/// good: its sender stopped behind it until a resume no reader will ask for, so the channel
+/// could deliver nothing more. It failed one read and then went quiet, and a reader waited
+/// for good.
+#[test]
+fn an_undecodable_blocking_barrier_fails_its_channel_for_good() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    let segment = shared.buffers().event_segment(64).unwrap();
+    sender
+        .deliver(
+            segment,
+            b"\xFFnot a barrier",
+            DataType::AlignedCheckpointBarrier,
+            0,
+            0,
+            0,
+        )
+        .unwrap();
+    assert!(matches!(
+        gate.next_timeout(LONG),
+        Err(GateError::Event { channel: 0, .. })
+    ));
+    assert!(
+        matches!(
+            gate.next_timeout(LONG),
+            Err(GateError::Transport { channel: 0, .. })
+        ),
+        "the next read fails: the channel is done"
+    );
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 /// The same in a union: the member gate whose channel read the bad event stays in the
 /// union's turn while its other channel has data queued. It was left out, and the other
 /// channel's notifications folded into the member's entry that was gone: read for good.

@@ -174,6 +174,24 @@ impl InputChannel {
         }
     }
 
+    /// Fails the channel for good with `error`: every later read returns it, and the channel
+    /// lets go of its producer (a local view released, a remote request cancelled).
+    pub(crate) fn fail_for_good(&mut self, error: GateError) {
+        match self {
+            InputChannel::Local(c) => {
+                c.release();
+                c.failed = Some(error);
+                // The next read finds it, as one of a failed request does.
+                c.notifier.queue.enqueue(c.index as u32, false);
+            }
+            InputChannel::Remote(c) => {
+                c.shared().fail(error);
+                c.release();
+            }
+            InputChannel::Unknown(_) => {}
+        }
+    }
+
     pub(crate) fn retry_due(&self) -> Option<Instant> {
         match self {
             InputChannel::Local(c) => c.retry_at,

@@ -530,13 +530,26 @@ impl SingleInputGate {
             let event = match decoded {
                 Ok(event) => event,
                 Err(source) => {
-                    // What the channel holds behind the bad event stays readable: queued
-                    // again as after any item, or a reader that reads on waits for good.
-                    self.queue_again(index, more_available, next_is_priority);
-                    return Err(GateError::Event {
+                    let error = GateError::Event {
                         channel: index,
                         source,
-                    });
+                    };
+                    if data_type.is_blocking_upstream() {
+                        // Its producer stopped behind it until a resume that no reader will
+                        // ask for (the barrier is lost): the channel could deliver nothing
+                        // more, so after this read it fails for good rather than go quiet.
+                        self.channels[index].fail_for_good(GateError::Transport {
+                            channel: index,
+                            reason: format!(
+                                "stopped behind a blocking event that did not decode: {error}"
+                            ),
+                        });
+                    } else {
+                        // What the channel holds behind the bad event stays readable: queued
+                        // again as after any item, or a reader that reads on waits for good.
+                        self.queue_again(index, more_available, next_is_priority);
+                    }
+                    return Err(error);
                 }
             };
             GateItem::Event {
