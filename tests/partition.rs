@@ -694,6 +694,43 @@ fn unaligned(barrier: &Event) -> Event {
     }
 }
 
+/// A back-pressured partition, whose every segment holds queued data, still turns its
+/// barrier unaligned at the timeout: the copy goes into memory of its own, as Flink
+/// serializes it into unpooled memory. It needed a pool or overdraft segment, and a
+/// partition with none left kept its barrier aligned behind the data.
+#[test]
+fn a_barrier_times_out_into_memory_of_its_own_when_every_segment_is_queued() {
+    let (network, config) = setup(4);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let record = [1u8; 2044]; // two records per 4 KiB segment
+    for _ in 0..6 {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    let barrier = timeoutable_barrier(5, 3_600_000);
+    partition.broadcast_event(&barrier, false).unwrap();
+    assert_eq!(network.available_segments(), 0, "every segment is queued");
+    assert_eq!(partition.aligned_barrier_timeout(5), 1);
+    assert_eq!(partition.aligned_barrier_deadline(), None);
+    assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
+    let first = view.poll_next().unwrap();
+    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
+    assert_eq!(event_of(&first), unaligned(&barrier));
+    drop(first);
+    // The data it overtook, then (with segments free again) the end.
+    let mut records = SpanningReader::new();
+    for _ in 0..3 {
+        let item = view.poll_next().expect("a buffer of the data overtaken");
+        records.read(&item);
+    }
+    assert_eq!(records.records.len(), 6);
+    partition.finish().unwrap();
+    let (_, events) = read_to_end(&mut view, &signal);
+    assert_eq!(events, [Event::EndOfPartition]);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// Flink's producer-side `alignedBarrierTimeout`: an aligned barrier with a timeout still
 /// queued when its timeout passes turns unaligned. Its unaligned copy overtakes the data
 /// queued before it and says how much; the aligned original never comes out, so the view is

@@ -930,16 +930,20 @@ fn fire_barrier_timer(
         return 0;
     }
     pending.deadline = now + BARRIER_TIMER_RETRY;
-    // Not waiting for memory here: the writer may be waiting for it already.
+    let pending_id = pending.barrier.id;
+    let event = Event::CheckpointBarrier(pending.barrier.as_unaligned());
+    // Not waiting for memory here: the writer may be waiting for it already. With the pool and
+    // its overdraft used up, the copy goes into memory of its own, as Flink serializes the
+    // unaligned barrier into unpooled memory: a back-pressured partition, whose memory is
+    // all queued, is where the timeout matters most.
     let Some(segment) = pool
         .request_segment()
         .or_else(|| pool.request_overdraft_segment())
+        .or_else(|| crate::buffer::PooledSegment::unpooled(event.encoded_len()).ok())
     else {
         return 0;
     };
-    let pending_id = pending.barrier.id;
     let mut builder = segment.into_builder(DataType::PrioritizedEventBuffer);
-    let event = Event::CheckpointBarrier(pending.barrier.as_unaligned());
     if event.write_to(&mut builder).is_err() {
         // A segment too small for a barrier: it stays aligned.
         *timer = None;
