@@ -16,6 +16,12 @@ mod queue;
 #[cfg(loom)]
 #[doc(hidden)]
 pub mod queue;
+// Public only under `--cfg loom`, for the models in `tests/loom.rs`.
+#[cfg(not(loom))]
+mod lane;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod lane;
 mod reader;
 mod remote;
 mod single;

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwapOption;
 
 use super::channel::ChannelMetrics;
+use super::lane::SpillQueue;
 use super::queue::ChannelQueue;
 use super::{ChannelRead, ConsumedSubpartition, GateError};
 use crate::buffer::segment_internals::{FreeList, SegmentMemory};
@@ -483,93 +484,14 @@ struct Received {
     data_before: u64,
 }
 
-/// One lane of a remote channel's received items: the transport's thread pushes, the gate's
-/// reader pops. A lock-free ring holds what a channel usually holds (its exclusive segments,
-/// the gate's floating ones, and the events it may take without credit), so its memory does
-/// not grow with the gate's channel count. A channel that holds more (floating segments its
-/// gate got back from released channels) spills the rest, in order, into a list behind a
-/// lock, which either side touches only while something is spilled.
-struct ReceivedLane {
-    ring: ArrayQueue<Received>,
-    /// Set (by the pusher, under the lock) while `overflow` holds items or a push is on its
-    /// way there; cleared by the popper that empties it. While set, pushes go to `overflow`,
-    /// so items keep their order: the ring was empty when the popper first went there, and
-    /// nothing enters the ring while this is set.
-    spilled: AtomicBool,
-    overflow: Mutex<VecDeque<Received>>,
-    overflow_len: AtomicUsize,
-    /// Most items the lane holds, ring and overflow together.
-    max_items: usize,
-}
-
-impl ReceivedLane {
-    /// A lane holding up to `max_items`, `usual` of them in the ring.
-    fn new(usual: usize, max_items: usize) -> Self {
-        let ring = usual.clamp(1, max_items.max(1));
-        Self {
-            ring: ArrayQueue::new(ring),
-            spilled: AtomicBool::new(false),
-            overflow: Mutex::new(VecDeque::new()),
-            overflow_len: AtomicUsize::new(0),
-            max_items: max_items.max(ring),
-        }
-    }
-
-    /// Queues `item` behind everything before it; gives it back when the lane holds
-    /// `max_items` already.
-    fn push(&self, item: Received) -> Result<(), Received> {
-        let item = if self.spilled.load(Ordering::SeqCst) {
-            item
-        } else {
-            match self.ring.push(item) {
-                Ok(()) => return Ok(()),
-                Err(item) => item,
-            }
-        };
-        let mut overflow = self.overflow.lock().expect("not poisoned");
-        if self.ring.len() + overflow.len() >= self.max_items {
-            return Err(item);
-        }
-        overflow.push_back(item);
-        self.overflow_len.store(overflow.len(), Ordering::Relaxed);
-        self.spilled.store(true, Ordering::SeqCst);
-        Ok(())
-    }
-
-    /// The oldest item, if any.
-    fn pop(&self) -> Option<Received> {
-        if let Some(item) = self.ring.pop() {
-            return Some(item);
-        }
-        if !self.spilled.load(Ordering::SeqCst) {
-            return None;
-        }
-        let mut overflow = self.overflow.lock().expect("not poisoned");
-        let item = overflow.pop_front();
-        self.overflow_len.store(overflow.len(), Ordering::Relaxed);
-        if overflow.is_empty() {
-            self.spilled.store(false, Ordering::SeqCst);
-        }
-        item
-    }
-
-    fn len(&self) -> usize {
-        self.ring.len() + self.overflow_len.load(Ordering::Relaxed)
-    }
-
-    fn is_empty(&self) -> bool {
-        self.ring.is_empty() && !self.spilled.load(Ordering::SeqCst)
-    }
-}
-
 /// What the transport and the gate share of one remote channel.
 pub struct RemoteChannelShared {
     channel: usize,
     consumed: ConsumedSubpartition,
     queue: Arc<ChannelQueue>,
     buffers: Arc<BufferManager>,
-    received: ReceivedLane,
-    received_priority: ReceivedLane,
+    received: SpillQueue<Received>,
+    received_priority: SpillQueue<Received>,
     /// Items pushed onto `received` so far. Written only by the transport's thread (the one
     /// calling `on_buffer`), so a priority item can note how many came before it.
     data_received: AtomicU64,
@@ -866,8 +788,8 @@ impl RemoteInputChannel {
                 consumed,
                 queue,
                 buffers,
-                received: ReceivedLane::new(usual, most),
-                received_priority: ReceivedLane::new(usual, most),
+                received: SpillQueue::new(usual, most),
+                received_priority: SpillQueue::new(usual, most),
                 data_received: AtomicU64::new(0),
                 expected_sequence: AtomicU64::new(0),
                 error: Mutex::new(None),
