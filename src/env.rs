@@ -178,6 +178,36 @@ impl fmt::Debug for ShuffleEnvironment {
     }
 }
 
+/// The cluster secret and the TLS context the configuration asks for.
+struct Security {
+    secret: Option<Arc<crate::protocol::Secret>>,
+    tls: Option<Arc<TlsContext>>,
+}
+
+impl Security {
+    /// Read and checked for a server bound to `bound` (`fluxgate.security.auth = auto` turns
+    /// authentication on for a non-loopback address).
+    fn from_config(config: &EnvConfig, bound: SocketAddr) -> Result<Self, EnvError> {
+        let secret = config.network.resolve_secret(bound)?.map(Arc::new);
+        if secret.is_some() {
+            tracing::info!(%bound, "connections authenticate with the cluster secret");
+        }
+        let tls = TlsContext::from_config(&config.network)?.map(Arc::new);
+        if tls.is_some() {
+            if config.transport == Transport::Uring {
+                return Err(EnvError::Transport(
+                    Transport::Uring,
+                    "TLS (security.ssl.internal.enabled) runs on the epoll driver only; \
+                     choose transport epoll or auto"
+                        .into(),
+                ));
+            }
+            tracing::info!(%bound, "connections run over mutual TLS with the cluster CA");
+        }
+        Ok(Self { secret, tls })
+    }
+}
+
 /// The environment's timeouts are within what its loops can wait for.
 fn check_timeouts(config: &EnvConfig) -> Result<(), EnvError> {
     for (field, value, zero_allowed) in [
@@ -212,11 +242,13 @@ impl ShuffleEnvironment {
     /// on with `transport = uring` (TLS runs on the epoll driver only).
     pub fn start(config: EnvConfig) -> Result<Self, EnvError> {
         check_timeouts(&config)?;
+        // The configuration's own errors first, whether or not the port is free.
+        let security = Security::from_config(&config, config.bind)?;
         // Bound before the network memory is mapped, whichever driver serves it: a port in
         // use is `EnvError::Io` at once, not a failed driver, and auto's fallback does not
         // bind again.
         let listener = std::net::TcpListener::bind(config.bind)?;
-        Self::serve(listener, config)
+        Self::serve(listener, config, security)
     }
 
     /// As [`start`](Self::start), serving on `listener`, which the caller bound (a socket
@@ -225,27 +257,16 @@ impl ShuffleEnvironment {
     /// follows the listener's address.
     pub fn start_on(listener: std::net::TcpListener, config: EnvConfig) -> Result<Self, EnvError> {
         check_timeouts(&config)?;
-        Self::serve(listener, config)
+        let security = Security::from_config(&config, listener.local_addr()?)?;
+        Self::serve(listener, config, security)
     }
 
-    fn serve(listener: std::net::TcpListener, config: EnvConfig) -> Result<Self, EnvError> {
-        let bound = listener.local_addr()?;
-        let secret = config.network.resolve_secret(bound)?.map(Arc::new);
-        if secret.is_some() {
-            tracing::info!(%bound, "connections authenticate with the cluster secret");
-        }
-        let tls = TlsContext::from_config(&config.network)?.map(Arc::new);
-        if tls.is_some() {
-            if config.transport == Transport::Uring {
-                return Err(EnvError::Transport(
-                    Transport::Uring,
-                    "TLS (security.ssl.internal.enabled) runs on the epoll driver only; \
-                     choose transport epoll or auto"
-                        .into(),
-                ));
-            }
-            tracing::info!(%bound, "connections run over mutual TLS with the cluster CA");
-        }
+    fn serve(
+        listener: std::net::TcpListener,
+        config: EnvConfig,
+        security: Security,
+    ) -> Result<Self, EnvError> {
+        let Security { secret, tls } = security;
         let network = NetworkBufferPool::new(&config.network)?;
         let manager = Arc::new(PartitionManager::new());
         let options = &config.network;

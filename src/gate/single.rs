@@ -207,7 +207,13 @@ impl SingleInputGate {
         location: ChannelLocation,
         now: Instant,
     ) -> Result<(), GateError> {
-        if self.connected_by_environment && location == ChannelLocation::Remote {
+        // Only a channel this call would locate: a repeated update, or one of a closed gate,
+        // changes nothing, as before.
+        if self.connected_by_environment
+            && location == ChannelLocation::Remote
+            && !self.closed
+            && matches!(self.channels.get(index), Some(InputChannel::Unknown(_)))
+        {
             return Err(GateError::LocateThroughEnvironment(index));
         }
         self.locate_channel(index, location, now)

@@ -49,13 +49,12 @@ pub(crate) const ERROR_RESPONSE_LINGER: Duration = Duration::from_secs(5);
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 
 /// Whether an accept that failed with `errno` can never succeed on this listener: the socket
-/// is not (or no longer) a listening socket. Everything else (no descriptors, no memory, a
-/// connection that went away, the firewall refusing one peer) passes.
+/// is not (or no longer) a listening socket. Everything else passes: no descriptors, no
+/// memory, a connection that went away, the firewall refusing one peer, and the pending
+/// network errors Linux hands back from `accept` for one new connection (`EOPNOTSUPP` among
+/// them, which accept(2) says to retry like `EAGAIN`).
 pub(crate) fn listener_failed_for_good(errno: i32) -> bool {
-    matches!(
-        errno,
-        libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP | libc::EFAULT
-    )
+    matches!(errno, libc::EBADF | libc::EINVAL | libc::ENOTSOCK)
 }
 
 /// What an I/O thread needs to know (either driver).

@@ -173,7 +173,8 @@ impl<S> RecordWriter<S> {
     }
 
     /// As [`new`](Self::new), failing with [`PartitionError::Flusher`] when the system
-    /// refuses the flusher thread.
+    /// refuses the flusher thread. The partition is then dropped unfinished, which releases
+    /// it (its readers see the release): as a task fails when its writer cannot be set up.
     pub fn try_new(
         partition: ResultPartition,
         selector: S,
