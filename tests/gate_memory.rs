@@ -12,9 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use fluxgate::buffer::NetworkBufferPool;
-use fluxgate::gate::{
-    ChannelLocation, ChannelSpec, ConsumedSubpartition, InputGate, SingleInputGate,
-};
+use fluxgate::gate::{ChannelLocation, ChannelSpec, ConsumedSubpartition, SingleInputGate};
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
 
