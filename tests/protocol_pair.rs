@@ -1480,6 +1480,55 @@ impl fluxgate::partition::AvailabilityListener for Deaf {
 /// request still waits for its partition: once the partition registers, no reader is made
 /// for it. One was, holding the subpartition's one view and a channel slot until the
 /// connection closed.
+/// Task events a consumer sends while its request waits for the partition reach the producer,
+/// in order, once the partition is set up (its producer listens from then on). They went
+/// nowhere: no producer listened yet.
+#[test]
+fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found() {
+    let manager = Arc::new(PartitionManager::new());
+    let mut server = ServerConnection::new(
+        ServerConfig {
+            node: 1,
+            segment_size: SEGMENT,
+            ..ServerConfig::default()
+        },
+        manager.clone(),
+    );
+    let id = ResultPartitionId {
+        partition: 0,
+        producer: 1,
+    };
+    let start = Instant::now();
+    let mut bytes = handshake(false, [0; 32]);
+    bytes.extend(request(5));
+    for word in [&b"first"[..], b"second"] {
+        let mut event = Vec::new();
+        Event::Task(word.to_vec()).encode(&mut event);
+        bytes.extend(encoded_message(&Message::TaskEventRequest {
+            partition: id,
+            receiver: ReceiverId(5),
+            event,
+        }));
+    }
+    let (result, _) = feed_server(&mut server, &bytes, start);
+    assert_eq!(result, Ok(()));
+    // The producer sets its partition up: it listens, then registers.
+    let heard = Arc::new(HeardTaskEvents::default());
+    manager.subscribe_task_events(id, heard.clone());
+    let network = NetworkBufferPool::new(&config()).unwrap();
+    let partition = ResultPartition::new(id, 1, &network, &config()).unwrap();
+    manager.register(partition.handle()).unwrap();
+    server.poll_transmit(start + Duration::from_millis(60));
+    assert_eq!(server.reader_count(), 1, "the request was served");
+    assert_eq!(
+        *heard.0.lock().unwrap(),
+        [
+            Event::Task(b"first".to_vec()),
+            Event::Task(b"second".to_vec())
+        ]
+    );
+}
+
 #[test]
 fn an_error_for_a_receiver_waiting_for_its_partition_withdraws_the_request() {
     let manager = Arc::new(PartitionManager::new());

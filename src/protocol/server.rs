@@ -164,6 +164,18 @@ struct PendingRequest {
     deadline: Instant,
     /// Looked for before (a retry): its wait was logged then.
     retried: bool,
+    /// Task events its consumer sent while it waited, which no producer heard yet (none
+    /// listens before its partition is set up): delivered, in order, once it is found.
+    task_events: Vec<Event>,
+}
+
+/// Most bytes of task events a connection holds for requests waiting for their partition;
+/// one more fails its channel (the consumer's task events are not dropped unseen).
+const HELD_TASK_EVENT_BYTES: usize = 1 << 20;
+
+/// What `events` count against [`HELD_TASK_EVENT_BYTES`].
+fn held_bytes(events: &[Event]) -> usize {
+    events.iter().map(Event::encoded_len).sum()
 }
 
 /// The producer side of one connection (Flink's `PartitionRequestServerHandler` and
@@ -178,6 +190,8 @@ pub struct ServerConnection {
     /// Requests waiting for their partition, by receiver: a peer may keep `max_channels` of
     /// them and cancel at will, so a cancel is a lookup, not a scan.
     pending: HashMap<ReceiverId, PendingRequest>,
+    /// Bytes of the task events the pending requests hold.
+    held_task_event_bytes: usize,
     next_retry: Option<Instant>,
     reader: FrameReader,
     outbound: Outbound,
@@ -246,6 +260,7 @@ impl ServerConnection {
             readers: Vec::new(),
             by_receiver: HashMap::new(),
             pending: HashMap::new(),
+            held_task_event_bytes: 0,
             next_retry: None,
             outbound,
             handshake_received: false,
@@ -362,6 +377,8 @@ impl ServerConnection {
             return;
         }
         let waiting = std::mem::take(&mut self.pending);
+        // Counted again for those that go on waiting.
+        self.held_task_event_bytes = 0;
         for request in waiting.into_values() {
             self.request(request, now);
         }
@@ -533,6 +550,7 @@ impl ServerConnection {
                     credit,
                     deadline: now + self.config.partition_request_timeout,
                     retried: false,
+                    task_events: Vec::new(),
                 };
                 self.request(request, now);
             }
@@ -565,15 +583,25 @@ impl ServerConnection {
                 }
             }
             Message::TaskEventRequest {
-                partition, event, ..
+                partition,
+                receiver,
+                event,
             } => {
+                let size = event.len();
                 let event = Event::decode(&event).map_err(|_| {
                     ProtocolError::Decode(super::DecodeError::InvalidField {
                         field: "task event",
-                        value: event.len() as u64,
+                        value: size as u64,
                     })
                 })?;
-                self.manager.publish_task_event(partition, &event);
+                // Behind events held for the same request, in order.
+                let behind_held = self
+                    .pending
+                    .get(&receiver)
+                    .is_some_and(|request| !request.task_events.is_empty());
+                if behind_held || !self.manager.publish_task_event(partition, &event) {
+                    self.hold_task_event(partition, receiver, event);
+                }
             }
             // An error for one receiver ends it as a cancellation does: a request still
             // waiting for its partition goes too, or it would take the subpartition's view
@@ -583,7 +611,7 @@ impl ServerConnection {
                 receiver: Some(receiver),
                 ..
             } => {
-                self.pending.remove(&receiver);
+                self.withdraw_pending(receiver);
                 self.remove_reader(receiver);
             }
             Message::CloseRequest => {
@@ -730,6 +758,10 @@ impl ServerConnection {
                 self.by_receiver.insert(request.receiver, slot);
                 // Data may already be queued.
                 self.ready.enqueue(slot);
+                // Its partition is set up now, and with it whatever listens to its events.
+                for event in request.task_events {
+                    self.manager.publish_task_event(request.partition, &event);
+                }
             }
             Err(PartitionError::PartitionNotFound(_)) if now < request.deadline => {
                 if !request.retried {
@@ -741,6 +773,7 @@ impl ServerConnection {
                 request.retried = true;
                 let due = now + self.config.partition_request_retry;
                 self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
+                self.held_task_event_bytes += held_bytes(&request.task_events);
                 self.pending.insert(request.receiver, request);
             }
             Err(PartitionError::PartitionNotFound(_)) => {
@@ -872,6 +905,44 @@ impl ServerConnection {
         }
     }
 
+    /// A task event no producer heard: one for a request still waiting for its partition is
+    /// kept for it (its producer listens once its partition is set up, as Flink registers
+    /// the partition's event handler with it); any other goes nowhere, as no producer listens.
+    fn hold_task_event(
+        &mut self,
+        partition: ResultPartitionId,
+        receiver: ReceiverId,
+        event: Event,
+    ) {
+        let size = event.encoded_len();
+        let Some(request) = self
+            .pending
+            .get_mut(&receiver)
+            .filter(|request| request.partition == partition)
+        else {
+            tracing::debug!(?partition, "a task event no producer listens to; dropped");
+            return;
+        };
+        if self.held_task_event_bytes + size > HELD_TASK_EVENT_BYTES {
+            self.withdraw_pending(receiver);
+            self.error_for(
+                receiver,
+                ErrorKind::LimitExceeded,
+                "too many task events wait for the partition",
+            );
+            return;
+        }
+        self.held_task_event_bytes += size;
+        request.task_events.push(event);
+    }
+
+    /// Takes a waiting request out of `pending`, its held task events with it.
+    fn withdraw_pending(&mut self, receiver: ReceiverId) -> Option<PendingRequest> {
+        let request = self.pending.remove(&receiver)?;
+        self.held_task_event_bytes -= held_bytes(&request.task_events);
+        Some(request)
+    }
+
     fn error_for(&mut self, receiver: ReceiverId, kind: ErrorKind, message: &str) {
         let message = Message::ErrorResponse {
             receiver: Some(receiver),
@@ -892,6 +963,7 @@ impl ServerConnection {
         self.by_receiver.clear();
         self.readers.clear();
         self.pending.clear();
+        self.held_task_event_bytes = 0;
         self.next_retry = None;
     }
 
