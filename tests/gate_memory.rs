@@ -8,6 +8,9 @@
 //! A test binary of its own: it measures the process's resident memory, which a test running
 //! beside it would change.
 
+#[macro_use]
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,19 +18,6 @@ use fluxgate::buffer::NetworkBufferPool;
 use fluxgate::gate::{ChannelLocation, ChannelSpec, ConsumedSubpartition, SingleInputGate};
 use fluxgate::partition::{PartitionManager, ResultPartitionId};
 use fluxgate::NetworkConfig;
-
-/// The process's resident memory in bytes (`VmRSS`). The queues' slots are written when they
-/// are made, so what they take is resident at once.
-fn resident_bytes() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
-    let kib: usize = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().strip_suffix("kB"))
-        .and_then(|kib| kib.trim().parse().ok())
-        .expect("a VmRSS line in kB");
-    kib * 1024
-}
 
 const CHANNELS: usize = 1000;
 
@@ -55,12 +45,12 @@ fn a_gate_of_many_remote_channels_allocates_in_proportion_to_their_count() {
         })
         .collect();
 
-    let before = resident_bytes();
+    let before = common::resident_bytes();
     let mut gate =
         SingleInputGate::new(specs, Arc::new(PartitionManager::new()), &network, &config);
     gate.setup().unwrap();
     gate.request_partitions(Instant::now()).unwrap();
-    let allocated = resident_bytes().saturating_sub(before);
+    let allocated = common::resident_bytes().saturating_sub(before);
 
     // The segments were mapped with the network memory; what a channel needs besides is its
     // state and its queues, a few kilobytes each at Flink's defaults.

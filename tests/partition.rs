@@ -1720,6 +1720,45 @@ fn an_async_record_waits_for_room_in_a_full_lane_without_blocking_and_the_reader
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// Polls `emit` on another thread, where it must wait for a segment as a future (pending),
+/// not block; then the reader takes `view`'s finished buffer (into `reader`), whose segment
+/// coming back must wake the writer and let `emit` complete. Bounded: a poll that blocked the
+/// thread is caught by the receive's timeout, and the buffer taken then ends it.
+fn assert_waits_as_a_future_for_a_segment_given_back(
+    mut emit: std::pin::Pin<&mut (impl Future<Output = Result<(), PartitionError>> + Send)>,
+    view: &mut SubpartitionView,
+    reader: &mut SpanningReader,
+) {
+    let waker = Arc::new(CountingWaker::default());
+    let waker_handle = std::task::Waker::from(waker.clone());
+    let (polled_tx, polled) = mpsc::channel();
+    thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut context = std::task::Context::from_waker(&waker_handle);
+            let pending = emit.as_mut().poll(&mut context).is_pending();
+            let _ = polled_tx.send(pending);
+        });
+        let polled = polled.recv_timeout(LONG);
+        // Taken before the verdict: it also ends a poll that blocked, so the scope ends.
+        let first = view.poll_next().expect("the finished buffer");
+        reader.read(&first);
+        assert_eq!(
+            polled,
+            Ok(true),
+            "the record waits for its segment as a future"
+        );
+    });
+    assert!(
+        waker.0.load(Ordering::SeqCst) > 0,
+        "the segment given back woke the waiting writer"
+    );
+    let mut context = std::task::Context::from_waker(&waker_handle);
+    match emit.as_mut().poll(&mut context) {
+        std::task::Poll::Ready(result) => result.unwrap(),
+        std::task::Poll::Pending => panic!("a segment came back, yet the record still waits"),
+    }
+}
+
 #[test]
 fn an_async_record_running_past_the_open_buffer_waits_for_its_next_segment_without_blocking() {
     // The subpartition may hold two buffers: a finished one and the open one, which the next
@@ -1734,39 +1773,12 @@ fn an_async_record_running_past_the_open_buffer_waits_for_its_next_segment_witho
     let (mut view, _signal) = view(&partition, 0);
     partition.emit_record(&[1u8; 3000][..], 0).unwrap();
     partition.emit_record(&[2u8; 3000][..], 0).unwrap();
-    let waker = Arc::new(CountingWaker::default());
-    let waker_handle = std::task::Waker::from(waker.clone());
     let mut reader = SpanningReader::new();
-    {
-        let (polled_tx, polled) = mpsc::channel();
-        let mut emit = std::pin::pin!(partition.emit_record_async(&[3u8; 3000][..], 0));
-        // Bounded: a poll that blocks the thread is caught by the receive's timeout below.
-        thread::scope(|scope| {
-            scope.spawn(|| {
-                let mut context = std::task::Context::from_waker(&waker_handle);
-                let pending = emit.as_mut().poll(&mut context).is_pending();
-                let _ = polled_tx.send(pending);
-            });
-            let polled = polled.recv_timeout(LONG);
-            // Taken before the verdict: it also ends a poll that blocked, so the scope ends.
-            let first = view.poll_next().expect("the finished buffer");
-            reader.read(&first);
-            assert_eq!(
-                polled,
-                Ok(true),
-                "the record waits for its segment as a future"
-            );
-        });
-        assert!(
-            waker.0.load(Ordering::SeqCst) > 0,
-            "the segment given back woke the waiting writer"
-        );
-        let mut context = std::task::Context::from_waker(&waker_handle);
-        match emit.as_mut().poll(&mut context) {
-            std::task::Poll::Ready(result) => result.unwrap(),
-            std::task::Poll::Pending => panic!("a segment came back, yet the record still waits"),
-        }
-    }
+    assert_waits_as_a_future_for_a_segment_given_back(
+        std::pin::pin!(partition.emit_record_async(&[3u8; 3000][..], 0)),
+        &mut view,
+        &mut reader,
+    );
     partition.finish().unwrap();
     for _ in 0..8 {
         let Some(item) = view.poll_next() else { break };
@@ -1812,33 +1824,12 @@ fn an_async_broadcast_waits_for_its_segment_without_blocking_and_selects_once() 
         let emit = std::pin::pin!(writer.emit_async(&record[..]));
         assert!(emit.poll(&mut context).is_ready(), "a segment was at hand");
     }
-    {
-        let (polled_tx, polled) = mpsc::channel();
-        let record = [3u8; 3000];
-        let mut emit = std::pin::pin!(writer.emit_async(&record[..]));
-        // Bounded: a poll that blocks the thread is caught by the receive's timeout below.
-        thread::scope(|scope| {
-            scope.spawn(|| {
-                let mut context = std::task::Context::from_waker(&waker_handle);
-                let pending = emit.as_mut().poll(&mut context).is_pending();
-                let _ = polled_tx.send(pending);
-            });
-            let polled = polled.recv_timeout(LONG);
-            // Taken before the verdict: it also ends a poll that blocked, so the scope ends.
-            let first = view.poll_next().expect("the finished buffer");
-            reader.read(&first);
-            assert_eq!(
-                polled,
-                Ok(true),
-                "the record waits for its segment as a future"
-            );
-        });
-        let mut context = std::task::Context::from_waker(&waker_handle);
-        match emit.as_mut().poll(&mut context) {
-            std::task::Poll::Ready(result) => result.unwrap(),
-            std::task::Poll::Pending => panic!("a segment came back, yet the record still waits"),
-        }
-    }
+    let record = [3u8; 3000];
+    assert_waits_as_a_future_for_a_segment_given_back(
+        std::pin::pin!(writer.emit_async(&record[..])),
+        &mut view,
+        &mut reader,
+    );
     assert_eq!(
         writer.selector().0,
         3,

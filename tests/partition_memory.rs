@@ -8,22 +8,12 @@
 //! A test binary of its own: it measures the process's resident memory, which a test running
 //! beside it would change.
 
+#[macro_use]
+mod common;
+
 use fluxgate::buffer::NetworkBufferPool;
 use fluxgate::partition::{ResultPartition, ResultPartitionId};
 use fluxgate::NetworkConfig;
-
-/// The process's resident memory in bytes (`VmRSS`). The queues' slots are written when they
-/// are made, so what they take is resident at once.
-fn resident_bytes() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
-    let kib: usize = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().strip_suffix("kB"))
-        .and_then(|kib| kib.trim().parse().ok())
-        .expect("a VmRSS line in kB");
-    kib * 1024
-}
 
 const SUBPARTITIONS: usize = 2000;
 
@@ -43,9 +33,9 @@ fn a_partition_of_many_subpartitions_allocates_in_proportion_to_their_count() {
         producer: 1,
     };
 
-    let before = resident_bytes();
+    let before = common::resident_bytes();
     let partition = ResultPartition::new(id, SUBPARTITIONS, &network, &config).unwrap();
-    let allocated = resident_bytes().saturating_sub(before);
+    let allocated = common::resident_bytes().saturating_sub(before);
 
     // The segments themselves were mapped with the network memory; what a subpartition needs
     // besides is its state and its queues, a few kilobytes each at Flink's default of 10

@@ -237,6 +237,28 @@ impl Sender {
         self.send_as(bytes, data_type, sequence, backlog)
     }
 
+    /// Receives checkpoint `id`'s aligned barrier (it stops the sender until resumed) with
+    /// the next sequence number, in an event segment (events need no credit).
+    fn send_aligned_barrier(&mut self, id: u64) {
+        let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+            id,
+            timestamp: 0,
+            kind: CheckpointKind::Checkpoint,
+            alignment: Alignment::Aligned,
+        });
+        let segment = self.shared.buffers().event_segment(64).unwrap();
+        let sequence = self.sequence;
+        self.deliver(
+            segment,
+            &encoded(&barrier),
+            DataType::AlignedCheckpointBarrier,
+            sequence,
+            0,
+            0,
+        )
+        .unwrap();
+    }
+
     /// Like `send` but with an explicit sequence number.
     fn send_as(
         &mut self,
@@ -809,24 +831,7 @@ fn a_blocked_channel_takes_no_more_floating_segments() {
     sender
         .send(b"a", DataType::DataBuffer, FLOATING + 10)
         .unwrap();
-    let barrier = Event::CheckpointBarrier(CheckpointBarrier {
-        id: 1,
-        timestamp: 0,
-        kind: CheckpointKind::Checkpoint,
-        alignment: Alignment::Aligned,
-    });
-    let segment = buffers.event_segment(64).unwrap();
-    let sequence = sender.sequence;
-    sender
-        .deliver(
-            segment,
-            &encoded(&barrier),
-            DataType::AlignedCheckpointBarrier,
-            sequence,
-            0,
-            0,
-        )
-        .unwrap();
+    sender.send_aligned_barrier(1);
     let a = into_buffer(gate.next_timeout(LONG).unwrap().unwrap().item);
     assert_eq!(a.as_slice(), b"a");
     drop(a);
@@ -868,24 +873,7 @@ fn a_blocked_channel_without_exclusive_segments_gives_its_floating_ones_back() {
     let before = f.leased();
     // The aligned barrier: the two free floating segments go back to the gate's pool, and
     // they leave the gate (it is above its minimum of one).
-    let barrier = Event::CheckpointBarrier(CheckpointBarrier {
-        id: 1,
-        timestamp: 0,
-        kind: CheckpointKind::Checkpoint,
-        alignment: Alignment::Aligned,
-    });
-    let segment = buffers.event_segment(64).unwrap();
-    let sequence = sender.sequence;
-    sender
-        .deliver(
-            segment,
-            &encoded(&barrier),
-            DataType::AlignedCheckpointBarrier,
-            sequence,
-            0,
-            0,
-        )
-        .unwrap();
+    sender.send_aligned_barrier(1);
     assert_eq!(buffers.available(), 0);
     assert_eq!(
         f.leased(),

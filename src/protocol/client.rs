@@ -503,36 +503,20 @@ impl ClientConnection {
                 }
                 continue;
             }
-            if channel.shared.is_released() {
-                // Task events the task sent before it let go leave first, as Flink writes
-                // them at once: the producer may be waiting for one.
-                let partition = channel.partition;
-                for event in channel.shared.take_task_events() {
-                    encode(
-                        &mut self.outbound,
-                        &Message::TaskEventRequest {
-                            partition,
-                            receiver,
-                            event,
-                        },
-                    );
-                }
-                encode(
-                    &mut self.outbound,
-                    &Message::CancelPartitionRequest { receiver },
-                );
-                self.remove_channel(slot as usize);
-                continue;
-            }
-            let resume = channel.shared.take_resume_request();
-            let credit = channel.shared.buffers().take_unannounced_credit();
+            let released = channel.shared.is_released();
             let partition = channel.partition;
+            // Task events go out on a released channel too, ahead of its cancel, as Flink
+            // writes them at once: the producer may be waiting for one.
             let task_events = channel.shared.take_task_events();
-            if resume {
-                encode(&mut self.outbound, &Message::ResumeConsumption { receiver });
-            }
-            if credit > 0 {
-                encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
+            if !released {
+                let resume = channel.shared.take_resume_request();
+                let credit = channel.shared.buffers().take_unannounced_credit();
+                if resume {
+                    encode(&mut self.outbound, &Message::ResumeConsumption { receiver });
+                }
+                if credit > 0 {
+                    encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
+                }
             }
             for event in task_events {
                 encode(
@@ -543,6 +527,13 @@ impl ClientConnection {
                         event,
                     },
                 );
+            }
+            if released {
+                encode(
+                    &mut self.outbound,
+                    &Message::CancelPartitionRequest { receiver },
+                );
+                self.remove_channel(slot as usize);
             }
         }
     }

@@ -383,3 +383,17 @@ pub fn writer_until_failure(
     });
     (writer, done_rx)
 }
+
+#[allow(dead_code)]
+/// The process's resident memory in bytes (`VmRSS`). Queue slots are written when they are
+/// made, so what they take is resident at once.
+pub fn resident_bytes() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
+    let kib: usize = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().strip_suffix("kB"))
+        .and_then(|kib| kib.trim().parse().ok())
+        .expect("a VmRSS line in kB");
+    kib * 1024
+}
