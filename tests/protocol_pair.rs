@@ -1476,15 +1476,11 @@ impl fluxgate::partition::AvailabilityListener for Deaf {
     fn notify_priority_event(&self) {}
 }
 
-/// An ErrorResponse for one receiver ends its request as a cancellation does, also while the
-/// request still waits for its partition: once the partition registers, no reader is made
-/// for it. One was, holding the subpartition's one view and a channel slot until the
-/// connection closed.
-/// Task events a consumer sends while its request waits for the partition reach the producer,
-/// in order, once the partition is set up (its producer listens from then on). They went
-/// nowhere: no producer listened yet.
-#[test]
-fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found() {
+/// A producer's server with a request of receiver 5 waiting for partition 0 (not registered),
+/// behind which the consumer sent `words` as task events.
+fn a_request_waiting_with_task_events(
+    words: &[&[u8]],
+) -> (ServerConnection, Arc<PartitionManager>, Instant) {
     let manager = Arc::new(PartitionManager::new());
     let mut server = ServerConnection::new(
         ServerConfig {
@@ -1494,41 +1490,138 @@ fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found(
         },
         manager.clone(),
     );
-    let id = ResultPartitionId {
-        partition: 0,
-        producer: 1,
-    };
     let start = Instant::now();
     let mut bytes = handshake(false, [0; 32]);
     bytes.extend(request(5));
-    for word in [&b"first"[..], b"second"] {
+    bytes.extend(task_event_requests(words));
+    let (result, _) = feed_server(&mut server, &bytes, start);
+    assert_eq!(result, Ok(()));
+    (server, manager, start)
+}
+
+/// The partition `a_request_waiting_with_task_events` asks for.
+const WAITED_FOR: ResultPartitionId = ResultPartitionId {
+    partition: 0,
+    producer: 1,
+};
+
+/// TaskEventRequests of receiver 5 for [`WAITED_FOR`], one per word.
+fn task_event_requests(words: &[&[u8]]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for word in words {
         let mut event = Vec::new();
         Event::Task(word.to_vec()).encode(&mut event);
         bytes.extend(encoded_message(&Message::TaskEventRequest {
-            partition: id,
+            partition: WAITED_FOR,
             receiver: ReceiverId(5),
             event,
         }));
     }
-    let (result, _) = feed_server(&mut server, &bytes, start);
-    assert_eq!(result, Ok(()));
+    bytes
+}
+
+fn tasks(words: &[&[u8]]) -> Vec<Event> {
+    words
+        .iter()
+        .map(|word| Event::Task(word.to_vec()))
+        .collect()
+}
+
+/// Task events a consumer sends while its request waits for the partition reach the producer,
+/// in order, once the partition is set up (its producer listens from then on). They went
+/// nowhere: no producer listened yet.
+#[test]
+fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found() {
+    let (mut server, manager, start) = a_request_waiting_with_task_events(&[b"first", b"second"]);
     // The producer sets its partition up: it listens, then registers.
     let heard = Arc::new(HeardTaskEvents::default());
-    manager.subscribe_task_events(id, heard.clone());
+    manager.subscribe_task_events(WAITED_FOR, heard.clone());
     let network = NetworkBufferPool::new(&config()).unwrap();
-    let partition = ResultPartition::new(id, 1, &network, &config()).unwrap();
+    let partition = ResultPartition::new(WAITED_FOR, 1, &network, &config()).unwrap();
     manager.register(partition.handle()).unwrap();
     server.poll_transmit(start + Duration::from_millis(60));
     assert_eq!(server.reader_count(), 1, "the request was served");
+    assert_eq!(*heard.0.lock().unwrap(), tasks(&[b"first", b"second"]));
+}
+
+/// Held task events go to a producer that listens by now, in order, ahead of the next event
+/// or the consumer's cancel, without waiting for the partition.
+#[test]
+fn held_task_events_go_first_once_their_producer_listens() {
+    for cancel in [false, true] {
+        let (mut server, manager, start) = a_request_waiting_with_task_events(&[b"first"]);
+        let heard = Arc::new(HeardTaskEvents::default());
+        manager.subscribe_task_events(WAITED_FOR, heard.clone());
+        let next = if cancel {
+            encoded_message(&Message::CancelPartitionRequest {
+                receiver: ReceiverId(5),
+            })
+        } else {
+            task_event_requests(&[b"second"])
+        };
+        let (result, _) = feed_server(&mut server, &next, start);
+        assert_eq!(result, Ok(()));
+        let expected: &[&[u8]] = if cancel {
+            &[b"first"]
+        } else {
+            &[b"first", b"second"]
+        };
+        assert_eq!(
+            *heard.0.lock().unwrap(),
+            tasks(expected),
+            "cancel: {cancel}"
+        );
+    }
+}
+
+/// The task events a connection holds for waiting requests are bounded: past 1 MiB the
+/// request is refused (LimitExceeded for its receiver) rather than memory growing with what
+/// a consumer sends.
+#[test]
+fn task_events_held_past_the_bound_refuse_their_request() {
+    let big = [7u8; 3000];
+    let words: Vec<&[u8]> = std::iter::repeat_n(&big[..], 400).collect();
+    let manager = Arc::new(PartitionManager::new());
+    let mut server = ServerConnection::new(
+        ServerConfig {
+            node: 1,
+            segment_size: SEGMENT,
+            ..ServerConfig::default()
+        },
+        manager.clone(),
+    );
+    let start = Instant::now();
+    let mut bytes = handshake(false, [0; 32]);
+    bytes.extend(request(5));
+    bytes.extend(task_event_requests(&words));
+    let (result, messages) = feed_server(&mut server, &bytes, start);
+    assert_eq!(result, Ok(()));
+    assert!(
+        messages.iter().any(|m| matches!(
+            m,
+            Message::ErrorResponse {
+                receiver: Some(ReceiverId(5)),
+                kind: ErrorKind::LimitExceeded,
+                ..
+            }
+        )),
+        "{messages:?}"
+    );
+    let network = NetworkBufferPool::new(&config()).unwrap();
+    let partition = ResultPartition::new(WAITED_FOR, 1, &network, &config()).unwrap();
+    manager.register(partition.handle()).unwrap();
+    server.poll_transmit(start + Duration::from_millis(60));
     assert_eq!(
-        *heard.0.lock().unwrap(),
-        [
-            Event::Task(b"first".to_vec()),
-            Event::Task(b"second".to_vec())
-        ]
+        server.reader_count(),
+        0,
+        "the refused request was withdrawn"
     );
 }
 
+/// An ErrorResponse for one receiver ends its request as a cancellation does, also while the
+/// request still waits for its partition: once the partition registers, no reader is made
+/// for it. One was, holding the subpartition's one view and a channel slot until the
+/// connection closed.
 #[test]
 fn an_error_for_a_receiver_waiting_for_its_partition_withdraws_the_request() {
     let manager = Arc::new(PartitionManager::new());

@@ -167,15 +167,18 @@ struct PendingRequest {
     /// Task events its consumer sent while it waited, which no producer heard yet (none
     /// listens before its partition is set up): delivered, in order, once it is found.
     task_events: Vec<Event>,
+    /// What `task_events` count against [`HELD_TASK_EVENT_BYTES`].
+    task_event_bytes: usize,
 }
 
 /// Most bytes of task events a connection holds for requests waiting for their partition;
 /// one more fails its channel (the consumer's task events are not dropped unseen).
 const HELD_TASK_EVENT_BYTES: usize = 1 << 20;
 
-/// What `events` count against [`HELD_TASK_EVENT_BYTES`].
-fn held_bytes(events: &[Event]) -> usize {
-    events.iter().map(Event::encoded_len).sum()
+/// What a held event counts against [`HELD_TASK_EVENT_BYTES`]: the memory it takes, its
+/// payload and its place in the list (an empty event is not free).
+fn held_cost(event: &Event) -> usize {
+    event.encoded_len() + std::mem::size_of::<Event>()
 }
 
 /// The producer side of one connection (Flink's `PartitionRequestServerHandler` and
@@ -551,6 +554,7 @@ impl ServerConnection {
                     deadline: now + self.config.partition_request_timeout,
                     retried: false,
                     task_events: Vec::new(),
+                    task_event_bytes: 0,
                 };
                 self.request(request, now);
             }
@@ -594,11 +598,9 @@ impl ServerConnection {
                         value: size as u64,
                     })
                 })?;
-                // Behind events held for the same request, in order.
-                let behind_held = self
-                    .pending
-                    .get(&receiver)
-                    .is_some_and(|request| !request.task_events.is_empty());
+                // Behind events held for the same request, in order: those go first if their
+                // producer listens by now.
+                let behind_held = !self.deliver_held_task_events(receiver);
                 if behind_held || !self.manager.publish_task_event(partition, &event) {
                     self.hold_task_event(partition, receiver, event);
                 }
@@ -611,7 +613,10 @@ impl ServerConnection {
                 receiver: Some(receiver),
                 ..
             } => {
-                self.withdraw_pending(receiver);
+                if let Some(request) = self.withdraw_pending(receiver) {
+                    // Sent before the cancel: delivered if their producer listens by now.
+                    self.publish_held(request);
+                }
                 self.remove_reader(receiver);
             }
             Message::CloseRequest => {
@@ -759,9 +764,7 @@ impl ServerConnection {
                 // Data may already be queued.
                 self.ready.enqueue(slot);
                 // Its partition is set up now, and with it whatever listens to its events.
-                for event in request.task_events {
-                    self.manager.publish_task_event(request.partition, &event);
-                }
+                self.publish_held(request);
             }
             Err(PartitionError::PartitionNotFound(_)) if now < request.deadline => {
                 if !request.retried {
@@ -773,7 +776,7 @@ impl ServerConnection {
                 request.retried = true;
                 let due = now + self.config.partition_request_retry;
                 self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
-                self.held_task_event_bytes += held_bytes(&request.task_events);
+                self.held_task_event_bytes += request.task_event_bytes;
                 self.pending.insert(request.receiver, request);
             }
             Err(PartitionError::PartitionNotFound(_)) => {
@@ -786,6 +789,7 @@ impl ServerConnection {
                     ErrorKind::PartitionNotFound,
                     "partition not found",
                 );
+                self.publish_held(request);
             }
             Err(other) => {
                 self.error_for(
@@ -793,6 +797,7 @@ impl ServerConnection {
                     ErrorKind::ProducerFailed,
                     &other.to_string(),
                 );
+                self.publish_held(request);
             }
         }
     }
@@ -914,7 +919,7 @@ impl ServerConnection {
         receiver: ReceiverId,
         event: Event,
     ) {
-        let size = event.encoded_len();
+        let size = held_cost(&event);
         let Some(request) = self
             .pending
             .get_mut(&receiver)
@@ -924,7 +929,9 @@ impl ServerConnection {
             return;
         };
         if self.held_task_event_bytes + size > HELD_TASK_EVENT_BYTES {
-            self.withdraw_pending(receiver);
+            if let Some(request) = self.withdraw_pending(receiver) {
+                self.publish_held(request);
+            }
             self.error_for(
                 receiver,
                 ErrorKind::LimitExceeded,
@@ -933,13 +940,48 @@ impl ServerConnection {
             return;
         }
         self.held_task_event_bytes += size;
+        request.task_event_bytes += size;
         request.task_events.push(event);
+    }
+
+    /// Delivers the task events held for `receiver`'s waiting request if their producer
+    /// listens by now (its first event is heard: so are the rest, in order). True when none
+    /// are held any more.
+    fn deliver_held_task_events(&mut self, receiver: ReceiverId) -> bool {
+        let Some(request) = self.pending.get_mut(&receiver) else {
+            return true;
+        };
+        let Some(first) = request.task_events.first() else {
+            return true;
+        };
+        if !self.manager.publish_task_event(request.partition, first) {
+            return false;
+        }
+        for event in request.task_events.drain(1..) {
+            self.manager.publish_task_event(request.partition, &event);
+        }
+        request.task_events = Vec::new();
+        self.held_task_event_bytes -= std::mem::take(&mut request.task_event_bytes);
+        true
+    }
+
+    /// Publishes what a request leaving `pending` held, in order; events no producer hears
+    /// are dropped, as any event without a listener is.
+    fn publish_held(&self, request: PendingRequest) {
+        for event in &request.task_events {
+            if !self.manager.publish_task_event(request.partition, event) {
+                tracing::debug!(
+                    partition = ?request.partition,
+                    "a held task event no producer listens to; dropped"
+                );
+            }
+        }
     }
 
     /// Takes a waiting request out of `pending`, its held task events with it.
     fn withdraw_pending(&mut self, receiver: ReceiverId) -> Option<PendingRequest> {
         let request = self.pending.remove(&receiver)?;
-        self.held_task_event_bytes -= held_bytes(&request.task_events);
+        self.held_task_event_bytes -= request.task_event_bytes;
         Some(request)
     }
 
@@ -962,7 +1004,9 @@ impl ServerConnection {
     fn release_all(&mut self) {
         self.by_receiver.clear();
         self.readers.clear();
-        self.pending.clear();
+        for (_, request) in std::mem::take(&mut self.pending) {
+            self.publish_held(request);
+        }
         self.held_task_event_bytes = 0;
         self.next_retry = None;
     }
