@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use fluxgate::buffer::{DataType, NetworkBufferPool};
+use fluxgate::buffer::{DataType, NetworkBufferPool, PoolError};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::partition::{
     AvailabilityListener, BufferAndBacklog, BufferTimeout, ChannelSelector, KeyHashSelector,
@@ -2150,6 +2150,26 @@ fn a_partition_without_subpartitions_is_refused() {
         ResultPartition::new(ID, 0, &network, &config),
         Err(PartitionError::NoSubpartitions)
     ));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_partition_of_more_subpartitions_than_the_memory_holds_is_refused() {
+    // Its pool's minimum (one segment per subpartition and one more) added to what other
+    // pools were promised overflowed (a panic in debug builds; in release builds a wrapped
+    // sum admitted it and left the promise one short for good).
+    let (network, config) = setup(8);
+    let other = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    for subpartitions in [usize::MAX, usize::MAX - 1, 64] {
+        assert!(
+            matches!(
+                ResultPartition::new(ID, subpartitions, &network, &config),
+                Err(PartitionError::Pool(PoolError::Insufficient { .. }))
+            ),
+            "{subpartitions} subpartitions"
+        );
+    }
+    drop(other);
     assert_eq!(network.available_segments(), network.total_segments());
 }
 

@@ -231,7 +231,7 @@ impl LocalBufferPool {
         max_overdraft: usize,
         timeout: Duration,
     ) -> Result<BufferBuilder, PoolError> {
-        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        let channel = self.shared.channel_tag(subpartition);
         self.wait_for(timeout, || {
             let segment = match self.shared.take_past_channel_limit(channel)? {
                 Some(segment) => PooledSegment::new(self.shared.clone(), segment),
@@ -255,14 +255,14 @@ impl LocalBufferPool {
         subpartition: usize,
         timeout: Duration,
     ) -> Result<(), PoolError> {
-        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        let channel = self.shared.channel_tag(subpartition);
         self.wait_until(timeout, || self.shared.stock_one(channel).unwrap_or(true))
     }
 
     /// True when a segment for `subpartition` is at hand now (see
     /// [`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand)).
     pub(crate) fn segment_at_hand(&self, subpartition: usize) -> bool {
-        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        let channel = self.shared.channel_tag(subpartition);
         self.shared.stock_one(channel).unwrap_or(true)
     }
 
@@ -272,7 +272,7 @@ impl LocalBufferPool {
         &self,
         subpartition: usize,
     ) -> UntilReady<'_, impl FnMut() -> bool + Unpin + '_> {
-        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        let channel = self.shared.channel_tag(subpartition);
         self.until_ready(move || self.shared.stock_one(channel).unwrap_or(true))
     }
 
@@ -561,7 +561,7 @@ impl LocalBufferPool {
     }
 
     fn try_builder(&self, subpartition: usize) -> Result<Option<BufferBuilder>, PoolError> {
-        let channel = u32::try_from(subpartition).unwrap_or(NO_CHANNEL);
+        let channel = self.shared.channel_tag(subpartition);
         let Some(segment) = self.shared.take(channel)? else {
             return Ok(None);
         };
@@ -798,6 +798,16 @@ impl LocalPoolShared {
         self.network.take()
     }
 
+    /// The tag a segment for `subpartition` carries: its index, or `NO_CHANNEL` for none of
+    /// this pool's subpartitions (a large index must not read back as another tag, such as
+    /// the overdraft's).
+    fn channel_tag(&self, subpartition: usize) -> u32 {
+        u32::try_from(subpartition)
+            .ok()
+            .filter(|_| subpartition < self.per_channel.len())
+            .unwrap_or(NO_CHANNEL)
+    }
+
     /// Counts one more segment taken from the global pool, unless the pool is at its maximum.
     fn reserve_one(&self) -> bool {
         // SeqCst: a registering listener's second look must see a give-back's decrement, or
@@ -825,10 +835,19 @@ impl LocalPoolShared {
         if self.destroyed.load(Ordering::SeqCst) {
             return;
         }
-        if !self.listeners.is_empty() {
-            if let Some(segment) = self.grow() {
-                self.place(segment);
+        // Every listener waiting, not only the first: the pool was queued as starved once
+        // for all of them, and the segments given back after this one wake no pool that is
+        // not queued. Bounded: each round hands a segment to a listener (which the offer
+        // unregisters) or ends when the global pool has none (`grow` queues this pool as
+        // starved again, for the next give-back) or this pool is at its maximum.
+        for _ in 0..self.spec.max_segments {
+            if self.listeners.is_empty() || self.destroyed.load(Ordering::SeqCst) {
+                break;
             }
+            let Some(segment) = self.grow() else {
+                break;
+            };
+            self.place(segment);
         }
         self.wake_waiters();
     }

@@ -275,7 +275,12 @@ impl NetworkBufferPool {
         {
             let mut promised = self.inner.promised.lock().expect("not poisoned");
             let total = self.total_segments();
-            if *promised + spec.min_segments > total {
+            // Checked: a minimum near `usize::MAX` (a partition of that many subpartitions)
+            // must be refused, not wrap the sum below the total.
+            if promised
+                .checked_add(spec.min_segments)
+                .is_none_or(|needed| needed > total)
+            {
                 return Err(PoolError::Insufficient {
                     required: spec.min_segments,
                     available: total - *promised,
@@ -485,6 +490,73 @@ mod tests {
         assert_eq!(served, 3, "a starved pool's listener was never served");
         drop(listeners);
         drop(locals);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    }
+
+    #[test]
+    fn a_subpartition_index_beyond_the_pool_s_is_none_of_its_channels() {
+        // The index one below `u32::MAX` read back as the overdraft's tag: its segment went
+        // straight to the global pool on recycle, the overdraft count wrapped, and the pool
+        // kept counting a segment it no longer held.
+        let pool = pool_of_4k_segments(4);
+        let spec = LocalPoolSpec {
+            min_segments: 1,
+            max_segments: 2,
+            subpartitions: 1,
+            max_segments_per_channel: 2,
+            max_listeners: 1,
+            max_overdraft_segments: 1,
+        };
+        let local = pool.create_local_pool(spec).unwrap();
+        let stray = local
+            .request_buffer_builder((u32::MAX - 1) as usize)
+            .expect("a segment");
+        drop(stray);
+        let builders: Vec<_> = (0..2).map(|_| local.request_buffer_builder(0)).collect();
+        assert!(
+            builders.iter().all(Option::is_some),
+            "the pool still has its two segments"
+        );
+        drop(builders);
+        drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    }
+
+    #[test]
+    fn every_listener_of_a_starved_pool_is_served_as_segments_come_back() {
+        // One pool, three listeners waiting for the empty global pool: the pool is queued as
+        // starved once for all three. Only the first was served, and the segments given back
+        // after it woke no pool: the other two waited with segments free.
+        let pool = pool_of_4k_segments(3);
+        let taken: Vec<Segment> = std::iter::from_fn(|| pool.inner.take()).collect();
+        assert_eq!(taken.len(), 3);
+        let spec = LocalPoolSpec {
+            min_segments: 0,
+            max_segments: 3,
+            subpartitions: 0,
+            max_segments_per_channel: 3,
+            max_listeners: 3,
+            max_overdraft_segments: 0,
+        };
+        let local = pool.create_local_pool(spec).unwrap();
+        let listeners: Vec<Arc<Keeps>> = (0..3).map(|_| Arc::new(Keeps::default())).collect();
+        for listener in &listeners {
+            let listener: Arc<dyn super::super::local::BufferListener> = listener.clone();
+            assert!(local
+                .request_segment_or_listen(&listener)
+                .unwrap()
+                .is_none());
+        }
+        for segment in taken {
+            pool.inner.give_back(segment);
+        }
+        let served = listeners
+            .iter()
+            .filter(|l| l.0.lock().unwrap().len() == 1)
+            .count();
+        assert_eq!(served, 3, "a listener waited with segments free");
+        drop(listeners);
+        drop(local);
         assert_eq!(pool.available_segments(), pool.total_segments());
     }
 
