@@ -41,6 +41,9 @@ const CIPHERTEXT_READ: usize = 64 * 1024;
 /// Slices handed to one `writev`.
 const MAX_SLICES: usize = 64;
 
+/// Most writes one readiness of a socket makes before the loop yields to the others.
+const WRITE_PASSES: usize = 1024;
+
 /// A running epoll I/O thread.
 pub struct EpollDriver {
     handle: DriverHandle,
@@ -548,14 +551,8 @@ impl Loop {
                 // The peer's end: nothing more to read, but the ErrorResponse may still be
                 // on its way out (`transmit` or the deadline closes).
                 Discarded::Drained | Discarded::Ended => {}
-                Discarded::More => {
-                    // Edge-triggered: ask again for what is left.
-                    let _ = self.poll.registry().reregister(
-                        &mut conn.stream,
-                        token,
-                        Interest::READABLE | Interest::WRITABLE,
-                    );
-                }
+                // Edge-triggered: ask again for what is left.
+                Discarded::More => self.rearm_after_the_bound(token),
                 Discarded::Failed => self.close(token),
             }
             return;
@@ -608,11 +605,20 @@ impl Loop {
             }
         }
         // More may be waiting: edge-triggered epoll will not tell again.
-        let _ = self.poll.registry().reregister(
-            &mut self.connections.get_mut(&token).expect("present").stream,
-            token,
-            Interest::READABLE | Interest::WRITABLE,
-        );
+        self.rearm_after_the_bound(token);
+    }
+
+    /// A read or write loop stopped at its bound with more to do: edge-triggered epoll raises
+    /// no new edge for a socket that stayed ready, so the registration is renewed (reporting
+    /// its readiness again) and the next turn goes on.
+    fn rearm_after_the_bound(&mut self, token: Token) {
+        if let Some(conn) = self.connections.get_mut(&token) {
+            let _ = self.poll.registry().reregister(
+                &mut conn.stream,
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            );
+        }
     }
 
     fn transmit(&mut self, token: Token, now: Instant) {
@@ -631,8 +637,10 @@ impl Loop {
         // The slice vector is reused across writes: no allocation per `writev`.
         let mut scratch = std::mem::take(&mut self.slice_scratch);
         let mut failure = None;
+        let mut passes = 0;
         // Bounded: each pass writes something or stops.
-        for _ in 0..1024 {
+        for _ in 0..WRITE_PASSES {
+            passes += 1;
             if !conn.connection.wants_write() {
                 break;
             }
@@ -671,6 +679,10 @@ impl Loop {
         if let Some(reason) = failure {
             self.lose(token, &reason);
             return;
+        }
+        let conn = self.connections.get_mut(&token).expect("still present");
+        if passes == WRITE_PASSES && conn.connection.wants_write() {
+            self.rearm_after_the_bound(token);
         }
         let conn = self.connections.get_mut(&token).expect("still present");
         if conn.close_by.is_some() && !conn.connection.wants_write() {
@@ -790,11 +802,7 @@ impl Loop {
         }
         if !drained {
             // More may be waiting: edge-triggered epoll will not tell again.
-            let _ = self.poll.registry().reregister(
-                &mut self.connections.get_mut(&token).expect("present").stream,
-                token,
-                Interest::READABLE | Interest::WRITABLE,
-            );
+            self.rearm_after_the_bound(token);
         }
         // Handshake messages or alerts may be due, and a finished handshake lets the frames
         // queued meanwhile leave.
@@ -822,8 +830,10 @@ impl Loop {
         connection.poll_transmit(now);
         let mut scratch = std::mem::take(&mut self.slice_scratch);
         let mut failure = None;
+        let mut passes = 0;
         // Bounded: each pass writes records, takes plaintext, or stops.
-        for _ in 0..1024 {
+        for _ in 0..WRITE_PASSES {
+            passes += 1;
             if session.wants_write() {
                 match session.write_tls(&mut NoSignal(stream)) {
                     Ok(0) => break,
@@ -865,6 +875,14 @@ impl Loop {
         if let Some(reason) = failure {
             self.lose(token, &reason);
             return;
+        }
+        let conn = self.connections.get_mut(&token).expect("still present");
+        let tls_wants_write = conn
+            .tls
+            .as_ref()
+            .is_some_and(|link| link.session.wants_write());
+        if passes == WRITE_PASSES && (tls_wants_write || conn.connection.wants_write()) {
+            self.rearm_after_the_bound(token);
         }
         let conn = self.connections.get_mut(&token).expect("still present");
         let session = &mut conn.tls.as_mut().expect("a TLS connection").session;
