@@ -1921,32 +1921,49 @@ impl Loop {
 
     /// Cancels everything in flight, waits (bounded) for the completions, then drops the
     /// connections (their channels fail, their views are released).
+    /// Queues the cancellation of every operation in flight not cancelled yet: each
+    /// connection's read and write, the accept and the eventfd read (`queued` says which of
+    /// those two were queued already).
+    fn cancel_everything(&mut self, queued: &mut [bool; 2]) {
+        for slot in 0..self.conns.len() {
+            if self.conns[slot].is_some() {
+                // Does nothing for a connection cancelled already or idle.
+                self.cancel(slot);
+            }
+        }
+        let targets = [
+            (self.accept_armed, user_data(ACCEPT, NO_SLOT, 0)),
+            (self.wake_armed, user_data(WAKE, NO_SLOT, 0)),
+        ];
+        for ((armed, target), queued) in targets.into_iter().zip(queued.iter_mut()) {
+            if armed && !*queued {
+                let entry = opcode::AsyncCancel::new(target)
+                    .build()
+                    .user_data(user_data(CANCEL, NO_SLOT, 0));
+                // SAFETY: a cancellation references no memory.
+                *queued = unsafe { self.push(&entry) };
+            }
+        }
+    }
+
     fn shutdown(&mut self) {
         self.shutting_down = true;
         // Channels still waiting for a connection fail now: none will be opened.
         self.pending.fail_all(SHUTDOWN_REASON);
         self.refused.fail_all(SHUTDOWN_REASON);
-        for slot in 0..self.conns.len() {
-            if self.conns[slot].is_some() {
-                self.cancel(slot);
-            }
-        }
-        for (armed, target) in [
-            (self.accept_armed, user_data(ACCEPT, NO_SLOT, 0)),
-            (self.wake_armed, user_data(WAKE, NO_SLOT, 0)),
-        ] {
-            if armed {
-                let entry = opcode::AsyncCancel::new(target)
-                    .build()
-                    .user_data(user_data(CANCEL, NO_SLOT, 0));
-                // SAFETY: a cancellation references no memory.
-                unsafe { self.push(&entry) };
-            }
-        }
+        // The accept's and the eventfd read's cancellations queued so far.
+        let mut cancels_queued = [false; 2];
         let started = Instant::now();
         let deadline = started + SHUTDOWN_DRAIN;
         let mut aborted = false;
-        while self.in_flight > 0 {
+        loop {
+            // Every turn: a cancellation the full submission queue refused is queued again
+            // (one that was never queued leaves its operation waiting on a silent peer until
+            // the drain gives up and leaks it).
+            self.cancel_everything(&mut cancels_queued);
+            if self.in_flight == 0 {
+                break;
+            }
             let now = Instant::now();
             if now >= deadline {
                 break;
