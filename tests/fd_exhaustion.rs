@@ -23,15 +23,6 @@ use socket2::{Domain, Socket, Type};
 const LONG: Duration = Duration::from_secs(20);
 const CLIENTS: usize = 3;
 
-/// The highest descriptor this process has open now.
-fn highest_descriptor() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .expect("procfs")
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
-        .max()
-        .expect("some descriptor is open")
-}
-
 fn descriptor_limit() -> Rlimit {
     getrlimit(Resource::Nofile)
 }
@@ -71,7 +62,7 @@ fn queued_connections_are_accepted_once_descriptors_are_free(transport: Transpor
     let env = producer(transport);
     let addr: SocketAddr = env.local_addr();
     let original = descriptor_limit();
-    let limit = highest_descriptor() + 1 + CLIENTS as u64;
+    let limit = common::highest_descriptor() + 1 + CLIENTS as u64;
     set_descriptor_limit(Rlimit {
         current: Some(limit),
         maximum: original.maximum,

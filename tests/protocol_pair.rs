@@ -1477,10 +1477,15 @@ impl fluxgate::partition::AvailabilityListener for Deaf {
 }
 
 /// A producer's server with a request of receiver 5 waiting for partition 0 (not registered),
-/// behind which the consumer sent `words` as task events.
+/// behind which the consumer sent `words` as task events; and what the server answered.
 fn a_request_waiting_with_task_events(
     words: &[&[u8]],
-) -> (ServerConnection, Arc<PartitionManager>, Instant) {
+) -> (
+    ServerConnection,
+    Arc<PartitionManager>,
+    Instant,
+    Vec<Message>,
+) {
     let manager = Arc::new(PartitionManager::new());
     let mut server = ServerConnection::new(
         ServerConfig {
@@ -1494,9 +1499,9 @@ fn a_request_waiting_with_task_events(
     let mut bytes = handshake(false, [0; 32]);
     bytes.extend(request(5));
     bytes.extend(task_event_requests(words));
-    let (result, _) = feed_server(&mut server, &bytes, start);
+    let (result, answered) = feed_server(&mut server, &bytes, start);
     assert_eq!(result, Ok(()));
-    (server, manager, start)
+    (server, manager, start, answered)
 }
 
 /// The partition `a_request_waiting_with_task_events` asks for.
@@ -1532,7 +1537,8 @@ fn tasks(words: &[&[u8]]) -> Vec<Event> {
 /// nowhere: no producer listened yet.
 #[test]
 fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found() {
-    let (mut server, manager, start) = a_request_waiting_with_task_events(&[b"first", b"second"]);
+    let (mut server, manager, start, _) =
+        a_request_waiting_with_task_events(&[b"first", b"second"]);
     // The producer sets its partition up: it listens, then registers.
     let heard = Arc::new(HeardTaskEvents::default());
     manager.subscribe_task_events(WAITED_FOR, heard.clone());
@@ -1549,7 +1555,7 @@ fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found(
 #[test]
 fn held_task_events_go_first_once_their_producer_listens() {
     for cancel in [false, true] {
-        let (mut server, manager, start) = a_request_waiting_with_task_events(&[b"first"]);
+        let (mut server, manager, start, _) = a_request_waiting_with_task_events(&[b"first"]);
         let heard = Arc::new(HeardTaskEvents::default());
         manager.subscribe_task_events(WAITED_FOR, heard.clone());
         let next = if cancel {
@@ -1581,21 +1587,7 @@ fn held_task_events_go_first_once_their_producer_listens() {
 fn task_events_held_past_the_bound_refuse_their_request() {
     let big = [7u8; 3000];
     let words: Vec<&[u8]> = std::iter::repeat_n(&big[..], 400).collect();
-    let manager = Arc::new(PartitionManager::new());
-    let mut server = ServerConnection::new(
-        ServerConfig {
-            node: 1,
-            segment_size: SEGMENT,
-            ..ServerConfig::default()
-        },
-        manager.clone(),
-    );
-    let start = Instant::now();
-    let mut bytes = handshake(false, [0; 32]);
-    bytes.extend(request(5));
-    bytes.extend(task_event_requests(&words));
-    let (result, messages) = feed_server(&mut server, &bytes, start);
-    assert_eq!(result, Ok(()));
+    let (mut server, manager, start, messages) = a_request_waiting_with_task_events(&words);
     assert!(
         messages.iter().any(|m| matches!(
             m,

@@ -5,21 +5,15 @@
 //! A test binary of its own: it lowers the process's descriptor limit (which would make any
 //! test running beside it fail), and it must be the process's first probe.
 
-use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+#[macro_use]
+mod common;
 
-/// The highest descriptor this process has open now.
-fn highest_descriptor() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .expect("procfs")
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
-        .max()
-        .expect("some descriptor is open")
-}
+use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 
 #[test]
 fn a_probe_that_found_no_descriptor_for_its_ring_probes_again() {
     let original = getrlimit(Resource::Nofile);
-    let limit = highest_descriptor() + 1;
+    let limit = common::highest_descriptor() + 1;
     setrlimit(
         Resource::Nofile,
         Rlimit {

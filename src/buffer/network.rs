@@ -453,6 +453,23 @@ mod tests {
         fn on_pool_destroyed(&self) {}
     }
 
+    /// Registers `listener` at `local`, whose global pool is empty (nothing is at hand).
+    fn listen(local: &LocalBufferPool, listener: &Arc<Keeps>) {
+        let listener: Arc<dyn super::super::local::BufferListener> = listener.clone();
+        assert!(local
+            .request_segment_or_listen(&listener)
+            .unwrap()
+            .is_none());
+    }
+
+    /// How many of `listeners` got their segment.
+    fn served(listeners: &[Arc<Keeps>]) -> usize {
+        listeners
+            .iter()
+            .filter(|l| l.0.lock().unwrap().len() == 1)
+            .count()
+    }
+
     #[test]
     fn more_starved_pools_than_the_starved_queue_holds_are_all_woken() {
         // Three local pools wait for the empty global pool with a listener each, one more than
@@ -474,19 +491,12 @@ mod tests {
             .collect();
         let listeners: Vec<Arc<Keeps>> = (0..3).map(|_| Arc::new(Keeps::default())).collect();
         for (local, listener) in locals.iter().zip(&listeners) {
-            let listener: Arc<dyn super::super::local::BufferListener> = listener.clone();
-            assert!(local
-                .request_segment_or_listen(&listener)
-                .unwrap()
-                .is_none());
+            listen(local, listener);
         }
         for segment in taken {
             pool.inner.give_back(segment);
         }
-        let served = listeners
-            .iter()
-            .filter(|l| l.0.lock().unwrap().len() == 1)
-            .count();
+        let served = served(&listeners);
         assert_eq!(served, 3, "a starved pool's listener was never served");
         drop(listeners);
         drop(locals);
@@ -541,19 +551,12 @@ mod tests {
         let local = pool.create_local_pool(spec).unwrap();
         let listeners: Vec<Arc<Keeps>> = (0..3).map(|_| Arc::new(Keeps::default())).collect();
         for listener in &listeners {
-            let listener: Arc<dyn super::super::local::BufferListener> = listener.clone();
-            assert!(local
-                .request_segment_or_listen(&listener)
-                .unwrap()
-                .is_none());
+            listen(&local, listener);
         }
         for segment in taken {
             pool.inner.give_back(segment);
         }
-        let served = listeners
-            .iter()
-            .filter(|l| l.0.lock().unwrap().len() == 1)
-            .count();
+        let served = served(&listeners);
         assert_eq!(served, 3, "a listener waited with segments free");
         drop(listeners);
         drop(local);

@@ -397,3 +397,13 @@ pub fn resident_bytes() -> usize {
         .expect("a VmRSS line in kB");
     kib * 1024
 }
+
+#[allow(dead_code)]
+/// The highest descriptor this process has open now.
+pub fn highest_descriptor() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("procfs")
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+        .max()
+        .expect("some descriptor is open")
+}
