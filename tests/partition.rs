@@ -694,29 +694,60 @@ fn unaligned(barrier: &Event) -> Event {
     }
 }
 
+/// A one-subpartition partition over `segments` segments of network memory holding
+/// `records` records of 2044 bytes (two per 4 KiB segment), then checkpoint 5's aligned
+/// barrier with a timeout; its view and that barrier.
+fn records_then_a_timeoutable_barrier(
+    segments: usize,
+    records: usize,
+) -> (
+    NetworkBufferPool,
+    ResultPartition,
+    SubpartitionView,
+    Arc<Signal>,
+    Event,
+) {
+    let (network, config) = setup(segments);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (view, signal) = view(&partition, 0);
+    let record = [1u8; 2044];
+    for _ in 0..records {
+        partition.emit_record(&record[..], 0).unwrap();
+    }
+    let barrier = timeoutable_barrier(5, 3_600_000);
+    partition.broadcast_event(&barrier, false).unwrap();
+    (network, partition, view, signal, barrier)
+}
+
+/// After `barrier` turned unaligned: no timer is left, its reader heard of a priority event,
+/// and the barrier's unaligned copy comes out first (returned).
+fn assert_unaligned_comes_first(
+    view: &mut SubpartitionView,
+    signal: &Signal,
+    partition: &ResultPartition,
+    barrier: &Event,
+) -> BufferAndBacklog {
+    assert_eq!(partition.aligned_barrier_deadline(), None);
+    assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
+    let first = view.poll_next().unwrap();
+    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
+    assert_eq!(event_of(&first), unaligned(barrier));
+    first
+}
+
 /// A back-pressured partition, whose every segment holds queued data, still turns its
 /// barrier unaligned at the timeout: the copy goes into memory of its own, as Flink
 /// serializes it into unpooled memory. It needed a pool or overdraft segment, and a
 /// partition with none left kept its barrier aligned behind the data.
 #[test]
 fn a_barrier_times_out_into_memory_of_its_own_when_every_segment_is_queued() {
-    let (network, config) = setup(4);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, signal) = view(&partition, 0);
-    let record = [1u8; 2044]; // two records per 4 KiB segment
-    for _ in 0..6 {
-        partition.emit_record(&record[..], 0).unwrap();
-    }
-    let barrier = timeoutable_barrier(5, 3_600_000);
-    partition.broadcast_event(&barrier, false).unwrap();
+    let (network, mut partition, mut view, signal, barrier) =
+        records_then_a_timeoutable_barrier(4, 6);
     assert_eq!(network.available_segments(), 0, "every segment is queued");
     assert_eq!(partition.aligned_barrier_timeout(5), 1);
-    assert_eq!(partition.aligned_barrier_deadline(), None);
-    assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
-    let first = view.poll_next().unwrap();
-    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
-    assert_eq!(event_of(&first), unaligned(&barrier));
-    drop(first);
+    drop(assert_unaligned_comes_first(
+        &mut view, &signal, &partition, &barrier,
+    ));
     // The data it overtook, then (with segments free again) the end.
     let mut records = SpanningReader::new();
     for _ in 0..3 {
@@ -737,15 +768,8 @@ fn a_barrier_times_out_into_memory_of_its_own_when_every_segment_is_queued() {
 /// never blocked; the data after it follows in order.
 #[test]
 fn a_queued_barrier_turned_unaligned_overtakes_the_data_before_it() {
-    let (network, config) = setup(64);
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, signal) = view(&partition, 0);
-    let record = [1u8; 2044]; // two records per 4 KiB segment
-    for _ in 0..4 {
-        partition.emit_record(&record[..], 0).unwrap();
-    }
-    let barrier = timeoutable_barrier(5, 3_600_000);
-    partition.broadcast_event(&barrier, false).unwrap();
+    let (_network, mut partition, mut view, signal, barrier) =
+        records_then_a_timeoutable_barrier(64, 4);
     partition.emit_record(&b"after"[..], 0).unwrap();
     partition.flush(0);
     assert!(partition.aligned_barrier_deadline().is_some());
@@ -755,11 +779,7 @@ fn a_queued_barrier_turned_unaligned_overtakes_the_data_before_it() {
         "another checkpoint"
     );
     assert_eq!(partition.aligned_barrier_timeout(5), 1);
-    assert_eq!(partition.aligned_barrier_deadline(), None);
-    assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
-    let first = view.poll_next().unwrap();
-    assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
-    assert_eq!(event_of(&first), unaligned(&barrier));
+    let first = assert_unaligned_comes_first(&mut view, &signal, &partition, &barrier);
     assert_eq!(first.overtaken, 2, "two data buffers were queued before it");
     let rest: Vec<_> = std::iter::from_fn(|| view.poll_next()).collect();
     assert!(

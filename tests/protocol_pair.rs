@@ -1476,6 +1476,20 @@ impl fluxgate::partition::AvailabilityListener for Deaf {
     fn notify_priority_event(&self) {}
 }
 
+/// A producer's server (node 1) with default settings, and the partition manager it serves.
+fn producer_server() -> (ServerConnection, Arc<PartitionManager>) {
+    let manager = Arc::new(PartitionManager::new());
+    let server = ServerConnection::new(
+        ServerConfig {
+            node: 1,
+            segment_size: SEGMENT,
+            ..ServerConfig::default()
+        },
+        manager.clone(),
+    );
+    (server, manager)
+}
+
 /// A producer's server with a request of receiver 5 waiting for partition 0 (not registered),
 /// behind which the consumer sent `words` as task events; and what the server answered.
 fn a_request_waiting_with_task_events(
@@ -1486,15 +1500,7 @@ fn a_request_waiting_with_task_events(
     Instant,
     Vec<Message>,
 ) {
-    let manager = Arc::new(PartitionManager::new());
-    let mut server = ServerConnection::new(
-        ServerConfig {
-            node: 1,
-            segment_size: SEGMENT,
-            ..ServerConfig::default()
-        },
-        manager.clone(),
-    );
+    let (mut server, manager) = producer_server();
     let start = Instant::now();
     let mut bytes = handshake(false, [0; 32]);
     bytes.extend(request(5));
@@ -1616,15 +1622,7 @@ fn task_events_held_past_the_bound_refuse_their_request() {
 /// connection closed.
 #[test]
 fn an_error_for_a_receiver_waiting_for_its_partition_withdraws_the_request() {
-    let manager = Arc::new(PartitionManager::new());
-    let mut server = ServerConnection::new(
-        ServerConfig {
-            node: 1,
-            segment_size: SEGMENT,
-            ..ServerConfig::default()
-        },
-        manager.clone(),
-    );
+    let (mut server, manager) = producer_server();
     let start = Instant::now();
     let mut bytes = handshake(false, [0; 32]);
     bytes.extend(request(5));

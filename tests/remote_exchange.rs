@@ -780,13 +780,21 @@ fn remote_gate(
     consumer_env: &ShuffleEnvironment,
     peer: std::net::SocketAddr,
 ) -> fluxgate::gate::SingleInputGate {
+    one_channel_gate(consumer_env, ProducerLocation::Remote(peer))
+}
+
+/// A one-channel gate on `consumer_env` reading `pid(0)`, its producer at `location`.
+fn one_channel_gate(
+    consumer_env: &ShuffleEnvironment,
+    location: ProducerLocation,
+) -> fluxgate::gate::SingleInputGate {
     consumer_env
         .create_gate(&[ChannelDescriptor {
             consumed: ConsumedSubpartition {
                 partition: pid(0),
                 subpartition: 0,
             },
-            location: ProducerLocation::Remote(peer),
+            location,
         }])
         .unwrap()
 }
@@ -983,15 +991,7 @@ on_both_drivers!(
 fn a_channel_located_twice_is_connected_once(transport: Transport) {
     let producer_env = env(1, transport);
     let consumer_env = env(2, transport);
-    let mut gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Unknown,
-        }])
-        .unwrap();
+    let mut gate = one_channel_gate(&consumer_env, ProducerLocation::Unknown);
     gate.request_partitions(Instant::now()).unwrap();
     let located = ProducerLocation::Remote(producer_env.local_addr());
     // Lazy scheduling may report a producer's location more than once.
@@ -1076,15 +1076,7 @@ on_both_drivers!(
 fn a_gate_of_the_environment_locates_remote_channels_only_through_it() {
     let producer_env = env(1, Transport::Epoll);
     let consumer_env = env(2, Transport::Epoll);
-    let mut gate = consumer_env
-        .create_gate(&[ChannelDescriptor {
-            consumed: ConsumedSubpartition {
-                partition: pid(0),
-                subpartition: 0,
-            },
-            location: ProducerLocation::Unknown,
-        }])
-        .unwrap();
+    let mut gate = one_channel_gate(&consumer_env, ProducerLocation::Unknown);
     assert_eq!(
         gate.update_channel(0, ChannelLocation::Remote, Instant::now()),
         Err(GateError::LocateThroughEnvironment(0))

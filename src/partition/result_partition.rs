@@ -378,25 +378,8 @@ impl ResultPartition {
                 .map_err(released_if_destroyed)?;
             self.install_unicast(target, builder)?;
         }
-        // The wait `emit_record` would block in before the record's first byte. A barrier
-        // timer due meanwhile fires here (it may take the segment waited for: then wait
-        // again), and the write below fires none, so it finds the segment still at hand.
-        // Bounded by the back pressure, as the wait is.
-        loop {
-            // As the sync path: no clock read per record without a timer.
-            if self.barrier_timer.is_some() {
-                self.fire_barrier_timer();
-            }
-            if !self.crosses(record, self.unicast[target].as_ref())
-                || self.pool.segment_at_hand(target)
-            {
-                break;
-            }
-            self.pool
-                .until_segment_at_hand(target)
-                .await
-                .map_err(released_if_destroyed)?;
-        }
+        self.until_segment_for_crossing(record, Target::Unicast(target))
+            .await?;
         self.emit_record_general(record, target, false)
     }
 
@@ -447,23 +430,42 @@ impl ResultPartition {
             })?;
             self.broadcast = Some(builder);
         }
-        // As the unicast async emit: a barrier timer due meanwhile fires here, and the write
-        // below finds the segment it waited for still at hand.
+        self.until_segment_for_crossing(record, Target::Broadcast)
+            .await?;
+        self.broadcast_record_general(record)
+    }
+
+    /// The async emits' wait that the sync ones block in before a record's first byte: for
+    /// the segment a record running past `target`'s open buffer needs. A barrier timer due
+    /// meanwhile fires here (it may take the segment waited for: then this waits again), and
+    /// the write after it fires none, so it finds the segment still at hand. Bounded by the
+    /// back pressure, as the wait is.
+    async fn until_segment_for_crossing<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+        target: Target,
+    ) -> Result<(), PartitionError> {
+        let channel = match target {
+            Target::Unicast(index) => index,
+            Target::Broadcast => UNACCOUNTED,
+        };
         loop {
+            // As the sync path: no clock read per record without a timer.
             if self.barrier_timer.is_some() {
                 self.fire_barrier_timer();
             }
-            if !self.crosses(record, self.broadcast.as_ref())
-                || self.pool.segment_at_hand(UNACCOUNTED)
-            {
-                break;
+            let open = match target {
+                Target::Unicast(index) => self.unicast[index].as_ref(),
+                Target::Broadcast => self.broadcast.as_ref(),
+            };
+            if !self.crosses(record, open) || self.pool.segment_at_hand(channel) {
+                return Ok(());
             }
             self.pool
-                .until_segment_at_hand(UNACCOUNTED)
+                .until_segment_at_hand(channel)
                 .await
                 .map_err(released_if_destroyed)?;
         }
-        self.broadcast_record_general(record)
     }
 
     /// The write of [`broadcast_record`](Self::broadcast_record) once its waits are over.
