@@ -591,11 +591,10 @@ impl ServerConnection {
                 receiver,
                 event,
             } => {
-                let size = event.len();
                 let event = Event::decode(&event).map_err(|_| {
                     ProtocolError::Decode(super::DecodeError::InvalidField {
                         field: "task event",
-                        value: size as u64,
+                        value: event.len() as u64,
                     })
                 })?;
                 // Behind events held for the same request, in order: those go first if their
