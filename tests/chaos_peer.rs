@@ -1090,9 +1090,10 @@ fn a_reset_under_a_stuck_write_raises_no_sigpipe(transport: Transport) {
     let (producer, writer, peer) = stuck_server(transport, &[]);
     if transport == Transport::Uring {
         // `Writev` and `WriteFixed` cannot say `MSG_NOSIGNAL`: the ring's thread must hold the
-        // signal blocked instead.
+        // signal blocked instead. Waited for, not read once: a test running beside this one
+        // may have just spawned an I/O thread that has its name but has not yet blocked it.
         assert!(
-            io_uring_threads_block_sigpipe(),
+            common::wait_until(LONG, io_uring_threads_block_sigpipe),
             "an io_uring I/O thread takes SIGPIPE"
         );
     }
