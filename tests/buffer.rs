@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use fluxgate::buffer::{
     BufferListener, DataType, LocalPoolSpec, NetworkBufferPool, PoolError, PooledSegment, HEADROOM,
+    MOST_POOL_CHANNELS,
 };
 use fluxgate::NetworkConfig;
 
@@ -198,6 +199,35 @@ fn bytes_view_keeps_the_segment_until_dropped() {
     assert_eq!(&part[..], b"copy");
     drop(part);
     assert_eq!(pool.available_segments(), 1);
+}
+
+#[test]
+fn a_pool_spec_counting_more_channels_than_a_pool_may_is_refused() {
+    // The pool sizes a counter per subpartition and a queue slot per listener up front: such
+    // counts panicked (or aborted the process) in the allocation.
+    let (network, _) = network(4);
+    for spec in [
+        LocalPoolSpec {
+            max_listeners: usize::MAX,
+            ..spec(1, 2)
+        },
+        LocalPoolSpec {
+            subpartitions: MOST_POOL_CHANNELS + 1,
+            ..spec(1, 2)
+        },
+    ] {
+        assert!(
+            matches!(network.create_local_pool(spec), Err(PoolError::Config(_))),
+            "{spec:?}"
+        );
+    }
+    let most = LocalPoolSpec {
+        max_listeners: MOST_POOL_CHANNELS,
+        subpartitions: MOST_POOL_CHANNELS,
+        ..spec(1, 2)
+    };
+    drop(network.create_local_pool(most).unwrap());
+    assert_eq!(network.available_segments(), 4);
 }
 
 #[test]

@@ -38,11 +38,13 @@ pub struct LocalPoolSpec {
     pub min_segments: usize,
     /// Most segments the pool may hold at once.
     pub max_segments: usize,
-    /// Subpartitions whose segments are counted (0: no per-channel accounting).
+    /// Subpartitions whose segments are counted (0: no per-channel accounting); at most
+    /// [`MOST_POOL_CHANNELS`](super::MOST_POOL_CHANNELS).
     pub subpartitions: usize,
     /// Most segments one subpartition may hold (`max-buffers-per-channel`).
     pub max_segments_per_channel: usize,
-    /// Most buffer listeners waiting at once (an input gate's channel count).
+    /// Most buffer listeners waiting at once (an input gate's channel count); at most
+    /// [`MOST_POOL_CHANNELS`](super::MOST_POOL_CHANNELS).
     pub max_listeners: usize,
     /// Most overdraft segments (taken outside the quota, for events and for the rest of a
     /// started record) held at once.

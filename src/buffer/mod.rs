@@ -20,7 +20,7 @@ pub(crate) use network::mark_io_thread;
 pub use network::mark_io_thread;
 #[cfg(test)]
 pub(crate) use network::pool_of_4k_segments;
-pub use network::NetworkBufferPool;
+pub use network::{NetworkBufferPool, MOST_POOL_CHANNELS};
 pub use segment::{
     ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, Segment,
     SegmentMemory, HEADROOM,

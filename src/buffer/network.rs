@@ -17,6 +17,10 @@ const STARVED_POOLS_MAX: usize = 4096;
 #[cfg(test)]
 const STARVED_POOLS_MAX: usize = 2;
 
+/// Most subpartitions, and most buffer listeners (input channels), one local pool counts:
+/// as many channels as one connection may carry (`max-channels-per-connection`'s bound).
+pub const MOST_POOL_CHANNELS: usize = 1 << 20;
+
 /// How much other network memory an I/O thread's recycled segment waits behind before it is
 /// handed out again (see [`NetworkInner::give_back`]): more than a core's L2 holds (2 MiB
 /// on the machines we measure on), well under a shared L3 (32 MiB).
@@ -287,6 +291,17 @@ impl NetworkBufferPool {
                     total,
                     segment_size: self.segment_size(),
                 });
+            }
+            // Sized up front from the spec (a counter per subpartition, a queue slot per
+            // listener): a caller's absurd count is refused, not an allocation that aborts.
+            // After the admission, which tells a partition of too many subpartitions how
+            // much memory it would need.
+            if spec.subpartitions > MOST_POOL_CHANNELS || spec.max_listeners > MOST_POOL_CHANNELS {
+                return Err(PoolError::Config(format!(
+                    "local pool counts at most {MOST_POOL_CHANNELS} subpartitions and \
+                     listeners, asked for {} and {}",
+                    spec.subpartitions, spec.max_listeners
+                )));
             }
             *promised += spec.min_segments;
         }
@@ -616,12 +631,24 @@ mod tests {
         ));
         assert!(fits_in_memory(gib, Some(2 * gib)).is_ok());
         assert!(fits_in_memory(3 * gib, None).is_ok(), "unknown: no refusal");
-        // What the pool maps is whole arenas: a last arena of one segment counts whole.
+        // What the pool maps is whole arenas, the segments spread evenly over them: 17
+        // segments in arenas of at most 16 take two arenas of 9.
         let stride = HEADROOM + 4096;
         assert_eq!(
             SegmentMemory::mapped_bytes(17, 4096, 16 * stride),
-            32 * stride
+            18 * stride
         );
+        // The default 64 MiB of 32 KiB segments: an arena holds 2044 of them with their
+        // headroom, and the last 4 took a second arena of 64 MiB.
+        let config = NetworkConfig::default();
+        let segments = config.segment_count();
+        let stride = HEADROOM + config.segment_size;
+        let mapped = SegmentMemory::mapped_bytes(
+            segments.try_into().unwrap(),
+            config.segment_size,
+            config.arena_bytes,
+        );
+        assert!(mapped < (segments + 2) * stride, "{mapped} bytes mapped");
         // This process can take at least what it already has mapped.
         assert!(available_memory().is_some_and(|room| room > 0));
     }

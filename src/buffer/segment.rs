@@ -131,15 +131,22 @@ impl fmt::Debug for SegmentMemory {
 }
 
 impl SegmentMemory {
-    /// Segments per arena and arenas for [`map`](Self::map).
+    /// Segments per arena and arenas for [`map`](Self::map): as few arenas as hold the
+    /// segments within `arena_bytes` each, with the segments spread evenly over them. Filled
+    /// in turn, the last arena held a few segments but was mapped (and pre-faulted) whole:
+    /// the default 64 MiB of 32 KiB segments (with their headroom, 2044 to an arena) mapped
+    /// a second 64 MiB arena for its last 4 segments.
     fn arena_layout(segments: u32, stride: usize, arena_bytes: usize) -> (u32, usize) {
-        let per_arena = u32::try_from((arena_bytes / stride).max(1))
+        let segments = segments.max(1);
+        let most_per_arena = u32::try_from((arena_bytes / stride).max(1))
             .unwrap_or(u32::MAX)
-            .min(segments.max(1));
-        (per_arena, segments.div_ceil(per_arena) as usize)
+            .min(segments);
+        let arena_count = segments.div_ceil(most_per_arena);
+        (segments.div_ceil(arena_count), arena_count as usize)
     }
 
-    /// The bytes [`map`](Self::map) maps for these arguments: whole arenas.
+    /// The bytes [`map`](Self::map) maps for these arguments: whole arenas, at most one
+    /// segment per arena beyond the segments themselves.
     pub(crate) fn mapped_bytes(segments: u32, segment_size: usize, arena_bytes: usize) -> usize {
         let stride = HEADROOM + segment_size;
         let (per_arena, arena_count) = Self::arena_layout(segments, stride, arena_bytes);
