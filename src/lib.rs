@@ -60,6 +60,7 @@ pub mod metrics;
 pub mod partition;
 pub mod protocol;
 pub mod record;
+mod wake_timer;
 // Public only under `--cfg loom`, for the models in `tests/loom.rs`.
 #[cfg(not(loom))]
 mod sync;

@@ -696,10 +696,11 @@ fn unaligned(barrier: &Event) -> Event {
 
 /// A one-subpartition partition over `segments` segments of network memory holding
 /// `records` records of 2044 bytes (two per 4 KiB segment), then checkpoint 5's aligned
-/// barrier with a timeout; its view and that barrier.
+/// barrier with a timeout of `timeout_ms`; its view and that barrier.
 fn records_then_a_timeoutable_barrier(
     segments: usize,
     records: usize,
+    timeout_ms: u64,
 ) -> (
     NetworkBufferPool,
     ResultPartition,
@@ -714,7 +715,7 @@ fn records_then_a_timeoutable_barrier(
     for _ in 0..records {
         partition.emit_record(&record[..], 0).unwrap();
     }
-    let barrier = timeoutable_barrier(5, 3_600_000);
+    let barrier = timeoutable_barrier(5, timeout_ms);
     partition.broadcast_event(&barrier, false).unwrap();
     (network, partition, view, signal, barrier)
 }
@@ -742,7 +743,7 @@ fn assert_unaligned_comes_first(
 #[test]
 fn a_barrier_times_out_into_memory_of_its_own_when_every_segment_is_queued() {
     let (network, mut partition, mut view, signal, barrier) =
-        records_then_a_timeoutable_barrier(4, 6);
+        records_then_a_timeoutable_barrier(4, 6, 3_600_000);
     assert_eq!(network.available_segments(), 0, "every segment is queued");
     assert_eq!(partition.aligned_barrier_timeout(5), 1);
     drop(assert_unaligned_comes_first(
@@ -762,6 +763,60 @@ fn a_barrier_times_out_into_memory_of_its_own_when_every_segment_is_queued() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// A writer waiting in an async emit under back pressure still turns its aligned barrier
+/// unaligned once the timeout passes: a future has no clock, so it is woken at the deadline,
+/// as the blocking emit's wait fires the timer then. Nothing woke it, and the barrier stayed
+/// aligned behind the data for as long as the consumer held the segments.
+#[test]
+fn an_async_emit_waiting_under_back_pressure_turns_its_barrier_unaligned_when_due() {
+    let (network, mut partition, mut view, signal, barrier) =
+        records_then_a_timeoutable_barrier(4, 6, 20);
+    assert_eq!(network.available_segments(), 0, "every segment is queued");
+    let waker = Arc::new(CountingWaker::default());
+    let waker_handle = std::task::Waker::from(waker.clone());
+    let mut context = std::task::Context::from_waker(&waker_handle);
+    let mut overtaken = SpanningReader::new();
+    {
+        let mut emit = std::pin::pin!(partition.emit_record_async(&[2u8; 2044][..], 0));
+        assert!(
+            emit.as_mut().poll(&mut context).is_pending(),
+            "no segment is free"
+        );
+        assert!(
+            common::wait_until(LONG, || waker.0.load(Ordering::SeqCst) > 0),
+            "the barrier's deadline woke the waiting writer"
+        );
+        assert!(
+            emit.as_mut().poll(&mut context).is_pending(),
+            "still no segment is free"
+        );
+        assert_eq!(signal.priority.load(Ordering::SeqCst), 1);
+        let first = view.poll_next().expect("the barrier's unaligned copy");
+        assert_eq!(first.buffer.data_type(), DataType::PrioritizedEventBuffer);
+        assert_eq!(event_of(&first), unaligned(&barrier));
+        for _ in 0..3 {
+            let item = view.poll_next().expect("a buffer of the data overtaken");
+            overtaken.read(&item);
+        }
+        match emit.as_mut().poll(&mut context) {
+            std::task::Poll::Ready(result) => result.unwrap(),
+            std::task::Poll::Pending => panic!("segments came back, yet the record still waits"),
+        }
+    }
+    assert_eq!(overtaken.records, [(2044, 1); 6]);
+    assert_eq!(partition.aligned_barrier_deadline(), None);
+    partition.finish().unwrap();
+    let (after, events) = read_to_end(&mut view, &signal);
+    assert_eq!(after.records, [(2044, 2)]);
+    assert_eq!(
+        events,
+        [Event::EndOfPartition],
+        "the aligned original is dropped"
+    );
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// Flink's producer-side `alignedBarrierTimeout`: an aligned barrier with a timeout still
 /// queued when its timeout passes turns unaligned. Its unaligned copy overtakes the data
 /// queued before it and says how much; the aligned original never comes out, so the view is
@@ -769,7 +824,7 @@ fn a_barrier_times_out_into_memory_of_its_own_when_every_segment_is_queued() {
 #[test]
 fn a_queued_barrier_turned_unaligned_overtakes_the_data_before_it() {
     let (_network, mut partition, mut view, signal, barrier) =
-        records_then_a_timeoutable_barrier(64, 4);
+        records_then_a_timeoutable_barrier(64, 4, 3_600_000);
     partition.emit_record(&b"after"[..], 0).unwrap();
     partition.flush(0);
     assert!(partition.aligned_barrier_deadline().is_some());

@@ -299,62 +299,7 @@ pub struct ConsumedSubpartition {
 /// How often a blocked reader looks at due partition-request retries at the latest.
 const RETRY_CHECK: Duration = Duration::from_millis(100);
 
-/// Wakes a pending async read when something time-based comes due (a partition request's
-/// retry, an alignment's timeout): a future has no clock, and nothing else would wake it
-/// then. At most one timer thread per gate sleeps at a time, for the earliest due time; the
-/// path is taken only while such a thing is pending. The gate keeps it, not the future: a
-/// read dropped while pending (the other branch of a `select!` won) leaves the armed timer
-/// known to the next, which it wakes (the timer wakes the task that polled last).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct WakeTimer(Arc<std::sync::Mutex<TimerState>>);
-
-#[derive(Debug, Default)]
-struct TimerState {
-    /// When the timer thread sleeping now fires.
-    fires: Option<Instant>,
-    /// The task of the last pending read.
-    waker: Option<Waker>,
-}
-
-impl WakeTimer {
-    /// Makes sure `waker` is woken at `due`.
-    pub(crate) fn wake_at(&self, due: Instant, waker: &Waker) {
-        let now = Instant::now();
-        let mut state = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !state.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
-            state.waker = Some(waker.clone());
-        }
-        if state.fires.is_some_and(|fires| fires <= due && fires > now) {
-            return; // an earlier wake-up is on its way
-        }
-        let shared = self.0.clone();
-        let started = std::thread::Builder::new()
-            .name("fluxgate-timer".into())
-            .spawn(move || {
-                std::thread::sleep(due.saturating_duration_since(Instant::now()));
-                let waker = {
-                    let mut state = shared
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    if state.fires == Some(due) {
-                        state.fires = None;
-                    }
-                    state.waker.clone()
-                };
-                if let Some(waker) = waker {
-                    waker.wake();
-                }
-            });
-        match started {
-            Ok(_) => state.fires = Some(due),
-            // Without a thread, wake at once: the executor polls again (and again) until due.
-            Err(_) => waker.wake_by_ref(),
-        }
-    }
-}
+pub(crate) use crate::wake_timer::WakeTimer;
 
 /// An async read of any gate kind: [`poll_read`] until an item, idle
 /// ([`InputGate::idle_time`]) from its first `Pending` until the item or until the read is

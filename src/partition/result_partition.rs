@@ -1,7 +1,9 @@
 //! The producer's side of a partition: builders per subpartition, events, flush, finish.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::subpartition::{
@@ -16,6 +18,7 @@ use crate::config::NetworkConfig;
 use crate::event::{CheckpointBarrier, Event};
 use crate::metrics::{OutputMetrics, OutputMetricsSnapshot};
 use crate::record::{self, Record, RecordError, SegmentSink};
+use crate::wake_timer::WakeTimer;
 
 /// Builder requests for segments not counted against one subpartition (events, broadcast).
 const UNACCOUNTED: usize = usize::MAX;
@@ -139,6 +142,8 @@ pub struct ResultPartition {
     finished: bool,
     /// The newest aligned barrier with a timeout, until it was turned unaligned.
     barrier_timer: Option<BarrierTimer>,
+    /// Wakes an async emit waiting under back pressure when `barrier_timer` comes due.
+    barrier_wake: WakeTimer,
 }
 
 /// An aligned barrier with a timeout this partition queued, and when it turns unaligned in
@@ -148,6 +153,40 @@ pub struct ResultPartition {
 struct BarrierTimer {
     barrier: CheckpointBarrier,
     deadline: Instant,
+}
+
+/// An async emit's wait under back pressure, during which the partition's aligned barrier
+/// may come due: the sync emit's wait fires it at its deadline (`until_available_timed`),
+/// and a future, which has no clock, is woken for it, so a writer held up by a slow consumer
+/// still lets its barrier overtake the queued data in time (Flink's timer runs on the task's
+/// mailbox while the writer waits for availability).
+struct BarrierTimed<'a> {
+    timer: &'a mut Option<BarrierTimer>,
+    wake: &'a WakeTimer,
+    pool: &'a LocalBufferPool,
+    subpartitions: &'a [Arc<PipelinedSubpartition>],
+}
+
+impl BarrierTimed<'_> {
+    /// `wait`'s output, firing the barrier timer each time it comes due meanwhile.
+    async fn wait<F: Future>(&mut self, wait: F) -> F::Output {
+        let mut wait = std::pin::pin!(wait);
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(output) = wait.as_mut().poll(cx) {
+                return Poll::Ready(output);
+            }
+            if self.timer.is_some() {
+                // Fired after the wait registered, so whatever the copy takes or frees is
+                // seen by the wait's next look.
+                fire_barrier_timer(self.timer, self.pool, self.subpartitions, Instant::now());
+                if let Some(pending) = self.timer {
+                    self.wake.wake_at(pending.deadline, cx.waker());
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
 }
 
 /// How soon a barrier timer that could not finish (no memory for the unaligned copy, a full
@@ -220,6 +259,7 @@ impl ResultPartition {
             max_overdraft_for_records: config.max_overdraft_buffers_per_gate,
             finished: false,
             barrier_timer: None,
+            barrier_wake: WakeTimer::default(),
         })
     }
 
@@ -364,18 +404,16 @@ impl ResultPartition {
         let needs_builder = self.unicast[target].as_ref().is_none_or(|b| b.is_full());
         if needs_builder {
             self.finish_unicast_builder(target, Sent::Yes);
-            let subpartition = &self.handle.shared.subpartitions[target];
+            let mut timed = self.barrier_timed();
+            let subpartition = &timed.subpartitions[target];
             if !subpartition.has_room(Queued::Buffer) {
-                self.pool
-                    .until_ready(|| subpartition.has_room_or_listen(Queued::Buffer))
-                    .await
-                    .map_err(released_if_destroyed)?;
+                let room = timed
+                    .pool
+                    .until_ready(|| subpartition.has_room_or_listen(Queued::Buffer));
+                timed.wait(room).await.map_err(released_if_destroyed)?;
             }
-            let builder = self
-                .pool
-                .request_builder(target)
-                .await
-                .map_err(released_if_destroyed)?;
+            let builder = timed.pool.request_builder(target);
+            let builder = timed.wait(builder).await.map_err(released_if_destroyed)?;
             self.install_unicast(target, builder)?;
         }
         self.until_segment_for_crossing(record, Target::Unicast(target))
@@ -408,22 +446,18 @@ impl ResultPartition {
         self.finish_unicast_builders(Sent::Yes);
         if self.broadcast.as_ref().is_none_or(|b| b.is_full()) {
             self.finish_broadcast_builder(Sent::Yes);
-            let subpartitions = &self.handle.shared.subpartitions;
+            let mut timed = self.barrier_timed();
+            let subpartitions = timed.subpartitions;
             if !subpartitions.iter().all(|s| s.has_room(Queued::Buffer)) {
-                self.pool
-                    .until_ready(|| {
-                        subpartitions
-                            .iter()
-                            .all(|s| s.has_room_or_listen(Queued::Buffer))
-                    })
-                    .await
-                    .map_err(released_if_destroyed)?;
+                let room = timed.pool.until_ready(|| {
+                    subpartitions
+                        .iter()
+                        .all(|s| s.has_room_or_listen(Queued::Buffer))
+                });
+                timed.wait(room).await.map_err(released_if_destroyed)?;
             }
-            let builder = self
-                .pool
-                .request_builder(UNACCOUNTED)
-                .await
-                .map_err(released_if_destroyed)?;
+            let builder = timed.pool.request_builder(UNACCOUNTED);
+            let builder = timed.wait(builder).await.map_err(released_if_destroyed)?;
             let consumer = builder.create_consumer_from_beginning();
             queue_in_open_subpartitions(&self.handle.shared, |subpartition| {
                 subpartition.add_data(consumer.copy())
@@ -437,9 +471,9 @@ impl ResultPartition {
 
     /// The async emits' wait that the sync ones block in before a record's first byte: for
     /// the segment a record running past `target`'s open buffer needs. A barrier timer due
-    /// meanwhile fires here (it may take the segment waited for: then this waits again), and
-    /// the write after it fires none, so it finds the segment still at hand. Bounded by the
-    /// back pressure, as the wait is.
+    /// before or during the wait fires here (it may take the segment waited for: then this
+    /// waits again), and the write after it fires none, so it finds the segment still at
+    /// hand. Bounded by the back pressure, as the wait is.
     async fn until_segment_for_crossing<R: Record + ?Sized>(
         &mut self,
         record: &R,
@@ -461,10 +495,19 @@ impl ResultPartition {
             if !self.crosses(record, open) || self.pool.segment_at_hand(channel) {
                 return Ok(());
             }
-            self.pool
-                .until_segment_at_hand(channel)
-                .await
-                .map_err(released_if_destroyed)?;
+            let mut timed = self.barrier_timed();
+            let at_hand = timed.pool.until_segment_at_hand(channel);
+            timed.wait(at_hand).await.map_err(released_if_destroyed)?;
+        }
+    }
+
+    /// What an async emit's waits need to fire the barrier timer while they wait.
+    fn barrier_timed(&mut self) -> BarrierTimed<'_> {
+        BarrierTimed {
+            timer: &mut self.barrier_timer,
+            wake: &self.barrier_wake,
+            pool: &self.pool,
+            subpartitions: &self.handle.shared.subpartitions,
         }
     }
 
