@@ -624,10 +624,6 @@ impl NetworkConfig {
                 "security.ssl.internal.handshake-timeout",
                 self.ssl_handshake_timeout,
             ),
-            (
-                "fluxgate.network.io-thread.busy-poll-us",
-                self.io_thread_busy_poll,
-            ),
         ] {
             if value > MAX_TIMEOUT {
                 return invalid(
@@ -636,6 +632,15 @@ impl NetworkConfig {
                     "must be at most a day (86400000 ms)",
                 );
             }
+        }
+        // Set as a field, the bound the key's parser keeps: an I/O thread spinning for longer
+        // after each piece of work would take a core from the tasks.
+        if self.io_thread_busy_poll > Duration::from_micros(MAX_BUSY_POLL_US as u64) {
+            return invalid(
+                "fluxgate.network.io-thread.busy-poll-us",
+                self.io_thread_busy_poll.as_micros().min(usize::MAX as u128) as usize,
+                "must be at most 1000000 (1 s)",
+            );
         }
         if self.partition_request_rate > 0 && self.partition_request_burst == 0 {
             return invalid(
@@ -889,12 +894,11 @@ mod tests {
     /// would panic.
     #[test]
     fn timeouts_past_a_day_are_refused() {
-        let fields: [fn(&mut NetworkConfig) -> &mut Duration; 5] = [
+        let fields: [fn(&mut NetworkConfig) -> &mut Duration; 4] = [
             |c| &mut c.buffer_request_timeout,
             |c| &mut c.request_backoff_max,
             |c| &mut c.handshake_timeout,
             |c| &mut c.ssl_handshake_timeout,
-            |c| &mut c.io_thread_busy_poll,
         ];
         for field in fields {
             let mut config = NetworkConfig::default();
@@ -922,6 +926,12 @@ mod tests {
             Duration::from_secs(1),
             "unchanged"
         );
+        assert!(config.validate().is_ok());
+        // Set as a field, past the key's bound: refused at validation, as the key is.
+        for refused in [Duration::from_micros(1_000_001), Duration::MAX] {
+            config.io_thread_busy_poll = refused;
+            assert!(config.validate().is_err(), "{refused:?} refused");
+        }
         assert!(NetworkConfig::OPTIONS.contains(&KEY));
     }
 
