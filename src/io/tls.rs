@@ -334,12 +334,20 @@ pub fn write_cluster_files(
             path: path.clone(),
             reason: error.to_string(),
         };
+        let mode = if private { 0o600 } else { 0o644 };
+        // Not through a symbolic link someone planted in a shared directory.
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
-            .mode(if private { 0o600 } else { 0o644 })
+            .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
+            .map_err(failed)?;
+        // The mode above applies only to a file it creates: one left by an earlier run (or
+        // made by another user) keeps its own, which may let others read the key. Set
+        // before any byte is written.
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
             .map_err(failed)?;
         file.write_all(contents.as_bytes()).map_err(failed)?;
         Ok(path)
@@ -421,6 +429,32 @@ mod tests {
             TlsContext::from_config(&config),
             Err(TlsError::Unreadable { .. })
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn private_keys_are_left_readable_by_their_owner_only_and_never_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("fluxgate-tls-modes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A key file an earlier run (or another user) left readable by all: it kept its mode.
+        let stale = dir.join("ca-key.pem");
+        std::fs::write(&stale, "old").unwrap();
+        std::fs::set_permissions(&stale, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let files = write_cluster_files(&dir, 1, DEFAULT_SSL_SERVER_NAME).unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&files.ca_key_file), 0o600);
+        assert_eq!(mode(&files.nodes[0].1), 0o600);
+        assert_eq!(mode(&files.ca_file), 0o644);
+        // A link planted where a key goes is not written through.
+        let target = dir.join("elsewhere.pem");
+        std::fs::remove_file(&files.nodes[0].1).unwrap();
+        std::os::unix::fs::symlink(&target, &files.nodes[0].1).unwrap();
+        assert!(matches!(
+            write_cluster_files(&dir, 1, DEFAULT_SSL_SERVER_NAME),
+            Err(TlsError::Write { .. })
+        ));
+        assert!(!target.exists(), "nothing was written through the link");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
