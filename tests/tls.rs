@@ -532,12 +532,14 @@ fn stalled_tls_handshakes_are_closed_after_the_timeout() {
     assert!(common::pools_full(&[&producer, &consumer]));
 }
 
-#[test]
-fn a_peer_s_close_notify_ends_the_connection_though_its_socket_stays_open() {
+/// A raw TLS consumer (certified by the test CA as "consumer") connected to `producer`, its
+/// TLS handshake not begun.
+fn raw_tls_consumer(
+    certs: &Certs,
+    producer: &ShuffleEnvironment,
+) -> (rustls::ClientConnection, TcpStream) {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-    let certs = Certs::new("close-notify");
-    let producer = env(1, &certs.options("producer", "ca"));
     let mut roots = rustls::RootCertStore::empty();
     for ca in CertificateDer::pem_file_iter(certs.path("ca.pem")).unwrap() {
         roots.add(ca.unwrap()).unwrap();
@@ -556,18 +558,101 @@ fn a_peer_s_close_notify_ends_the_connection_though_its_socket_stays_open() {
     .with_client_auth_cert(chain, key)
     .unwrap();
     let name = ServerName::try_from(DEFAULT_SSL_SERVER_NAME).unwrap();
-    let mut session = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
-    let mut socket = TcpStream::connect(producer.local_addr()).unwrap();
+    let session = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let socket = TcpStream::connect(producer.local_addr()).unwrap();
     socket.set_read_timeout(Some(LONG)).unwrap();
+    (session, socket)
+}
+
+/// Runs `session`'s TLS handshake over `socket` to its end.
+fn complete_tls_handshake(
+    session: &mut rustls::ClientConnection,
+    socket: &mut TcpStream,
+) -> std::io::Result<()> {
     // Bounded: each round trip moves the handshake on, or fails.
     for _ in 0..100 {
         if !session.is_handshaking() {
+            return Ok(());
+        }
+        session.complete_io(socket)?;
+    }
+    Err(std::io::Error::other("the TLS handshake did not end"))
+}
+
+/// The protocol's handshake timeout counts from when TLS is up, not from the accept: a TLS
+/// handshake has `security.ssl.internal.handshake-timeout` for itself. The protocol's
+/// deadline ran from the first loop turn, so the smaller of the two timeouts cut it off.
+#[test]
+fn a_tls_handshake_has_its_own_timeout_not_the_protocol_s() {
+    let certs = Certs::new("tls-budget");
+    let mut options = certs.options("producer", "ca");
+    options.push(("fluxgate.network.handshake-timeout".into(), "1000".into()));
+    let producer = env(1, &options);
+    let (mut session, mut socket) = raw_tls_consumer(&certs, &producer);
+    // A peer slow to start its TLS handshake, well past the protocol's 1 s (and its driver's
+    // turns) and within the TLS handshake's default 10 s: the scenario, not a wait for
+    // something. (The protocol's handshake below has its whole second.)
+    std::thread::sleep(Duration::from_millis(3000));
+    complete_tls_handshake(&mut session, &mut socket)
+        .expect("the producer waits out the TLS handshake's own timeout");
+    // Now the protocol's handshake, at once; then an orderly close, and what the producer
+    // said until it closed too: its handshake, and no error.
+    session.writer().write_all(&consumer_hello()).unwrap();
+    session.send_close_notify();
+    while session.wants_write() {
+        session.write_tls(&mut socket).unwrap();
+    }
+    let said = frames_until_closed(&mut session, &mut socket);
+    assert_eq!(
+        said,
+        [fluxgate::protocol::frame::MessageId::Handshake],
+        "the protocol's handshake timed out during the TLS handshake"
+    );
+    assert!(common::wait_until(LONG, || producer
+        .driver_stats()
+        .is_some_and(|stats| stats.open_connections == 0)));
+    drop((session, socket));
+    assert!(common::pools_full(&[&producer]));
+}
+
+/// The kinds of the frames the producer sends over `session` until it closes the connection.
+fn frames_until_closed(
+    session: &mut rustls::ClientConnection,
+    socket: &mut TcpStream,
+) -> Vec<fluxgate::protocol::frame::MessageId> {
+    use fluxgate::protocol::frame::{decode_header, FRAME_HEADER};
+    let mut plain = Vec::new();
+    // Bounded: each read waits at most LONG, and what the producer sends is finite.
+    for _ in 0..1000 {
+        match session.read_tls(socket) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(error) => panic!("the producer kept the connection open: {error}"),
+        }
+        if session.process_new_packets().is_err() {
             break;
         }
-        session.complete_io(&mut socket).unwrap();
+        match session.reader().read_to_end(&mut plain) {
+            Ok(_) => break, // its close_notify
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break,
+        }
     }
-    assert!(!session.is_handshaking(), "the TLS handshake completed");
-    // The protocol's handshake too, so that no handshake deadline closes the connection.
+    let mut kinds = Vec::new();
+    let mut rest = &plain[..];
+    while rest.len() >= FRAME_HEADER {
+        let header = decode_header(rest[..FRAME_HEADER].try_into().unwrap(), usize::MAX)
+            .expect("a frame header");
+        kinds.push(header.id);
+        rest = &rest[(header.length as usize).min(rest.len())..];
+    }
+    kinds
+}
+
+/// A consumer's protocol handshake frame (node 666, no authentication).
+fn consumer_hello() -> Vec<u8> {
     let mut hello = Vec::new();
     fluxgate::protocol::Message::Handshake {
         version: fluxgate::protocol::frame::VERSION,
@@ -576,7 +661,18 @@ fn a_peer_s_close_notify_ends_the_connection_though_its_socket_stays_open() {
         nonce: [0; 32],
     }
     .encode(&mut hello);
-    session.writer().write_all(&hello).unwrap();
+    hello
+}
+
+#[test]
+fn a_peer_s_close_notify_ends_the_connection_though_its_socket_stays_open() {
+    let certs = Certs::new("close-notify");
+    let producer = env(1, &certs.options("producer", "ca"));
+    let (mut session, mut socket) = raw_tls_consumer(&certs, &producer);
+    complete_tls_handshake(&mut session, &mut socket).unwrap();
+    assert!(!session.is_handshaking(), "the TLS handshake completed");
+    // The protocol's handshake too, so that no handshake deadline closes the connection.
+    session.writer().write_all(&consumer_hello()).unwrap();
     session.send_close_notify();
     while session.wants_write() {
         session.write_tls(&mut socket).unwrap();
