@@ -479,6 +479,23 @@ fn stress_with_a_kill_still_catches_corrupt_records() {
     assert!(!run.all().contains("panicked"), "{}", run.all());
 }
 
+#[test]
+fn stress_with_a_kill_still_catches_a_lost_record_on_a_cut_link() {
+    // The hidden --inject drops sink[0]'s 100th record; its links are all cut by the kill
+    // (the one from the killed node fails the sink), and a cut link was checked only to carry
+    // no more records than were sent: the loss passed. Its running checksums now show that
+    // what it carried is not the first records sent.
+    let run = stress_with_a_kill(&["--inject", "drop"]);
+    assert!(!run.status.success(), "must fail\n{}", run.all());
+    assert!(run.stdout.contains("result: FAILED"), "{}", run.all());
+    assert!(
+        run.stdout.contains("cut by the failure, and its first"),
+        "{}",
+        run.all()
+    );
+    assert!(!run.all().contains("panicked"), "{}", run.all());
+}
+
 /// `--vary-credit` draws the credit options the config file leaves unset from the seed and
 /// prints them; the file's stay. Seed 11 draws no exclusive buffers and one floating buffer
 /// per gate, the leanest credit Flink allows, which the soak must still get through exactly.

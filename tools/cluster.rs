@@ -549,13 +549,32 @@ pub struct Row {
 ///   subsumed there ([`SubtaskReport::cancelled_checkpoints`](crate::node::SubtaskReport));
 /// - one handed over aligned came after exactly the records its producers wrote before its
 ///   barrier (or all of a link that ended without it): none missing, none from behind it;
-/// - one handed over unaligned came before any record from behind its barrier.
+/// - one handed over unaligned came before any record from behind its barrier;
+/// - with aligned checkpoints only, a consumer that did not fail cancelled none: no barrier
+///   can overtake another there, so a cancelled or subsumed one lost its barrier somewhere.
 fn check_barrier_placement(
     topology: &Topology,
     reports: &HashMap<(usize, usize), &crate::node::SubtaskReport>,
 ) -> BarrierPlacement {
     let mut placement = BarrierPlacement::default();
     let problems = &mut placement.problems;
+    let aligned_only = topology
+        .checkpoints
+        .is_some_and(|c| c.mode == crate::topology::CheckpointMode::Aligned);
+    if aligned_only {
+        let mut consumers: Vec<_> = reports
+            .iter()
+            .filter(|(_, r)| r.failure.is_none() && !r.cancelled_checkpoints.is_empty())
+            .collect();
+        consumers.sort_by_key(|(key, _)| **key);
+        for ((stage, subtask), report) in consumers {
+            problems.push(format!(
+                "{}[{subtask}] cancelled checkpoint(s) {:?} though every checkpoint is aligned: \
+                 one of their barriers went missing",
+                topology.stages[*stage].name, report.cancelled_checkpoints
+            ));
+        }
+    }
     for (e, edge) in topology.edges.iter().enumerate() {
         let (from, to) = (edge.from, edge.to);
         for producer in 0..topology.stages[from].parallelism {

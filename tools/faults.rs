@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use crate::cluster::{KillRecord, Outcome, PlannedKill};
-use crate::node::{FailureKind, SubtaskReport};
+use crate::node::{FailureKind, SubtaskReport, PREFIX_MARK_EVERY};
 use crate::topology::Topology;
 
 /// Parses `--kill NODE@SECONDS` values and checks them against the run.
@@ -343,11 +343,23 @@ pub fn verify(
             ));
             continue;
         };
+        // Milliseconds from the latest kill of `nodes` before the failure, or (`Err`) how long
+        // before the first of them the failure came: the kill's time is taken before the
+        // signal is sent, so only a failure of another cause comes earlier.
         let delay_after = |nodes: &mut dyn Iterator<Item = usize>| {
-            nodes
+            let kills: Vec<u64> = nodes
                 .filter_map(|n| killed.get(&n))
-                .map(|k| failure.at_unix_ms.saturating_sub(k.at_unix_ms))
-                .min()
+                .map(|k| k.at_unix_ms)
+                .collect();
+            let first = *kills.iter().min()?;
+            Some(match failure.at_unix_ms.checked_sub(first) {
+                None => Err(first - failure.at_unix_ms),
+                Some(_) => Ok(kills
+                    .iter()
+                    .filter_map(|&kill| failure.at_unix_ms.checked_sub(kill))
+                    .min()
+                    .expect("the first kill came before the failure")),
+            })
         };
         let named = failure.peer.as_ref().and_then(|peer| {
             upstream
@@ -405,7 +417,13 @@ pub fn verify(
             }
         };
         counter.seen += 1;
-        if let Some(delay) = delay {
+        if let Some(Err(early)) = delay {
+            v.problems.push(format!(
+                "{}: {} came {early} ms before the kill, so the kill did not cause it: {error}",
+                name(t),
+                failure.kind.name(),
+            ));
+        } else if let Some(Ok(delay)) = delay {
             counter.delays_ms.push(delay);
             if Duration::from_millis(delay) > bound {
                 v.problems.push(format!(
@@ -456,6 +474,8 @@ pub fn verify(
 
     // Links between survivors.
     let (mut exact, mut cut, mut unchecked) = (0usize, 0usize, 0usize);
+    // Records of cut links whose running checksum matched the sent one's.
+    let mut prefix_checked = 0u64;
     let mut received_total = 0u64;
     for &(e, p, c) in &links {
         let (Some(producer), Some(consumer)) = (reports.get(&p), reports.get(&c)) else {
@@ -487,13 +507,28 @@ pub fn verify(
                     }
                 ));
             }
-        } else if got.records <= sent.records {
-            cut += 1;
-        } else {
+        } else if got.records > sent.records {
             v.problems.push(format!(
                 "{what}: cut by the failure, yet {} records received of {} sent",
                 got.records, sent.records
             ));
+        } else if !sent.prefix_marks.starts_with(&got.prefix_marks) {
+            // The running checksums of the records received, every PREFIX_MARK_EVERY: the
+            // first that differs from the sent one's says which records were not a prefix.
+            let at = got
+                .prefix_marks
+                .iter()
+                .zip(&sent.prefix_marks)
+                .position(|(got, sent)| got != sent)
+                .unwrap_or(sent.prefix_marks.len());
+            v.problems.push(format!(
+                "{what}: cut by the failure, and its first {} records received are not the \
+                 first sent (a record lost, added or changed among them)",
+                (at as u64 + 1) * PREFIX_MARK_EVERY,
+            ));
+        } else {
+            cut += 1;
+            prefix_checked += got.prefix_marks.len() as u64 * PREFIX_MARK_EVERY;
         }
     }
     for report in reports
@@ -505,7 +540,7 @@ pub fn verify(
     v.lines.push((
         "data:",
         format!(
-            "survivors' sinks received {received_total} records, none duplicated, reordered or corrupt{}; links between survivors: {exact} ended and match in count and checksum, {cut} cut by the failure (a prefix of what was sent); {unchecked} with a killed side not checked",
+            "survivors' sinks received {received_total} records, none duplicated, reordered or corrupt{}; links between survivors: {exact} ended and match in count and checksum, {cut} cut by the failure (no more than was sent, and where they carried {PREFIX_MARK_EVERY} records or more, their first {prefix_checked} records in all the first sent); {unchecked} with a killed side not checked",
             if damaged { " (except as listed below)" } else { "" }
         ),
     ));

@@ -140,6 +140,32 @@ impl Tally {
     }
 }
 
+/// Every how many records of a link its count marks its running checksum
+/// ([`LinkTally::prefix_marks`]).
+pub const PREFIX_MARK_EVERY: u64 = 256;
+
+/// How many prefix marks a link's report holds at most: its first 262 144 records.
+pub const MAX_PREFIX_MARKS: usize = 1024;
+
+/// One side's count of a link: its tally, and the tally's checksum every
+/// [`PREFIX_MARK_EVERY`] records, so a link cut by a failure can be checked to have carried a
+/// prefix of what was sent (the sums alone say only that no more arrived than was sent).
+#[derive(Clone, Debug, Default)]
+struct LinkCount {
+    tally: Tally,
+    prefix_marks: Vec<u64>,
+}
+
+impl LinkCount {
+    fn add(&mut self, checksum: u64) {
+        self.tally.add(checksum);
+        if self.tally.records % PREFIX_MARK_EVERY == 0 && self.prefix_marks.len() < MAX_PREFIX_MARKS
+        {
+            self.prefix_marks.push(self.tally.checksum);
+        }
+    }
+}
+
 /// What went over one producer → consumer subtask pair of an edge, as one side counted it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LinkTally {
@@ -160,6 +186,10 @@ pub struct LinkTally {
     /// consumer subtask.
     #[serde(default)]
     pub barriers: Vec<BarrierMark>,
+    /// The running checksum after every [`PREFIX_MARK_EVERY`]th record, the first
+    /// [`MAX_PREFIX_MARKS`]: a received link's marks must be the first of its sent marks.
+    #[serde(default)]
+    pub prefix_marks: Vec<u64>,
 }
 
 /// How many checkpoints a link's report places ([`LinkTally::barriers`]): enough for every
@@ -1003,14 +1033,15 @@ impl Subtask {
             report.error = Some(failed.message);
         }
         for output in &outputs {
-            for (i, tally) in output.tallies.iter().enumerate() {
+            for (i, count) in output.tallies.iter().enumerate() {
                 report.sent.push(LinkTally {
                     edge: output.edge,
                     peer: output.targets[i],
-                    records: tally.records,
-                    checksum: tally.checksum,
+                    records: count.tally.records,
+                    checksum: count.tally.checksum,
                     ended: false,
                     barriers: output.barrier_marks[i].clone(),
+                    prefix_marks: count.prefix_marks.clone(),
                 });
             }
         }
@@ -1108,7 +1139,7 @@ struct Output {
     targets: Vec<usize>,
     writer: RecordWriter<Tap>,
     last: Rc<Cell<Selection>>,
-    tallies: Vec<Tally>,
+    tallies: Vec<LinkCount>,
     /// Per channel: where each barrier written fell in its records.
     barrier_marks: Vec<Vec<BarrierMark>>,
 }
@@ -1133,7 +1164,7 @@ impl Output {
             targets: topology.targets(edge, producer),
             writer: RecordWriter::new(partition, tap, timeout),
             last,
-            tallies: vec![Tally::default(); channels],
+            tallies: vec![LinkCount::default(); channels],
             barrier_marks: vec![Vec::new(); channels],
         }
     }
@@ -1156,8 +1187,8 @@ impl Output {
             .map_err(|e| {
                 Failed::writing(&e, format!("writing a barrier to edge {}: {e}", self.edge))
             })?;
-        for (tally, marks) in self.tallies.iter().zip(&mut self.barrier_marks) {
-            BarrierMark::push_to(marks, &barrier, tally.records);
+        for (count, marks) in self.tallies.iter().zip(&mut self.barrier_marks) {
+            BarrierMark::push_to(marks, &barrier, count.tally.records);
         }
         Ok(())
     }
@@ -1294,7 +1325,7 @@ fn generate(
 struct ChannelCheck {
     channel: InputChannel,
     from_stage: usize,
-    tally: Tally,
+    count: LinkCount,
     hash: bool,
     /// EndOfPartition arrived: the tally is complete.
     ended: bool,
@@ -1339,7 +1370,7 @@ impl<'a> Consumer<'a> {
             .map(|channel| ChannelCheck {
                 channel,
                 from_stage: topology.edges[channel.edge].from,
-                tally: Tally::default(),
+                count: LinkCount::default(),
                 hash: topology.edges[channel.edge].partitioner == Partitioner::Hash,
                 ended: false,
                 barrier_marks: Vec::new(),
@@ -1389,7 +1420,7 @@ impl<'a> Consumer<'a> {
         self.bytes_in += bytes.len() as u64;
         let checksum = record_checksum(bytes);
         let check = &mut self.channels[channel];
-        check.tally.add(checksum);
+        check.count.add(checksum);
         let (producer, from_stage, hash) = (check.channel.producer, check.from_stage, check.hash);
         let Some((origin, seq)) = record_header(bytes) else {
             self.corrupt += 1;
@@ -1489,7 +1520,11 @@ impl<'a> Consumer<'a> {
         }
         self.checkpoints += 1;
         for channel in &mut self.channels {
-            BarrierMark::push_to(&mut channel.barrier_marks, barrier, channel.tally.records);
+            BarrierMark::push_to(
+                &mut channel.barrier_marks,
+                barrier,
+                channel.count.tally.records,
+            );
         }
     }
 
@@ -1517,10 +1552,11 @@ impl<'a> Consumer<'a> {
             .map(|c| LinkTally {
                 edge: c.channel.edge,
                 peer: c.channel.producer,
-                records: c.tally.records,
-                checksum: c.tally.checksum,
+                records: c.count.tally.records,
+                checksum: c.count.tally.checksum,
                 ended: c.ended,
                 barriers: c.barrier_marks,
+                prefix_marks: c.count.prefix_marks,
             })
             .collect();
         let mut origins: Vec<OriginTally> = self
