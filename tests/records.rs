@@ -266,6 +266,51 @@ fn a_length_prefix_split_over_three_buffers_is_gathered() {
 }
 
 #[test]
+fn a_channel_that_carried_a_huge_record_gives_its_memory_back() {
+    // A record of 1 MiB assembled across buffers, then small records each whole in one
+    // buffer: the scratch kept the 1 MiB for as long as the reader lived (it shrank only
+    // when a smaller record spanned buffers too).
+    let (network, _) = network();
+    let huge: Vec<u8> = (0..1u32 << 20).map(|i| i as u8).collect();
+    let mut framed = vec![0x80, 0x80, 0x40]; // 1 << 20 as LEB128
+    framed.extend_from_slice(&huge);
+    let mut reader = RecordDeserializer::new(2 << 20);
+    let read = |reader: &mut RecordDeserializer, piece: &[u8]| {
+        reader.set_next_buffer(one_buffer(&network, piece)).unwrap();
+        let mut lens = Vec::new();
+        while let Some(record) = reader.next_record().unwrap() {
+            lens.push(record.len());
+        }
+        lens
+    };
+    let mut lens = Vec::new();
+    for piece in framed.chunks(4000) {
+        lens.extend(read(&mut reader, piece));
+    }
+    assert_eq!(lens, [1 << 20]);
+    assert!(reader.held_bytes() >= 1 << 20);
+    assert_eq!(read(&mut reader, &[3, b'a', b'b', b'c']), [3]);
+    assert!(
+        reader.held_bytes() <= 64 * 1024,
+        "{} held",
+        reader.held_bytes()
+    );
+    // And on a release, after a large record begun and never finished.
+    for piece in framed[..300_000].chunks(4000) {
+        assert!(read(&mut reader, piece).is_empty());
+    }
+    assert!(reader.held_bytes() > 64 * 1024);
+    reader.clear();
+    assert!(
+        reader.held_bytes() <= 64 * 1024,
+        "{} held",
+        reader.held_bytes()
+    );
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn lengths_take_one_byte_under_128_and_two_under_16_kib() {
     // LEB128 written out by hand: seven bits a byte, least significant first, the top bit
     // saying "more follows".
@@ -358,6 +403,42 @@ impl record::Record for Pair {
 
 /// A broken user type: says 10 bytes, writes 3.
 struct Liar;
+
+/// A broken user type: says 10 bytes, writes 3 and then 8.
+struct Braggart;
+
+impl record::Record for Braggart {
+    fn encoded_len(&self) -> usize {
+        10
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(b"abc")?;
+        out.write(b"defghijk")
+    }
+}
+
+#[test]
+fn a_record_writing_more_than_it_declared_is_refused_with_its_own_counts() {
+    // The error gave the bytes left to write (7) as declared and the refused write's (8) as
+    // written, not the record's 10 and 11.
+    let (network, config) = network();
+    let pool = network
+        .create_local_pool(LocalPoolSpec::for_partition(1, &config))
+        .unwrap();
+    let mut sink = QueueSink {
+        pool: &pool,
+        current: None,
+        out: VecDeque::new(),
+    };
+    assert_eq!(
+        record::serialize(&Braggart, &mut sink, 64).unwrap_err(),
+        RecordError::LengthMismatch {
+            declared: 10,
+            written: 11
+        }
+    );
+}
 
 impl record::Record for Liar {
     fn encoded_len(&self) -> usize {

@@ -11,9 +11,11 @@ const SCRATCH_KEPT: usize = 64 * 1024;
 ///
 /// A record that lies inside one buffer is returned as a slice of that buffer, without a copy.
 /// Only a record that spans buffers is assembled, into a scratch vector reused for the next
-/// one; it grows only as the record's bytes arrive, so a corrupt length cannot make it allocate
-/// more than what was received (and never more than `max_record_bytes`), and it shrinks back
-/// to 64 KiB when a smaller record follows a large one.
+/// one; it grows (by doubling) only as the record's bytes arrive, so a corrupt length cannot
+/// make it allocate more than twice what was received (and never more than
+/// `max_record_bytes`), and it shrinks back to 64 KiB when a smaller spanning record follows a
+/// large one, when a buffer starts with no record spanning into it, and on `clear`/`finish`:
+/// a channel that once carried a huge record does not keep its memory for good.
 #[derive(Debug)]
 pub struct RecordDeserializer {
     buffer: Option<Buffer>,
@@ -59,9 +61,25 @@ impl RecordDeserializer {
         if self.buffer.is_some() {
             return Err(RecordError::BufferNotConsumed);
         }
+        // Once per buffer, not per record: nothing spans into this buffer, so the scratch
+        // holds no record still to be read.
+        if self.spanning.is_none()
+            && self.prefix_len == 0
+            && self.scratch.capacity() > SCRATCH_KEPT
+            && !matches!(self.current, Some(Location::Scratch))
+        {
+            self.scratch.clear();
+            self.scratch.shrink_to(SCRATCH_KEPT);
+        }
         self.buffer = Some(buffer);
         self.position = 0;
         Ok(())
+    }
+
+    /// Heap bytes held for assembling records that span buffers (at most 64 KiB between
+    /// such records, unless a larger one is being assembled).
+    pub fn held_bytes(&self) -> usize {
+        self.scratch.capacity()
     }
 
     /// The next complete record, or `Ok(None)` when the current buffer is used up (it is then
@@ -247,6 +265,7 @@ impl RecordDeserializer {
         self.prefix_len = 0;
         self.spanning = None;
         self.scratch.clear();
+        self.scratch.shrink_to(SCRATCH_KEPT);
     }
 
     fn checked_len(&self, len: usize) -> Result<usize, RecordError> {

@@ -99,9 +99,10 @@ pub enum RecordError {
         max: usize,
     },
     /// A [`Record`] wrote a different number of bytes than its `encoded_len` said (a bug in
-    /// that impl). Nothing of it is read as a record: it is taken back, or, once part of it
-    /// was published, the sink ends its stream ([`SegmentSink::abandon`]; a partition is
-    /// released). An excess is refused.
+    /// that impl). An excess is refused. A partition's writer reads nothing of it as a
+    /// record: it is taken back, or, once part of it was published, the partition ends its
+    /// stream ([`SegmentSink::abandon`]: it is released). A sink that can do neither gets it
+    /// padded with zeros to its declared length, so the records after it stay framed.
     #[error("record declared {declared} bytes but wrote {written}")]
     LengthMismatch {
         /// What `encoded_len` returned.
@@ -200,6 +201,9 @@ pub trait Record {
 #[derive(Debug)]
 pub struct RecordOutput<'a, S> {
     sink: &'a mut S,
+    /// The record's declared length (its `encoded_len`, without the length prefix).
+    declared: usize,
+    /// Bytes still to write, the length prefix's included.
     remaining: usize,
     /// The builder filled up under this record; the next `writable` finishes and publishes
     /// it. Until then the record can still be taken back.
@@ -213,9 +217,10 @@ impl<S: SegmentSink> RecordOutput<'_, S> {
     #[inline]
     pub fn write(&mut self, mut bytes: &[u8]) -> Result<(), RecordError> {
         if bytes.len() > self.remaining {
+            // Past the prefix (which always fits): the record's own bytes, in all.
             return Err(RecordError::LengthMismatch {
-                declared: self.remaining,
-                written: bytes.len(),
+                declared: self.declared,
+                written: (self.declared - self.remaining) + bytes.len(),
             });
         }
         self.remaining -= bytes.len();
@@ -275,6 +280,7 @@ where
     let prefix_bytes = encode_prefix(len as u32, &mut prefix);
     let mut out = RecordOutput {
         sink,
+        declared: len,
         remaining: prefix_bytes + len,
         filled: false,
         crossed: false,
