@@ -1269,6 +1269,27 @@ fn the_manager_finds_partitions_and_allows_one_view_per_subpartition() {
     assert!(manager.is_empty());
 }
 
+#[test]
+fn a_record_for_no_subpartition_is_refused_before_it_changes_anything() {
+    // It finished the open broadcast buffer first (its reader got it early, unflushed), and
+    // could fire a due barrier timer; the async emit checked the index first.
+    let (network, config) = setup(16);
+    let mut partition = ResultPartition::new(ID, 2, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.broadcast_record(&b"broadcast"[..]).unwrap();
+    assert!(matches!(
+        partition.emit_record(&b"nowhere"[..], 5),
+        Err(PartitionError::NoSuchSubpartition { index: 5, count: 2 })
+    ));
+    assert!(
+        view.poll_next().is_none(),
+        "the broadcast buffer is still open, neither finished nor flushed"
+    );
+    partition.finish().unwrap();
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// Counts task events (a producer's listener).
 #[derive(Default)]
 struct TaskEvents(AtomicUsize);

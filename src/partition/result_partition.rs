@@ -346,6 +346,14 @@ impl ResultPartition {
         fire_timer: bool,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
+        // Before anything changes, as the async emit checks it: a record for no subpartition
+        // finishes no open broadcast buffer and fires no timer.
+        if target >= self.unicast.len() {
+            return Err(PartitionError::NoSuchSubpartition {
+                index: target,
+                count: self.unicast.len(),
+            });
+        }
         if self.broadcast.is_some() {
             self.finish_broadcast_builder(Sent::Yes);
         }
