@@ -202,15 +202,28 @@ impl Event {
         }
     }
 
+    /// Whether the event may overtake queued data as a priority event: an unaligned barrier,
+    /// a cancel marker (Flink sends it with priority when checkpoints are unaligned), a task's
+    /// own event. Not an aligned barrier, which must block its channel behind the data before
+    /// it, nor an event that ends the channel's data or its recovered state: overtaking, it
+    /// would end the channel with its data still queued (dropped, or left out of an unaligned
+    /// checkpoint), or resume channels while recovered data is still to come.
+    pub fn may_overtake_data(&self) -> bool {
+        match self {
+            Event::CheckpointBarrier(barrier) => barrier.alignment == Alignment::Unaligned,
+            Event::CancelCheckpointMarker(_) | Event::Task(_) => true,
+            Event::EndOfPartition | Event::EndOfData(_) | Event::EndOfChannelState => false,
+        }
+    }
+
     /// Checks that the event came as the writer sends it, in a buffer of `data_type`: a barrier
     /// that blocks its channel must say it is aligned, and one that overtook data that it is
     /// unaligned, or a consumer's alignment would wait for a channel that never blocked, or
-    /// never resume one that did.
+    /// never resume one that did; only an event that may overtake data comes as a priority
+    /// one ([`may_overtake_data`](Self::may_overtake_data)).
     pub fn check_buffer_type(&self, data_type: crate::buffer::DataType) -> Result<(), EventError> {
         let priority = data_type.has_priority();
-        let aligned_barrier =
-            matches!(self, Event::CheckpointBarrier(b) if b.alignment != Alignment::Unaligned);
-        if self.data_type(priority) != data_type || (priority && aligned_barrier) {
+        if self.data_type(priority) != data_type || (priority && !self.may_overtake_data()) {
             return Err(EventError::WrongBufferType {
                 event: self.name(),
                 data_type,

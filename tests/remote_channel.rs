@@ -1366,10 +1366,18 @@ fn a_barrier_in_a_buffer_of_the_wrong_type_fails_the_read() {
         kind: CheckpointKind::Checkpoint,
         alignment: Alignment::Aligned,
     });
+    // An event that ends the channel's data (or its recovered state) as a priority one
+    // would overtake the data queued before it: the channel ended with it dropped.
     for (event, data_type) in [
         (barrier(3), DataType::AlignedCheckpointBarrier),
         (aligned.clone(), DataType::PrioritizedEventBuffer),
         (aligned, DataType::EventBuffer),
+        (Event::EndOfPartition, DataType::PrioritizedEventBuffer),
+        (
+            Event::EndOfData(fluxgate::event::StopMode::Drain),
+            DataType::PrioritizedEventBuffer,
+        ),
+        (Event::EndOfChannelState, DataType::PrioritizedEventBuffer),
     ] {
         let f = fixture();
         let mut gate = f.remote_gate(1);

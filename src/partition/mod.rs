@@ -25,7 +25,7 @@ pub use writer::{
 };
 
 use crate::buffer::{Buffer, DataType, PoolError};
-use crate::event::EventError;
+use crate::event::{Event, EventError};
 use crate::record::RecordError;
 
 /// Identifies a produced partition (Flink: intermediate result partition + producer attempt).
@@ -120,6 +120,11 @@ pub enum PartitionError {
     /// barrier's options).
     #[error("an aligned checkpoint barrier cannot be a priority event")]
     PriorityAlignedBarrier,
+    /// An event that ends the channel's data or its recovered state (EndOfPartition,
+    /// EndOfData, EndOfChannelState) was to be broadcast as a priority event: overtaking, it
+    /// would end the channels with data still queued before it.
+    #[error("{0:?} cannot be a priority event: it must follow the data before it")]
+    PriorityEndEvent(Event),
     /// The output flusher thread (`execution.buffer-timeout` above zero) could not be
     /// started: the system refused a thread.
     #[error("starting the output flusher thread failed: {0}")]

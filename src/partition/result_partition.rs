@@ -571,11 +571,11 @@ impl ResultPartition {
         if let Event::CheckpointBarrier(barrier) = event {
             barrier.validate()?;
         }
-        if priority
-            && matches!(event, Event::CheckpointBarrier(barrier)
-                if barrier.alignment != crate::event::Alignment::Unaligned)
-        {
-            return Err(PartitionError::PriorityAlignedBarrier);
+        if priority && !event.may_overtake_data() {
+            return Err(match event {
+                Event::CheckpointBarrier(_) => PartitionError::PriorityAlignedBarrier,
+                other => PartitionError::PriorityEndEvent(other.clone()),
+            });
         }
         // An aligned barrier that may time out: the subpartitions track it, and a timer turns
         // it unaligned where it is still queued by then.
