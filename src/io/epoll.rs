@@ -828,10 +828,14 @@ impl Loop {
         }
         let session = &mut link.session;
         // The protocol's handshake deadline (`fluxgate.network.handshake-timeout`) starts at
-        // its first transmit: only once TLS is up (below, in the pass that finds it up), so
-        // the TLS handshake has its own budget (`security.ssl.internal.handshake-timeout`),
-        // not the smaller of the two.
-        let mut transmitted = false;
+        // its first transmit: only once TLS is up, so the TLS handshake has its own budget
+        // (`security.ssl.internal.handshake-timeout`), not the smaller of the two. Only a
+        // read completes the handshake, and the read path ends here: the turn that completes
+        // it transmits. Called on every turn after (before the writes, which may stop at a
+        // full socket), it also runs the connection's retries and deadlines.
+        if !session.is_handshaking() {
+            connection.poll_transmit(now);
+        }
         let mut scratch = std::mem::take(&mut self.slice_scratch);
         let mut failure = None;
         let mut passes = 0;
@@ -854,14 +858,7 @@ impl Loop {
                 }
             }
             // Frames wait for the handshake rather than in the session's plaintext buffer.
-            if session.is_handshaking() {
-                break;
-            }
-            if !transmitted {
-                connection.poll_transmit(now);
-                transmitted = true;
-            }
-            if !connection.wants_write() {
+            if session.is_handshaking() || !connection.wants_write() {
                 break;
             }
             let mut slices = reuse_slices(std::mem::take(&mut scratch));
