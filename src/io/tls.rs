@@ -334,22 +334,23 @@ pub fn write_cluster_files(
             path: path.clone(),
             reason: error.to_string(),
         };
-        let mode = if private { 0o600 } else { 0o644 };
-        // Not through a symbolic link someone planted in a shared directory.
-        let mut file = std::fs::OpenOptions::new()
+        // Into a file of its own, made here with its mode (never one left by an earlier run or
+        // planted by another user: its mode, its open descriptors, or a link to elsewhere would
+        // let others read the key), then renamed over the name: the name's old file, link or
+        // not, is only unlinked.
+        let fresh = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let _ = std::fs::remove_file(&fresh);
+        let written = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(failed)?;
-        // The mode above applies only to a file it creates: one left by an earlier run (or
-        // made by another user) keeps its own, which may let others read the key. Set
-        // before any byte is written.
-        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
-            .map_err(failed)?;
-        file.write_all(contents.as_bytes()).map_err(failed)?;
+            .create_new(true)
+            .mode(if private { 0o600 } else { 0o644 })
+            .open(&fresh)
+            .and_then(|mut file| file.write_all(contents.as_bytes()))
+            .and_then(|()| std::fs::rename(&fresh, &path));
+        if let Err(error) = written {
+            let _ = std::fs::remove_file(&fresh);
+            return Err(failed(error));
+        }
         Ok(path)
     };
     std::fs::create_dir_all(dir).map_err(|error| TlsError::Write {
@@ -446,15 +447,15 @@ mod tests {
         assert_eq!(mode(&files.ca_key_file), 0o600);
         assert_eq!(mode(&files.nodes[0].1), 0o600);
         assert_eq!(mode(&files.ca_file), 0o644);
-        // A link planted where a key goes is not written through.
+        // A link planted where a key goes is replaced, not written through.
         let target = dir.join("elsewhere.pem");
         std::fs::remove_file(&files.nodes[0].1).unwrap();
         std::os::unix::fs::symlink(&target, &files.nodes[0].1).unwrap();
-        assert!(matches!(
-            write_cluster_files(&dir, 1, DEFAULT_SSL_SERVER_NAME),
-            Err(TlsError::Write { .. })
-        ));
+        let files = write_cluster_files(&dir, 1, DEFAULT_SSL_SERVER_NAME).unwrap();
         assert!(!target.exists(), "nothing was written through the link");
+        let key = std::fs::symlink_metadata(&files.nodes[0].1).unwrap();
+        assert!(key.file_type().is_file(), "the key is a file of its own");
+        assert_eq!(key.permissions().mode() & 0o777, 0o600);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
