@@ -6,6 +6,12 @@ use crate::buffer::Buffer;
 /// Scratch capacity a deserializer keeps between spanning records.
 const SCRATCH_KEPT: usize = 64 * 1024;
 
+/// Buffers in a row with no record spanning into them after which a larger scratch is given
+/// back: large records each spanning buffers (their last piece ending a buffer, as a flush
+/// after every record leaves it) start buffers clean one at a time, and must not free and
+/// regrow the scratch per record.
+const CLEAN_BUFFERS_BEFORE_SHRINK: u32 = 64;
+
 /// Turns a channel's data buffers back into records (Flink's
 /// `SpillingAdaptiveSpanningRecordDeserializer`, without the spilling).
 ///
@@ -14,8 +20,9 @@ const SCRATCH_KEPT: usize = 64 * 1024;
 /// one; it grows (by doubling) only as the record's bytes arrive, so a corrupt length cannot
 /// make it allocate more than twice what was received (and never more than
 /// `max_record_bytes`), and it shrinks back to 64 KiB when a smaller spanning record follows a
-/// large one, when a buffer starts with no record spanning into it, and on `clear`/`finish`:
-/// a channel that once carried a huge record does not keep its memory for good.
+/// large one, after 64 buffers in a row with no record spanning into them, and on
+/// `clear`/`finish`: a channel that once carried a huge record does not keep its memory for
+/// good.
 #[derive(Debug)]
 pub struct RecordDeserializer {
     buffer: Option<Buffer>,
@@ -26,6 +33,8 @@ pub struct RecordDeserializer {
     /// Length of the record being assembled in `scratch`, if any.
     spanning: Option<usize>,
     scratch: Vec<u8>,
+    /// Buffers in a row that began with no record spanning into them.
+    clean_buffers: u32,
     /// Where the record found by the last successful `advance` lies.
     current: Option<Location>,
     max_record_bytes: usize,
@@ -50,6 +59,7 @@ impl RecordDeserializer {
             prefix_len: 0,
             spanning: None,
             scratch: Vec::new(),
+            clean_buffers: 0,
             current: None,
             max_record_bytes,
         }
@@ -61,15 +71,19 @@ impl RecordDeserializer {
         if self.buffer.is_some() {
             return Err(RecordError::BufferNotConsumed);
         }
-        // Once per buffer, not per record: nothing spans into this buffer, so the scratch
-        // holds no record still to be read.
-        if self.spanning.is_none()
-            && self.prefix_len == 0
-            && self.scratch.capacity() > SCRATCH_KEPT
-            && !matches!(self.current, Some(Location::Scratch))
-        {
-            self.scratch.clear();
-            self.scratch.shrink_to(SCRATCH_KEPT);
+        // Once per buffer, not per record. Nothing spans into a clean buffer, so the scratch
+        // holds no record still to be read then.
+        if self.spanning.is_some() || self.prefix_len != 0 {
+            self.clean_buffers = 0;
+        } else {
+            self.clean_buffers = self.clean_buffers.saturating_add(1);
+            if self.clean_buffers >= CLEAN_BUFFERS_BEFORE_SHRINK
+                && self.scratch.capacity() > SCRATCH_KEPT
+                && !matches!(self.current, Some(Location::Scratch))
+            {
+                self.scratch.clear();
+                self.scratch.shrink_to(SCRATCH_KEPT);
+            }
         }
         self.buffer = Some(buffer);
         self.position = 0;
