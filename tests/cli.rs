@@ -286,7 +286,8 @@ fn cluster_reports_a_port_in_use() {
 
 /// A stall names both ends of its connections: the stalled consumer's node dumps its side,
 /// and the node its producer runs on dumps the readers that feed it. The relay (node 1) stops
-/// reading at its 100th record (`--inject hold`), so the sink (node 0) starves.
+/// reading at the 100th record of its first channel (`--inject hold`), so the sink (node 0)
+/// starves.
 #[test]
 fn a_stall_is_reported_by_every_node_of_the_cluster() {
     let topology = temp_file(
@@ -481,10 +482,11 @@ fn stress_with_a_kill_still_catches_corrupt_records() {
 
 #[test]
 fn stress_with_a_kill_still_catches_a_lost_record_on_a_cut_link() {
-    // The hidden --inject drops sink[0]'s 100th record; its links are all cut by the kill
-    // (the one from the killed node fails the sink), and a cut link was checked only to carry
-    // no more records than were sent: the loss passed. Its running checksums now show that
-    // what it carried is not the first records sent.
+    // The hidden --inject drops the 100th record sink[0] reads from generator[0] (both on
+    // node 0, which survives); its links are all cut by the kill (the one from the killed
+    // node fails the sink), and a cut link was checked only to carry no more records than
+    // were sent: the loss passed. Its running checksums now show that what it carried is not
+    // the first records sent.
     let run = stress_with_a_kill(&["--inject", "drop"]);
     assert!(!run.status.success(), "must fail\n{}", run.all());
     assert!(run.stdout.contains("result: FAILED"), "{}", run.all());

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use crate::cluster::{KillRecord, Outcome, PlannedKill};
-use crate::node::{FailureKind, SubtaskReport, PREFIX_MARK_EVERY};
+use crate::node::{prefix_mark_records, FailureKind, SubtaskReport};
 use crate::topology::Topology;
 
 /// Parses `--kill NODE@SECONDS` values and checks them against the run.
@@ -371,8 +371,10 @@ pub fn verify(
             (FailureKind::ConnectionLost, Some(node)) if !upstream.is_empty() => {
                 (delay_after(&mut std::iter::once(node)), &mut lost_peer)
             }
+            // The release may have spread from any kill (a consumer that failed on another
+            // node's loss released its subpartition), not only from a killed consumer's.
             (FailureKind::Released, _) if upstream.is_empty() && !downstream.is_empty() => {
-                (delay_after(&mut downstream.iter().copied()), &mut released)
+                (delay_after(&mut killed.keys().copied()), &mut released)
             }
             _ if !upstream.is_empty() => {
                 let addresses: Vec<String> = upstream
@@ -513,8 +515,8 @@ pub fn verify(
                 got.records, sent.records
             ));
         } else if !sent.prefix_marks.starts_with(&got.prefix_marks) {
-            // The running checksums of the records received, every PREFIX_MARK_EVERY: the
-            // first that differs from the sent one's says which records were not a prefix.
+            // The running checksums of the records received at the prefix marks: the first
+            // that differs from the sent one's says which records were not a prefix.
             let at = got
                 .prefix_marks
                 .iter()
@@ -524,11 +526,15 @@ pub fn verify(
             v.problems.push(format!(
                 "{what}: cut by the failure, and its first {} records received are not the \
                  first sent (a record lost, added or changed among them)",
-                (at as u64 + 1) * PREFIX_MARK_EVERY,
+                prefix_mark_records(at),
             ));
         } else {
             cut += 1;
-            prefix_checked += got.prefix_marks.len() as u64 * PREFIX_MARK_EVERY;
+            prefix_checked += got
+                .prefix_marks
+                .len()
+                .checked_sub(1)
+                .map_or(0, prefix_mark_records);
         }
     }
     for report in reports
@@ -540,7 +546,7 @@ pub fn verify(
     v.lines.push((
         "data:",
         format!(
-            "survivors' sinks received {received_total} records, none duplicated, reordered or corrupt{}; links between survivors: {exact} ended and match in count and checksum, {cut} cut by the failure (no more than was sent, and where they carried {PREFIX_MARK_EVERY} records or more, their first {prefix_checked} records in all the first sent); {unchecked} with a killed side not checked",
+            "survivors' sinks received {received_total} records, none duplicated, reordered or corrupt{}; links between survivors: {exact} ended and match in count and checksum, {cut} cut by the failure (no more than was sent, and their first {prefix_checked} records in all the first sent); {unchecked} with a killed side not checked",
             if damaged { " (except as listed below)" } else { "" }
         ),
     ));

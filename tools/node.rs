@@ -118,8 +118,12 @@ static STALL_REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::Atomic
 /// connections before its stalled subtask fails (and starts tearing down what they show).
 const PEER_DUMP_WAIT: Duration = Duration::from_secs(2);
 
-/// Which record of the subtask a fault hits.
+/// Which record of the subtask's [`FAULT_CHANNEL`] a fault hits.
 const FAULT_AT: u64 = 100;
+
+/// The input channel whose record a fault hits: the first producer's link, the same one
+/// whatever the timing, so that a `--kill` of another node leaves both its sides reporting.
+const FAULT_CHANNEL: usize = 0;
 
 // ---------------------------------------------------------------------------------------------
 // What a node reports.
@@ -140,15 +144,26 @@ impl Tally {
     }
 }
 
-/// Every how many records of a link its count marks its running checksum
-/// ([`LinkTally::prefix_marks`]).
+/// A link's count marks its running checksum ([`LinkTally::prefix_marks`]) at each of its
+/// first `PREFIX_MARK_EVERY` records, then every `PREFIX_MARK_EVERY` records: a short link
+/// is checked to its last record, a long one in steps.
 pub const PREFIX_MARK_EVERY: u64 = 256;
 
-/// How many prefix marks a link's report holds at most: its first 262 144 records.
+/// How many prefix marks a link's report holds at most: its first 196 864 records.
 pub const MAX_PREFIX_MARKS: usize = 1024;
 
-/// One side's count of a link: its tally, and the tally's checksum every
-/// [`PREFIX_MARK_EVERY`] records, so a link cut by a failure can be checked to have carried a
+/// The records a link had carried at its prefix mark `index` (see [`PREFIX_MARK_EVERY`]).
+pub fn prefix_mark_records(index: usize) -> u64 {
+    let index = index as u64;
+    if index < PREFIX_MARK_EVERY {
+        index + 1
+    } else {
+        (index + 2 - PREFIX_MARK_EVERY) * PREFIX_MARK_EVERY
+    }
+}
+
+/// One side's count of a link: its tally, and the tally's checksum at its prefix marks
+/// ([`PREFIX_MARK_EVERY`]), so a link cut by a failure can be checked to have carried a
 /// prefix of what was sent (the sums alone say only that no more arrived than was sent).
 #[derive(Clone, Debug, Default)]
 struct LinkCount {
@@ -159,7 +174,9 @@ struct LinkCount {
 impl LinkCount {
     fn add(&mut self, checksum: u64) {
         self.tally.add(checksum);
-        if self.tally.records % PREFIX_MARK_EVERY == 0 && self.prefix_marks.len() < MAX_PREFIX_MARKS
+        let records = self.tally.records;
+        if (records <= PREFIX_MARK_EVERY || records % PREFIX_MARK_EVERY == 0)
+            && self.prefix_marks.len() < MAX_PREFIX_MARKS
         {
             self.prefix_marks.push(self.tally.checksum);
         }
@@ -186,7 +203,8 @@ pub struct LinkTally {
     /// consumer subtask.
     #[serde(default)]
     pub barriers: Vec<BarrierMark>,
-    /// The running checksum after every [`PREFIX_MARK_EVERY`]th record, the first
+    /// The running checksum at the link's prefix marks (each of its first
+    /// [`PREFIX_MARK_EVERY`] records, then every [`PREFIX_MARK_EVERY`]th), the first
     /// [`MAX_PREFIX_MARKS`]: a received link's marks must be the first of its sent marks.
     #[serde(default)]
     pub prefix_marks: Vec<u64>,
@@ -1611,7 +1629,8 @@ fn consume(
     let mut deserializers: Vec<RecordDeserializer> = (0..channels)
         .map(|_| RecordDeserializer::new(max_record_bytes))
         .collect();
-    // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask.
+    // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask's channel
+    // FAULT_CHANNEL.
     let mut seen = 0u64;
     let mut held: Option<(usize, Vec<u8>)> = None;
     let mut leaked = false;
@@ -1667,8 +1686,8 @@ fn consume(
                     .next_record()
                     .map_err(|e| format!("channel {channel}: {e}"))?
                 {
-                    seen += 1;
-                    match fault.filter(|_| seen == FAULT_AT) {
+                    seen += u64::from(channel == FAULT_CHANNEL);
+                    match fault.filter(|_| channel == FAULT_CHANNEL && seen == FAULT_AT) {
                         None => {}
                         Some(Fault::Drop) => continue,
                         Some(Fault::Duplicate) => handle(consumer, outputs, channel, record)?,
