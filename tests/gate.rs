@@ -235,7 +235,8 @@ fn unknown_channels_become_local_get_requested_and_receive_pending_task_events()
     let mut gate = f.gate(&[(2, 0)], ChannelLocation::Unknown);
     let now = Instant::now();
     gate.request_partitions(now).unwrap();
-    gate.send_task_event(&Event::Task(b"sync".to_vec()));
+    gate.send_task_event(&Event::Task(b"sync".to_vec()))
+        .unwrap();
     assert!(
         events.0.lock().unwrap().is_empty(),
         "held while the location is unknown"
@@ -254,8 +255,33 @@ fn unknown_channels_become_local_get_requested_and_receive_pending_task_events()
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
         common::framed_record(b"x")
     );
-    gate.send_task_event(&Event::Task(b"again".to_vec()));
+    gate.send_task_event(&Event::Task(b"again".to_vec()))
+        .unwrap();
     assert_eq!(events.0.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn a_task_event_longer_than_a_segment_is_refused_before_it_goes_out() {
+    // A producer refuses a TaskEventRequest frame longer than a segment as malformed and
+    // closes the connection: sent, such an event failed every channel on it.
+    let f = fixture();
+    let _producer = f.producer(2, 1);
+    let events = Arc::new(Events(Mutex::new(Vec::new())));
+    f.manager.subscribe_task_events(pid(2), events.clone());
+    let mut gate = f.gate(&[(2, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let empty = Event::Task(Vec::new()).encoded_len();
+    let fits = Event::Task(vec![7; 4096 - empty]);
+    let too_long = Event::Task(vec![7; 4096 - empty + 1]);
+    assert!(matches!(
+        gate.send_task_event(&too_long),
+        Err(GateError::TaskEventTooLarge {
+            len: 4097,
+            max: 4096
+        })
+    ));
+    gate.send_task_event(&fits).unwrap();
+    assert_eq!(*events.0.lock().unwrap(), vec![fits]);
 }
 
 #[test]
@@ -1708,11 +1734,13 @@ fn task_events_sent_before_the_partition_exists_reach_it_once_found() {
         SingleInputGate::new(vec![spec], f.manager.clone(), &f.network, &f.config).with_backoff(
             Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
         );
-    gate.send_task_event(&Event::Task(b"before setup".to_vec()));
+    gate.send_task_event(&Event::Task(b"before setup".to_vec()))
+        .unwrap();
     gate.setup().unwrap();
     let start = Instant::now();
     gate.request_partitions(start).unwrap();
-    gate.send_task_event(&Event::Task(b"while missing".to_vec()));
+    gate.send_task_event(&Event::Task(b"while missing".to_vec()))
+        .unwrap();
     let _producer = f.producer(16, 1);
     let events = Arc::new(Events(Mutex::new(Vec::new())));
     f.manager.subscribe_task_events(pid(16), events.clone());

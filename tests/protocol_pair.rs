@@ -695,7 +695,9 @@ fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer() {
     s.manager
         .subscribe_task_events(s.producers[0].handle().id(), heard.clone());
     settle(&mut s.pair);
-    s.gate.send_task_event(&Event::Task(b"last word".to_vec()));
+    s.gate
+        .send_task_event(&Event::Task(b"last word".to_vec()))
+        .unwrap();
     s.gate.close();
     settle(&mut s.pair);
     assert_eq!(

@@ -1135,9 +1135,11 @@ fn task_events_to_a_remote_producer(
         .subscribe_task_events(pid(0), listener.clone());
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
     let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
-    gate.send_task_event(&Event::Task(b"before the request".to_vec()));
+    gate.send_task_event(&Event::Task(b"before the request".to_vec()))
+        .unwrap();
     gate.request_partitions(Instant::now()).unwrap();
-    gate.send_task_event(&Event::Task(b"after the request".to_vec()));
+    gate.send_task_event(&Event::Task(b"after the request".to_vec()))
+        .unwrap();
     wait_until("the producer received the task events", || {
         listener.events.lock().unwrap().len() == expected
     });

@@ -155,6 +155,15 @@ pub enum GateError {
         /// The checkpoint.
         checkpoint: u64,
     },
+    /// A task event longer than a segment was to be sent: a producer would refuse its frame
+    /// and close the connection, failing every channel on it.
+    #[error("a task event of {len} bytes is longer than a segment ({max} bytes)")]
+    TaskEventTooLarge {
+        /// The event's encoded length.
+        len: usize,
+        /// The segment size (`taskmanager.memory.segment-size`).
+        max: usize,
+    },
 }
 
 /// One item read from a gate.

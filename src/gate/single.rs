@@ -276,7 +276,18 @@ impl SingleInputGate {
     }
 
     /// Sends a task event to every producer; channels not located yet get it on update.
-    pub fn send_task_event(&mut self, event: &Event) {
+    /// Fails with [`GateError::TaskEventTooLarge`], sending nothing, when its encoding is
+    /// longer than a segment (`taskmanager.memory.segment-size`): a producer refuses a larger
+    /// TaskEventRequest frame as malformed and closes the connection, failing every channel on
+    /// it.
+    pub fn send_task_event(&mut self, event: &Event) -> Result<(), GateError> {
+        let len = event.encoded_len();
+        if len > self.config.segment_size {
+            return Err(GateError::TaskEventTooLarge {
+                len,
+                max: self.config.segment_size,
+            });
+        }
         for channel in &mut self.channels {
             send_event(channel, event);
         }
@@ -289,6 +300,7 @@ impl SingleInputGate {
         {
             self.pending_events.push(event.clone());
         }
+        Ok(())
     }
 
     /// Releases every channel, destroys the pool lazily and wakes a blocked reader.
