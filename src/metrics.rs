@@ -105,13 +105,14 @@ pub struct OutputMetrics {
 
 impl OutputMetrics {
     /// `backPressuredTimeMsPerSecond` between two samples of the partition's total
-    /// back-pressured nanoseconds taken
-    /// `interval_nanos` apart.
+    /// back-pressured nanoseconds taken `interval_nanos` apart: at most 1000, as Flink's
+    /// `TimerGauge` caps it (the samples and the interval come from separate clock reads, so
+    /// the quotient can come out a little above).
     pub fn back_pressured_ms_per_second(earlier: u64, later: u64, interval_nanos: u64) -> f64 {
         if interval_nanos == 0 {
             return 0.0;
         }
-        later.saturating_sub(earlier) as f64 / interval_nanos as f64 * 1000.0
+        (later.saturating_sub(earlier) as f64 / interval_nanos as f64 * 1000.0).min(1000.0)
     }
 }
 
@@ -224,6 +225,20 @@ mod tests {
     };
     use crate::partition::{PartitionManager, ResultPartition, ResultPartitionId};
     use crate::NetworkConfig;
+
+    #[test]
+    fn back_pressured_time_per_second_is_at_most_all_of_it() {
+        // 1.001 s of back pressure seen over an interval read as 1 s: separate clock reads.
+        assert_eq!(
+            OutputMetrics::back_pressured_ms_per_second(0, 1_001_000_000, 1_000_000_000),
+            1000.0
+        );
+        assert_eq!(
+            OutputMetrics::back_pressured_ms_per_second(0, 250_000_000, 1_000_000_000),
+            250.0
+        );
+        assert_eq!(OutputMetrics::back_pressured_ms_per_second(5, 9, 0), 0.0);
+    }
 
     // 300 × 101 bytes: eight 4 KiB buffers, under the subpartition's 10-buffer limit.
     const RECORDS: u64 = 300;

@@ -179,6 +179,8 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
             ));
         }
     }
+    BufferTimeout::try_from_millis(args.buffer_timeout)
+        .map_err(|reason| format!("--buffer-timeout {}: {reason}", args.buffer_timeout))?;
     if args.rate > MAX_RATE {
         return Err(format!(
             "--rate {}: at most {MAX_RATE} records per second",

@@ -132,13 +132,28 @@ pub enum BufferTimeout {
 }
 
 impl BufferTimeout {
-    /// From Flink's millisecond value: -1, 0 or a positive interval.
+    /// From Flink's millisecond value: -1, 0 or a positive interval; Flink refuses a value
+    /// below -1, which [`try_from_millis`](Self::try_from_millis) does too (this reads it as
+    /// -1).
     pub fn from_millis(millis: i64) -> Self {
         match millis {
             i64::MIN..=-1 => BufferTimeout::Never,
             0 => BufferTimeout::Always,
             n => BufferTimeout::Every(Duration::from_millis(n as u64)),
         }
+    }
+
+    /// [`from_millis`](Self::from_millis), refusing a value below -1 as Flink's
+    /// `setBufferTimeout` does.
+    pub fn try_from_millis(millis: i64) -> Result<Self, String> {
+        if millis < -1 {
+            return Err(
+                "must be -1 (only full buffers), 0 (every record) or a positive number \
+                 of milliseconds"
+                    .into(),
+            );
+        }
+        Ok(Self::from_millis(millis))
     }
 }
 
@@ -276,5 +291,29 @@ impl<S> RecordWriter<S> {
     /// The partition written to, mutably.
     pub fn partition_mut(&mut self) -> &mut ResultPartition {
         &mut self.partition
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::BufferTimeout;
+
+    #[test]
+    fn a_buffer_timeout_below_minus_one_is_refused_as_flink_refuses_it() {
+        assert!(BufferTimeout::try_from_millis(-5).is_err());
+        assert!(matches!(
+            BufferTimeout::try_from_millis(-1),
+            Ok(BufferTimeout::Never)
+        ));
+        assert!(matches!(
+            BufferTimeout::try_from_millis(0),
+            Ok(BufferTimeout::Always)
+        ));
+        assert!(matches!(
+            BufferTimeout::try_from_millis(7),
+            Ok(BufferTimeout::Every(d)) if d == Duration::from_millis(7)
+        ));
     }
 }
