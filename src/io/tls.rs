@@ -338,14 +338,22 @@ pub fn write_cluster_files(
         // planted by another user: its mode, its open descriptors, or a link to elsewhere would
         // let others read the key), then renamed over the name: the name's old file, link or
         // not, is only unlinked.
+        // The mode is set again once open: the process's umask may have narrowed it (a
+        // certificate others must read). Synced before the rename, so that a crash never
+        // leaves the name holding a partly written key.
+        let mode = if private { 0o600 } else { 0o644 };
         let fresh = dir.join(format!(".{name}.{}.tmp", std::process::id()));
         let _ = std::fs::remove_file(&fresh);
         let written = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(if private { 0o600 } else { 0o644 })
+            .mode(mode)
             .open(&fresh)
-            .and_then(|mut file| file.write_all(contents.as_bytes()))
+            .and_then(|mut file| {
+                file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+                file.write_all(contents.as_bytes())?;
+                file.sync_all()
+            })
             .and_then(|()| std::fs::rename(&fresh, &path));
         if let Err(error) = written {
             let _ = std::fs::remove_file(&fresh);
