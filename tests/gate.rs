@@ -848,6 +848,53 @@ fn an_async_read_retries_a_local_partition_registered_later() {
     panic!("the async read never retried the partition request");
 }
 
+/// A gate whose other channel always has data still retries a channel's partition request
+/// when it comes due. The blocking read retried only after a wait, which a gate with data
+/// never reaches (nor did `poll_next`, nor a read that failed): the late partition's
+/// producer filled its pool and blocked while its consumer read the other input for ever.
+#[test]
+fn a_busy_gate_still_retries_a_partition_registered_later() {
+    let f = fixture();
+    let mut busy = f.producer(72, 1);
+    let specs = [72, 73]
+        .into_iter()
+        .map(|n| ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: pid(n),
+                subpartition: 0,
+            },
+            location: ChannelLocation::Local,
+        })
+        .collect();
+    let mut gate =
+        SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
+            Backoff::new(Duration::from_millis(10), Duration::from_secs(1)),
+        );
+    gate.setup().unwrap();
+    gate.request_partitions(Instant::now()).unwrap();
+    let due = gate.poll_timeout().expect("the missing partition's retry");
+    assert!(common::wait_until(LONG, || Instant::now() >= due));
+    let mut late = f.producer(73, 1);
+    send(&mut late, b"late");
+    // Channel 0 has data at every read.
+    let mut reads = Vec::new();
+    for _ in 0..20 {
+        send(&mut busy, b"busy");
+        let item = gate.next_timeout(LONG).unwrap().unwrap();
+        reads.push(item.channel);
+        if item.channel == 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        reads.last(),
+        Some(&1),
+        "the late channel was never read: {reads:?}"
+    );
+    drop((gate, busy, late));
+    assert!(f.all_segments_back());
+}
+
 /// A channel whose producer released its partition fails every later read, not only the
 /// first (Flink's channel keeps its cause): the second read used to wait for good.
 #[test]

@@ -306,7 +306,7 @@ pub struct ConsumedSubpartition {
 }
 
 /// How often a blocked reader looks at due partition-request retries at the latest.
-const RETRY_CHECK: Duration = Duration::from_millis(100);
+pub(crate) const RETRY_CHECK: Duration = Duration::from_millis(100);
 
 pub(crate) use crate::wake_timer::WakeTimer;
 

@@ -64,6 +64,9 @@ pub struct SingleInputGate {
     /// Created by a shuffle environment, which connects the remote channels: one located as
     /// remote here, without the producer's address, would never be connected.
     connected_by_environment: bool,
+    /// When a read next looks for partition-request retries that came due (see
+    /// [`retry_due_requests`](Self::retry_due_requests)).
+    next_retry_look: Instant,
 }
 
 impl fmt::Debug for SingleInputGate {
@@ -104,6 +107,7 @@ impl SingleInputGate {
             timer: super::WakeTimer::default(),
             reserved: (0..count).map(|_| Vec::new()).collect(),
             connected_by_environment: false,
+            next_retry_look: Instant::now(),
         }
     }
 
@@ -190,6 +194,28 @@ impl SingleInputGate {
             channel.request(now)?;
         }
         self.requested = true;
+        self.next_retry_look = now;
+        Ok(())
+    }
+
+    /// Retries the partition requests that came due, as every read does first: a gate whose
+    /// other channels always have data must not leave a channel waiting for its partition
+    /// until the gate goes idle (the retry came only after a blocking read's wait, and never
+    /// from `poll_next` or a read that failed), while that partition's producer fills its
+    /// pool and blocks; Flink retries from a timer. One clock read per read; the channels are
+    /// looked at when the earliest retry they had is due, and at least every `RETRY_CHECK`.
+    fn retry_due_requests(&mut self) -> Result<(), GateError> {
+        let now = Instant::now();
+        if now < self.next_retry_look {
+            return Ok(());
+        }
+        self.next_retry_look = now + super::RETRY_CHECK;
+        if self.poll_timeout().is_some_and(|due| due <= now) {
+            InputGate::handle_timeout(self, now)?;
+        }
+        if let Some(due) = self.poll_timeout() {
+            self.next_retry_look = self.next_retry_look.min(due);
+        }
         Ok(())
     }
 
@@ -240,6 +266,7 @@ impl SingleInputGate {
         let mut channel = self.make_channel(index, location)?;
         if self.requested {
             channel.request(now)?;
+            self.next_retry_look = now;
         }
         for event in &self.pending_events {
             send_event(&mut channel, event);
@@ -644,6 +671,7 @@ impl InputGate for SingleInputGate {
         if self.closed {
             return Err(GateError::Closed);
         }
+        self.retry_due_requests()?;
         // Each channel is in the queue at most once per lane, so this bounds spurious entries.
         for _ in 0..=2 * self.channels.len() {
             let Some((index, _priority)) = self.queue.pop() else {
