@@ -2594,6 +2594,30 @@ fn a_flood_of_events_fails_its_channel_before_taking_memory_for_it() {
 /// A priority event claiming to overtake more than a sender's queue can hold is a decode
 /// error (a typed error and a closed connection), not an instruction to persist every later
 /// buffer of its channel as in-flight data.
+/// A BufferResponse frame too short for its own fixed header is refused by its frame header,
+/// at once: the client read the rest of its 38-byte header from whatever followed on the
+/// wire, so with nothing following (a producer with nothing to send) the connection stayed
+/// open with no error.
+#[test]
+fn a_buffer_response_shorter_than_its_header_is_refused_at_once() {
+    let nets = Networks::new();
+    for length in [FRAME_HEADER, FRAME_HEADER + 1, BUFFER_RESPONSE_HEADER - 1] {
+        let input = cat(&[
+            &handshake(),
+            &header_only(length as u32, MessageId::BufferResponse as u8),
+        ]);
+        let result = run_client(&nets, &input, &[input.len()], true);
+        assert!(
+            matches!(
+                result,
+                Err(ProtocolError::Decode(DecodeError::BodyLength { .. }))
+            ),
+            "length {length}: {result:?}"
+        );
+    }
+    nets.assert_all_back("short BufferResponse");
+}
+
 #[test]
 fn a_buffer_response_overtaking_more_than_a_queue_holds_is_refused() {
     for (overtaken, accepted) in [(MAX_OVERTAKEN, true), (MAX_OVERTAKEN + 1, false)] {

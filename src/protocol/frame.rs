@@ -355,6 +355,16 @@ pub fn decode_header_within(
             limit: limit as u64,
         });
     }
+    // A BufferResponse is read in two steps, its fixed header first: one too short for it
+    // is refused here, or the reader would take the rest of that header from what follows
+    // (and wait for it, a known bad frame unanswered, while nothing follows).
+    if id == MessageId::BufferResponse && (length as usize) < BUFFER_RESPONSE_HEADER {
+        return Err(DecodeError::BodyLength {
+            id: id as u8,
+            expected: BUFFER_RESPONSE_BODY,
+            actual: length as usize - FRAME_HEADER,
+        });
+    }
     Ok(FrameHeader { length, id })
 }
 
