@@ -2618,6 +2618,24 @@ fn a_buffer_response_shorter_than_its_header_is_refused_at_once() {
     nets.assert_all_back("short BufferResponse");
 }
 
+/// A peer's error text reaches our logs and errors with its control characters escaped: a
+/// newline in it would forge a log line of its own, an escape sequence drive a terminal.
+#[test]
+fn a_peer_s_error_text_comes_with_its_control_characters_escaped() {
+    let bytes = frame(&Message::ErrorResponse {
+        receiver: None,
+        kind: ErrorKind::Other,
+        message: "x\nFORGED \u{1b}[31mred é".into(),
+    });
+    let header = decode_header(bytes[..FRAME_HEADER].try_into().unwrap(), SEGMENT).unwrap();
+    match Message::decode(&header, &bytes[FRAME_HEADER..]) {
+        Ok(Message::ErrorResponse { message, .. }) => {
+            assert_eq!(message, "x\\nFORGED \\u{1b}[31mred é")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn a_buffer_response_overtaking_more_than_a_queue_holds_is_refused() {
     for (overtaken, accepted) in [(MAX_OVERTAKEN, true), (MAX_OVERTAKEN + 1, false)] {

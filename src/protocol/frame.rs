@@ -368,6 +368,24 @@ pub fn decode_header_within(
     Ok(FrameHeader { length, id })
 }
 
+/// A peer's error text with its control characters escaped (a newline as `\n`): logged or
+/// shown, it cannot forge lines or drive a terminal. At most ten bytes for one, over a text
+/// the frame bounds.
+fn printable(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_owned();
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Writes a frame header.
 pub fn encode_header(out: &mut [u8], length: usize, id: MessageId) {
     out[0..4].copy_from_slice(&(length as u32).to_be_bytes());
@@ -673,7 +691,7 @@ impl Message {
                     value: kind_byte.into(),
                 })?;
                 r.need(len)?;
-                let message = String::from_utf8_lossy(r.take(len)).into_owned();
+                let message = printable(&String::from_utf8_lossy(r.take(len)));
                 Message::ErrorResponse {
                     receiver: (has_receiver == 1).then_some(ReceiverId(receiver)),
                     kind,
