@@ -491,6 +491,42 @@ fn a_timeout_beyond_the_clock_waits_without_a_deadline() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// A channel's stream that ends inside a record fails the read with `Truncated`, and the
+/// channel's EndOfPartition still comes out next, as it does once for every channel: the
+/// error took its place, so a caller reading on never saw that channel end.
+#[test]
+fn a_stream_ending_inside_a_record_fails_the_read_and_still_ends_its_channel() {
+    let f = fixture();
+    let gate = f.remote_gate(1);
+    let (shared, _) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    // A record of 100 bytes (one prefix byte) of which 10 came.
+    let mut begun = vec![100u8];
+    begun.extend_from_slice(&[7; 10]);
+    sender.send(&begun, DataType::DataBuffer, 0).unwrap();
+    sender
+        .send(&encoded(&Event::EndOfPartition), DataType::EventBuffer, 0)
+        .unwrap();
+    let mut reader = RecordReader::new(gate, 1 << 10);
+    match reader.next_timeout(LONG) {
+        Err(fluxgate::gate::ReaderError::Record {
+            channel: 0,
+            source: fluxgate::record::RecordError::Truncated,
+        }) => {}
+        other => panic!("expected the truncated record, got {other:?}"),
+    }
+    match reader.next_timeout(LONG) {
+        Ok(Some(ReaderItem::Event {
+            channel: 0,
+            event: Event::EndOfPartition,
+        })) => {}
+        other => panic!("expected the channel's end, got {other:?}"),
+    }
+    assert!(matches!(reader.next_timeout(LONG), Ok(None)));
+    drop(reader);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 /// A channel can hold more segments than its exclusive ones and the gate's floating quota:
 /// the exclusive segments of channels that ended go back to the gate's pool and can be lent
 /// to it. It receives that many buffers, in order. Its lanes keep room only for the usual

@@ -59,6 +59,10 @@ pub struct RecordReader<G> {
     deserializers: Vec<RecordDeserializer>,
     /// The channel whose buffer is being read.
     current: Option<usize>,
+    /// A channel whose EndOfPartition came with a record begun and never ended: the read
+    /// failed with `Truncated`, and the next one hands out the end (each channel's end comes
+    /// out once, also after an error).
+    end_after_error: Option<usize>,
 }
 
 impl<G> fmt::Debug for RecordReader<G> {
@@ -79,6 +83,7 @@ impl<G: InputGate> RecordReader<G> {
             gate,
             deserializers,
             current: None,
+            end_after_error: None,
         }
     }
 
@@ -155,6 +160,12 @@ impl<G: InputGate> RecordReader<G> {
         // One deadline for the whole call, fixed when it first has to wait: buffers that
         // bring no whole record do not restart the timeout.
         let mut deadline = None;
+        if let Some(channel) = self.end_after_error.take() {
+            return Ok(Some(ReaderItem::Event {
+                channel,
+                event: Event::EndOfPartition,
+            }));
+        }
         loop {
             if let Some(channel) = self.current {
                 let found = self.deserializers[channel]
@@ -197,9 +208,10 @@ impl<G: InputGate> RecordReader<G> {
                     }
                     if event == Event::EndOfPartition {
                         // A record begun and never ended means a truncated stream.
-                        self.deserializers[channel]
-                            .finish()
-                            .map_err(|source| ReaderError::Record { channel, source })?;
+                        if let Err(source) = self.deserializers[channel].finish() {
+                            self.end_after_error = Some(channel);
+                            return Err(ReaderError::Record { channel, source });
+                        }
                     }
                     return Ok(Some(ReaderItem::Event { channel, event }));
                 }
