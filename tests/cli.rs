@@ -465,19 +465,20 @@ fn stress_survives_a_killed_node() {
     }
 }
 
+/// [`stress_with_a_kill`] with the hidden `--inject fault`: the run fails, saying `expected`.
+fn stress_with_a_kill_catches(fault: &str, expected: &str) {
+    let run = stress_with_a_kill(&["--inject", fault]);
+    assert!(!run.status.success(), "must fail\n{}", run.all());
+    assert!(run.stdout.contains("result: FAILED"), "{}", run.all());
+    assert!(run.stdout.contains(expected), "`{expected}`\n{}", run.all());
+    assert!(!run.all().contains("panicked"), "{}", run.all());
+}
+
 #[test]
 fn stress_with_a_kill_still_catches_corrupt_records() {
     // The hidden --inject damages one record on sink[0], a survivor: the verification under
     // faults must not excuse it.
-    let run = stress_with_a_kill(&["--inject", "corrupt"]);
-    assert!(!run.status.success(), "must fail\n{}", run.all());
-    assert!(run.stdout.contains("result: FAILED"), "{}", run.all());
-    assert!(
-        run.stdout.contains("sink[0]: 1 records corrupt"),
-        "{}",
-        run.all()
-    );
-    assert!(!run.all().contains("panicked"), "{}", run.all());
+    stress_with_a_kill_catches("corrupt", "sink[0]: 1 records corrupt");
 }
 
 #[test]
@@ -487,15 +488,7 @@ fn stress_with_a_kill_still_catches_a_lost_record_on_a_cut_link() {
     // node fails the sink), and a cut link was checked only to carry no more records than
     // were sent: the loss passed. Its running checksums now show that what it carried is not
     // the first records sent.
-    let run = stress_with_a_kill(&["--inject", "drop"]);
-    assert!(!run.status.success(), "must fail\n{}", run.all());
-    assert!(run.stdout.contains("result: FAILED"), "{}", run.all());
-    assert!(
-        run.stdout.contains("cut by the failure, and its first"),
-        "{}",
-        run.all()
-    );
-    assert!(!run.all().contains("panicked"), "{}", run.all());
+    stress_with_a_kill_catches("drop", "cut by the failure, and its first");
 }
 
 /// `--vary-credit` draws the credit options the config file leaves unset from the seed and

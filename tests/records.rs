@@ -31,7 +31,16 @@ struct QueueSink<'a> {
     out: VecDeque<Buffer>,
 }
 
-impl QueueSink<'_> {
+impl<'a> QueueSink<'a> {
+    /// An empty sink writing into `pool`'s segments.
+    fn new(pool: &'a LocalBufferPool) -> Self {
+        Self {
+            pool,
+            current: None,
+            out: VecDeque::new(),
+        }
+    }
+
     /// Makes what was committed so far visible without finishing the segment.
     fn flush(&mut self) {
         if let Some((_, consumer)) = self.current.as_mut() {
@@ -112,7 +121,7 @@ proptest! {
                 max_overdraft_segments: usize::MAX,
             })
             .unwrap();
-        let mut sink = QueueSink { pool: &pool, current: None, out: VecDeque::new() };
+        let mut sink = QueueSink::new(&pool);
         let mut reader = RecordDeserializer::new(config.max_record_bytes);
         let mut got = Vec::new();
         let mut sent = Vec::new();
@@ -379,11 +388,7 @@ fn oversized_records_are_refused_by_the_writer() {
     let pool = network
         .create_local_pool(LocalPoolSpec::for_partition(1, &NetworkConfig::default()))
         .unwrap();
-    let mut sink = QueueSink {
-        pool: &pool,
-        current: None,
-        out: VecDeque::new(),
-    };
+    let mut sink = QueueSink::new(&pool);
     let err = record::serialize(&[0u8; 65][..], &mut sink, 64).unwrap_err();
     assert_eq!(err, RecordError::TooLarge { len: 65, max: 64 });
     assert!(sink.current.is_none(), "nothing was written");
@@ -405,6 +410,41 @@ impl record::Record for Pair {
 
 /// A broken user type: says 10 bytes, writes 3.
 struct Liar;
+
+impl record::Record for Liar {
+    fn encoded_len(&self) -> usize {
+        10
+    }
+
+    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
+        out.write(b"abc")
+    }
+}
+
+#[test]
+fn user_types_write_directly_and_a_wrong_length_keeps_the_stream_framed() {
+    let (network, config) = network();
+    let pool = network
+        .create_local_pool(LocalPoolSpec::for_partition(1, &config))
+        .unwrap();
+    let mut sink = QueueSink::new(&pool);
+    record::serialize(&Pair(7, "seven"), &mut sink, 64).unwrap();
+    assert_eq!(
+        record::serialize(&Liar, &mut sink, 64).unwrap_err(),
+        RecordError::LengthMismatch {
+            declared: 10,
+            written: 3
+        }
+    );
+    record::serialize("after", &mut sink, 64).unwrap();
+    sink.finish();
+    let mut reader = RecordDeserializer::new(64);
+    let mut got = Vec::new();
+    drain(&mut sink, &mut reader, &mut got);
+    assert_eq!(got[0], b"\0\0\0\x07seven");
+    assert_eq!(got[1], b"abc\0\0\0\0\0\0\0");
+    assert_eq!(got[2], b"after");
+}
 
 /// A broken user type: says 10 bytes, writes 3 and then 8.
 struct Braggart;
@@ -428,11 +468,7 @@ fn a_record_writing_more_than_it_declared_is_refused_with_its_own_counts() {
     let pool = network
         .create_local_pool(LocalPoolSpec::for_partition(1, &config))
         .unwrap();
-    let mut sink = QueueSink {
-        pool: &pool,
-        current: None,
-        out: VecDeque::new(),
-    };
+    let mut sink = QueueSink::new(&pool);
     assert_eq!(
         record::serialize(&Braggart, &mut sink, 64).unwrap_err(),
         RecordError::LengthMismatch {
@@ -440,43 +476,4 @@ fn a_record_writing_more_than_it_declared_is_refused_with_its_own_counts() {
             written: 11
         }
     );
-}
-
-impl record::Record for Liar {
-    fn encoded_len(&self) -> usize {
-        10
-    }
-
-    fn encode<S: SegmentSink>(&self, out: &mut RecordOutput<'_, S>) -> Result<(), RecordError> {
-        out.write(b"abc")
-    }
-}
-
-#[test]
-fn user_types_write_directly_and_a_wrong_length_keeps_the_stream_framed() {
-    let (network, config) = network();
-    let pool = network
-        .create_local_pool(LocalPoolSpec::for_partition(1, &config))
-        .unwrap();
-    let mut sink = QueueSink {
-        pool: &pool,
-        current: None,
-        out: VecDeque::new(),
-    };
-    record::serialize(&Pair(7, "seven"), &mut sink, 64).unwrap();
-    assert_eq!(
-        record::serialize(&Liar, &mut sink, 64).unwrap_err(),
-        RecordError::LengthMismatch {
-            declared: 10,
-            written: 3
-        }
-    );
-    record::serialize("after", &mut sink, 64).unwrap();
-    sink.finish();
-    let mut reader = RecordDeserializer::new(64);
-    let mut got = Vec::new();
-    drain(&mut sink, &mut reader, &mut got);
-    assert_eq!(got[0], b"\0\0\0\x07seven");
-    assert_eq!(got[1], b"abc\0\0\0\0\0\0\0");
-    assert_eq!(got[2], b"after");
 }
