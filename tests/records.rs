@@ -7,7 +7,9 @@ use std::collections::VecDeque;
 use fluxgate::buffer::{
     Buffer, BufferBuilder, BufferConsumer, LocalBufferPool, LocalPoolSpec, NetworkBufferPool,
 };
-use fluxgate::record::{self, RecordDeserializer, RecordError, RecordOutput, SegmentSink};
+use fluxgate::record::{
+    self, RecordDeserializer, RecordError, RecordOutput, SegmentSink, SpanningBudget,
+};
 use fluxgate::NetworkConfig;
 use proptest::prelude::*;
 
@@ -318,6 +320,60 @@ fn a_channel_that_carried_a_huge_record_gives_its_memory_back() {
         reader.held_bytes()
     );
     drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn records_spanning_buffers_share_their_reader_s_memory_budget() {
+    // Two channels each assembling a record of 700 000 bytes under a budget of 1 MiB: the
+    // second's growth past it fails its read (each could hold up to the maximum record size
+    // for a peer that claims it); once the first channel gives its memory back, the second
+    // goes on where it stopped, and nothing stays charged.
+    let (network, _) = network();
+    let budget = SpanningBudget::new(1 << 20);
+    let record_len = 700_000usize;
+    let mut framed = vec![0xE0, 0xDC, 0x2A]; // 700 000 as LEB128
+    framed.extend((0..record_len).map(|i| i as u8));
+    let pieces: Vec<&[u8]> = framed.chunks(4000).collect();
+    let begun = &pieces[..pieces.len() - 1];
+    let mut first = RecordDeserializer::new(1 << 20).with_budget(budget.clone());
+    let mut second = RecordDeserializer::new(1 << 20).with_budget(budget.clone());
+    for piece in begun {
+        first.set_next_buffer(one_buffer(&network, piece)).unwrap();
+        assert_eq!(first.next_record().unwrap(), None);
+    }
+    assert!(budget.used() > 600_000, "{} charged", budget.used());
+    let mut refused_at = None;
+    for (at, piece) in pieces.iter().enumerate() {
+        second.set_next_buffer(one_buffer(&network, piece)).unwrap();
+        match second.next_record() {
+            Ok(record) => assert_eq!(record.map(<[u8]>::len), None),
+            Err(RecordError::SpanningMemory { limit, .. }) => {
+                assert_eq!(limit, 1 << 20);
+                refused_at = Some(at);
+                break;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    let refused_at = refused_at.expect("the second record was refused memory");
+    assert!(budget.used() <= 1 << 20, "{} charged", budget.used());
+    first.clear();
+    // The refused piece is still the second's buffer: read on from it.
+    let mut lens = Vec::new();
+    while let Some(record) = second.next_record().unwrap() {
+        lens.push(record.len());
+    }
+    for piece in &pieces[refused_at + 1..] {
+        second.set_next_buffer(one_buffer(&network, piece)).unwrap();
+        while let Some(record) = second.next_record().unwrap() {
+            assert!(record == &framed[3..], "the record's bytes differ");
+            lens.push(record.len());
+        }
+    }
+    assert_eq!(lens, [record_len]);
+    drop((first, second));
+    assert_eq!(budget.used(), 0);
     assert_eq!(network.available_segments(), network.total_segments());
 }
 

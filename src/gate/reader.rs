@@ -1,11 +1,12 @@
 //! `RecordReader`: records, events and the end, read from any gate.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{GateError, GateItem, InputGate};
 use crate::event::Event;
-use crate::record::{RecordDeserializer, RecordError};
+use crate::record::{RecordDeserializer, RecordError, SpanningBudget};
 
 /// What the reader yields.
 #[derive(Debug)]
@@ -74,10 +75,30 @@ impl<G> fmt::Debug for RecordReader<G> {
 }
 
 impl<G: InputGate> RecordReader<G> {
-    /// A reader over `gate` refusing records over `max_record_bytes`.
+    /// A reader over `gate` refusing records over `max_record_bytes`, whose channels may hold
+    /// [`default_spanning_budget`](Self::default_spanning_budget) of memory for records
+    /// spanning buffers.
     pub fn new(gate: G, max_record_bytes: usize) -> Self {
+        let budget = SpanningBudget::new(Self::default_spanning_budget(max_record_bytes));
+        Self::with_spanning_budget(gate, max_record_bytes, budget)
+    }
+
+    /// What a reader's channels may hold at once for records spanning buffers, beyond 64 KiB
+    /// each, unless told otherwise: four records of the maximum size, and at least 256 MiB.
+    pub fn default_spanning_budget(max_record_bytes: usize) -> usize {
+        max_record_bytes.saturating_mul(4).max(256 << 20)
+    }
+
+    /// [`new`](Self::new) with the memory its channels may hold for records spanning buffers
+    /// given (or shared with other readers): past it a read fails with
+    /// [`RecordError::SpanningMemory`].
+    pub fn with_spanning_budget(
+        gate: G,
+        max_record_bytes: usize,
+        budget: Arc<SpanningBudget>,
+    ) -> Self {
         let deserializers = (0..gate.channel_count())
-            .map(|_| RecordDeserializer::new(max_record_bytes))
+            .map(|_| RecordDeserializer::new(max_record_bytes).with_budget(budget.clone()))
             .collect();
         Self {
             gate,

@@ -1,5 +1,8 @@
 //! Reading records back out of a channel's buffers.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use super::{decode_prefix, encode_prefix, Prefix, RecordError, MAX_LENGTH_PREFIX};
 use crate::buffer::Buffer;
 
@@ -11,6 +14,56 @@ const SCRATCH_KEPT: usize = 64 * 1024;
 /// after every record leaves it) start buffers clean one at a time, and must not free and
 /// regrow the scratch per record.
 const CLEAN_BUFFERS_BEFORE_SHRINK: u32 = 64;
+
+/// The heap that records spanning buffers may hold beyond each deserializer's first 64 KiB,
+/// shared by the deserializers of one reader (its channels): a peer sending huge records on
+/// many channels at once cannot make a consumer hold `max-record-bytes` per channel outside
+/// the network memory (Flink spills records over 5 MiB to disk instead). Only the reader's
+/// thread charges it; atomics keep the reader `Send`.
+#[derive(Debug)]
+pub struct SpanningBudget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl SpanningBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: usize) -> Arc<Self> {
+        Arc::new(Self {
+            limit,
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// Bytes charged now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// The budget's size.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    fn try_charge(&self, bytes: usize) -> Result<(), RecordError> {
+        let used = self.used.load(Ordering::Relaxed);
+        match used.checked_add(bytes) {
+            Some(total) if total <= self.limit => {
+                self.used.fetch_add(bytes, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(RecordError::SpanningMemory {
+                needed: bytes,
+                used,
+                limit: self.limit,
+            }),
+        }
+    }
+
+    fn release(&self, bytes: usize) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
 
 /// Turns a channel's data buffers back into records (Flink's
 /// `SpillingAdaptiveSpanningRecordDeserializer`, without the spilling).
@@ -33,6 +86,10 @@ pub struct RecordDeserializer {
     /// Length of the record being assembled in `scratch`, if any.
     spanning: Option<usize>,
     scratch: Vec<u8>,
+    /// Where the scratch beyond `SCRATCH_KEPT` is charged, if anywhere.
+    budget: Option<Arc<SpanningBudget>>,
+    /// What the scratch is charged to the budget now.
+    charged: usize,
     /// Buffers in a row that began with no record spanning into them.
     clean_buffers: u32,
     /// Where the record found by the last successful `advance` lies.
@@ -59,10 +116,47 @@ impl RecordDeserializer {
             prefix_len: 0,
             spanning: None,
             scratch: Vec::new(),
+            budget: None,
+            charged: 0,
             clean_buffers: 0,
             current: None,
             max_record_bytes,
         }
+    }
+
+    /// Charges the scratch this deserializer holds beyond 64 KiB to `budget`, shared with the
+    /// other channels' deserializers of a reader: a growth past it fails the read with
+    /// [`RecordError::SpanningMemory`].
+    pub fn with_budget(mut self, budget: Arc<SpanningBudget>) -> Self {
+        self.budget = Some(budget);
+        self.recharge();
+        self
+    }
+
+    /// What the scratch beyond 64 KiB counts against the budget.
+    fn chargeable(capacity: usize) -> usize {
+        capacity.saturating_sub(SCRATCH_KEPT)
+    }
+
+    /// Brings the budget's charge in line with the scratch's capacity after it changed.
+    fn recharge(&mut self) {
+        Self::recharge_for(&self.budget, self.scratch.capacity(), &mut self.charged);
+    }
+
+    /// [`recharge`](Self::recharge) by fields (while a buffer is borrowed).
+    fn recharge_for(budget: &Option<Arc<SpanningBudget>>, capacity: usize, charged: &mut usize) {
+        let Some(budget) = budget else {
+            return;
+        };
+        let now = Self::chargeable(capacity);
+        if now > *charged {
+            // Allocators may round a reservation up: what was checked before it is charged,
+            // the rounding too, past the limit if need be.
+            budget.used.fetch_add(now - *charged, Ordering::Relaxed);
+        } else {
+            budget.release(*charged - now);
+        }
+        *charged = now;
     }
 
     /// Hands over the channel's next data buffer. The previous one must have been read to its
@@ -83,6 +177,7 @@ impl RecordDeserializer {
             {
                 self.scratch.clear();
                 self.scratch.shrink_to(SCRATCH_KEPT);
+                self.recharge();
             }
         }
         self.buffer = Some(buffer);
@@ -158,7 +253,15 @@ impl RecordDeserializer {
                 if needed > self.scratch.capacity() {
                     // Doubling, as `extend` would, but never past the record's length.
                     let grown = (self.scratch.capacity() * 2).clamp(needed, len);
+                    if let Some(budget) = &self.budget {
+                        // Refused before it is allocated; the record stays begun, and a
+                        // later call may find room another channel gave back.
+                        let more = Self::chargeable(grown).saturating_sub(self.charged);
+                        budget.try_charge(more)?;
+                        self.charged += more;
+                    }
                     self.scratch.reserve_exact(grown - self.scratch.len());
+                    Self::recharge_for(&self.budget, self.scratch.capacity(), &mut self.charged);
                 }
                 self.scratch.extend_from_slice(&rest[..take]);
                 self.position += take;
@@ -280,6 +383,7 @@ impl RecordDeserializer {
         self.spanning = None;
         self.scratch.clear();
         self.scratch.shrink_to(SCRATCH_KEPT);
+        self.recharge();
     }
 
     fn checked_len(&self, len: usize) -> Result<usize, RecordError> {
@@ -298,7 +402,16 @@ impl RecordDeserializer {
         let keep = len.max(SCRATCH_KEPT);
         if self.scratch.capacity() > keep {
             self.scratch.shrink_to(keep);
+            self.recharge();
         }
         self.spanning = Some(len);
+    }
+}
+
+impl Drop for RecordDeserializer {
+    fn drop(&mut self) {
+        if let Some(budget) = &self.budget {
+            budget.release(self.charged);
+        }
     }
 }

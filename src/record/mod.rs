@@ -12,7 +12,7 @@
 
 mod deserializer;
 
-pub use deserializer::RecordDeserializer;
+pub use deserializer::{RecordDeserializer, SpanningBudget};
 
 use crate::buffer::BufferBuilder;
 
@@ -89,6 +89,21 @@ pub fn decode_prefix(bytes: &[u8]) -> Prefix {
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RecordError {
+    /// Records spanning buffers, assembled at once on a reader's channels, would hold more
+    /// of its memory than its [`SpanningBudget`] (a hostile or runaway peer: each may claim
+    /// up to the maximum record size).
+    #[error(
+        "records spanning buffers would hold {needed} more bytes of this reader's memory, \
+         {used} of {limit} held"
+    )]
+    SpanningMemory {
+        /// Bytes the growth asked for.
+        needed: usize,
+        /// Bytes held already.
+        used: usize,
+        /// The budget.
+        limit: usize,
+    },
     /// A record is longer than the configured maximum (writer: caller's fault; reader: a
     /// corrupt or hostile stream).
     #[error("record of {len} bytes exceeds the maximum of {max} bytes")]
