@@ -895,6 +895,62 @@ fn a_busy_gate_still_retries_a_partition_registered_later() {
     assert!(f.all_segments_back());
 }
 
+/// The same through a union, whose member waiting for its partition has nothing queued: the
+/// union read it only once its other member went idle.
+#[test]
+fn a_busy_union_still_retries_a_member_s_partition_registered_later() {
+    let f = fixture();
+    let mut busy = f.producer(74, 1);
+    let member = |n: u64| {
+        let spec = ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: pid(n),
+                subpartition: 0,
+            },
+            location: ChannelLocation::Local,
+        };
+        let mut gate = SingleInputGate::new(vec![spec], f.manager.clone(), &f.network, &f.config)
+            .with_backoff(Backoff::new(
+                Duration::from_millis(200),
+                Duration::from_secs(1),
+            ));
+        gate.setup().unwrap();
+        gate.request_partitions(Instant::now()).unwrap();
+        gate
+    };
+    let mut union = UnionInputGate::new(vec![member(74), member(75)]);
+    // Each member is looked at once before its retry is due: the waiting one, with nothing
+    // queued, is then read no more until something queues it.
+    send(&mut busy, b"first");
+    let first = union
+        .poll_next()
+        .unwrap()
+        .expect("the busy member's record");
+    assert_eq!(first.channel, 0);
+    drop(first);
+    assert!(union.poll_next().unwrap().is_none());
+    let due = union.poll_timeout().expect("the missing partition's retry");
+    assert!(common::wait_until(LONG, || Instant::now() >= due));
+    let mut late = f.producer(75, 1);
+    send(&mut late, b"late");
+    let mut reads = Vec::new();
+    for _ in 0..20 {
+        send(&mut busy, b"busy");
+        let item = union.next_timeout(LONG).unwrap().unwrap();
+        reads.push(item.channel);
+        if item.channel == 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        reads.last(),
+        Some(&1),
+        "the late member was never read: {reads:?}"
+    );
+    drop((union, busy, late));
+    assert!(f.all_segments_back());
+}
+
 /// A channel whose producer released its partition fails every later read, not only the
 /// first (Flink's channel keeps its cause): the second read used to wait for good.
 #[test]

@@ -202,10 +202,10 @@ impl SingleInputGate {
     /// other channels always have data must not leave a channel waiting for its partition
     /// until the gate goes idle (the retry came only after a blocking read's wait, and never
     /// from `poll_next` or a read that failed), while that partition's producer fills its
-    /// pool and blocks; Flink retries from a timer. One clock read per read; the channels are
-    /// looked at when the earliest retry they had is due, and at least every `RETRY_CHECK`.
-    fn retry_due_requests(&mut self) -> Result<(), GateError> {
-        let now = Instant::now();
+    /// pool and blocks; Flink retries from a timer. One clock read per read (a union reads it
+    /// once for its members); the channels are looked at when the earliest retry they had is
+    /// due, and at least every `RETRY_CHECK`.
+    pub(crate) fn retry_due_requests(&mut self, now: Instant) -> Result<(), GateError> {
         if now < self.next_retry_look {
             return Ok(());
         }
@@ -671,7 +671,7 @@ impl InputGate for SingleInputGate {
         if self.closed {
             return Err(GateError::Closed);
         }
-        self.retry_due_requests()?;
+        self.retry_due_requests(Instant::now())?;
         // Each channel is in the queue at most once per lane, so this bounds spurious entries.
         for _ in 0..=2 * self.channels.len() {
             let Some((index, _priority)) = self.queue.pop() else {

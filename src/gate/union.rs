@@ -139,6 +139,14 @@ impl InputGate for UnionInputGate {
             self.close();
             return Err(GateError::Closed);
         }
+        // Every member's due retries, not only those of the members read: a member whose
+        // channels all wait for their partition has nothing queued, so it would be read only
+        // once the others went idle (as its own reads do, see `retry_due_requests`).
+        let now = Instant::now();
+        for (gate, &offset) in self.gates.iter_mut().zip(&self.offsets) {
+            gate.retry_due_requests(now)
+                .map_err(|error| error.offset_channel(offset))?;
+        }
         for _ in 0..=2 * self.gates.len() {
             let Some((index, _)) = self.queue.pop() else {
                 return Ok(None);
