@@ -772,6 +772,53 @@ fn the_record_reader_yields_records_and_events_from_every_channel() {
     );
 }
 
+/// A reader's channels share the memory records spanning buffers may hold; a channel
+/// refused memory gets what another channel kept from a record it finished (that record's
+/// scratch stayed until its channel's next spanning record), so only records assembled at
+/// once count: the read failed, and failed again at every later call.
+#[test]
+fn a_record_reader_gives_a_finished_record_s_memory_to_the_next() {
+    let f = fixture();
+    let mut gate = f.gate(&[(22, 0), (23, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let budget = fluxgate::record::SpanningBudget::new(600 << 10);
+    let mut reader =
+        RecordReader::with_spanning_budget(gate, f.config.max_record_bytes, budget.clone());
+    let record = |byte: u8| vec![byte; 400 << 10];
+    // Written and flushed, the partition left open: its channel keeps what it read.
+    let write = |n: u64, byte: u8| {
+        let mut producer = f.producer(n, 1);
+        thread::spawn(move || {
+            producer.emit_record(&record(byte)[..], 0).unwrap();
+            producer.flush(0);
+            producer
+        })
+    };
+    let mut read_record_of = |channel: usize| loop {
+        match reader.next_timeout(LONG).unwrap() {
+            Some(ReaderItem::Record { channel: c, bytes }) => {
+                assert_eq!((c, bytes.len()), (channel, 400 << 10));
+                return;
+            }
+            Some(ReaderItem::Event { .. }) => {}
+            None => panic!("ended before channel {channel}'s record"),
+        }
+    };
+    let first = write(22, 1);
+    read_record_of(0);
+    let first = first.join().unwrap();
+    assert!(budget.used() > 300 << 10, "{} charged", budget.used());
+    let second = write(23, 2);
+    read_record_of(1);
+    let (mut first, mut second) = (first, second.join().unwrap());
+    first.finish().unwrap();
+    second.finish().unwrap();
+    while reader.next_timeout(LONG).unwrap().is_some() {}
+    drop((reader, first, second));
+    assert_eq!(budget.used(), 0);
+    assert!(f.all_segments_back());
+}
+
 struct ThreadWaker(thread::Thread, AtomicUsize);
 
 impl Wake for ThreadWaker {

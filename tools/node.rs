@@ -30,7 +30,7 @@ use fluxgate::partition::{
     ChannelSelector, KeyHashSelector, PartitionError, PartitionHandle, RecordWriter,
     ResultPartition, RoundRobinSelector, Selection,
 };
-use fluxgate::record::RecordDeserializer;
+use fluxgate::record::{RecordDeserializer, SpanningBudget};
 use fluxgate::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};
 use serde::{Deserialize, Serialize};
 
@@ -1626,8 +1626,11 @@ fn consume(
     };
     let channels = gate.channel_count();
     let mut gate = CheckpointedInputGate::new(gate, mode, None);
+    // The subtask's channels share the memory they may hold for records spanning buffers,
+    // as a `RecordReader`'s do.
+    let budget = SpanningBudget::new(SpanningBudget::default_limit(max_record_bytes));
     let mut deserializers: Vec<RecordDeserializer> = (0..channels)
-        .map(|_| RecordDeserializer::new(max_record_bytes))
+        .map(|_| RecordDeserializer::new(max_record_bytes).with_budget(budget.clone()))
         .collect();
     // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask's channel
     // FAULT_CHANNEL.

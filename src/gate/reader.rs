@@ -76,17 +76,10 @@ impl<G> fmt::Debug for RecordReader<G> {
 
 impl<G: InputGate> RecordReader<G> {
     /// A reader over `gate` refusing records over `max_record_bytes`, whose channels may hold
-    /// [`default_spanning_budget`](Self::default_spanning_budget) of memory for records
-    /// spanning buffers.
+    /// [`SpanningBudget::default_limit`] of memory for records spanning buffers.
     pub fn new(gate: G, max_record_bytes: usize) -> Self {
-        let budget = SpanningBudget::new(Self::default_spanning_budget(max_record_bytes));
+        let budget = SpanningBudget::new(SpanningBudget::default_limit(max_record_bytes));
         Self::with_spanning_budget(gate, max_record_bytes, budget)
-    }
-
-    /// What a reader's channels may hold at once for records spanning buffers, beyond 64 KiB
-    /// each, unless told otherwise: four records of the maximum size, and at least 256 MiB.
-    pub fn default_spanning_budget(max_record_bytes: usize) -> usize {
-        max_record_bytes.saturating_mul(4).max(256 << 20)
     }
 
     /// [`new`](Self::new) with the memory its channels may hold for records spanning buffers
@@ -189,9 +182,18 @@ impl<G: InputGate> RecordReader<G> {
         }
         loop {
             if let Some(channel) = self.current {
-                let found = self.deserializers[channel]
-                    .advance()
-                    .map_err(|source| ReaderError::Record { channel, source })?;
+                let found = match self.deserializers[channel].advance() {
+                    Err(RecordError::SpanningMemory { .. }) => {
+                        // What other channels keep from records already read goes back
+                        // first; only records being assembled at once are refused.
+                        self.deserializers
+                            .iter_mut()
+                            .for_each(RecordDeserializer::give_back_idle_scratch);
+                        self.deserializers[channel].advance()
+                    }
+                    found => found,
+                }
+                .map_err(|source| ReaderError::Record { channel, source })?;
                 if found {
                     return Ok(Some(ReaderItem::Record {
                         channel,

@@ -45,23 +45,37 @@ impl SpanningBudget {
         self.limit
     }
 
+    /// A reader's budget unless told otherwise: four records of the maximum size, and at
+    /// least 256 MiB.
+    pub fn default_limit(max_record_bytes: usize) -> usize {
+        max_record_bytes.saturating_mul(4).max(256 << 20)
+    }
+
+    /// Charges `bytes` if they fit (at once: readers on other threads may share it).
     fn try_charge(&self, bytes: usize) -> Result<(), RecordError> {
-        let used = self.used.load(Ordering::Relaxed);
-        match used.checked_add(bytes) {
-            Some(total) if total <= self.limit => {
-                self.used.fetch_add(bytes, Ordering::Relaxed);
-                Ok(())
-            }
-            _ => Err(RecordError::SpanningMemory {
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                used.checked_add(bytes).filter(|total| *total <= self.limit)
+            })
+            .map(drop)
+            .map_err(|used| RecordError::SpanningMemory {
                 needed: bytes,
                 used,
                 limit: self.limit,
-            }),
-        }
+            })
     }
 
+    fn charge(&self, bytes: usize) {
+        self.used.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Never below zero, whatever a caller did: a wrapped count would refuse for good.
     fn release(&self, bytes: usize) {
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        let _ = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                Some(used.saturating_sub(bytes))
+            });
     }
 }
 
@@ -128,9 +142,29 @@ impl RecordDeserializer {
     /// other channels' deserializers of a reader: a growth past it fails the read with
     /// [`RecordError::SpanningMemory`].
     pub fn with_budget(mut self, budget: Arc<SpanningBudget>) -> Self {
+        if let Some(previous) = self.budget.take() {
+            previous.release(self.charged);
+        }
+        self.charged = 0;
         self.budget = Some(budget);
         self.recharge();
         self
+    }
+
+    /// Gives back the scratch beyond 64 KiB kept from a record already read, when no record
+    /// is being assembled (what a reader does for its other channels when one is refused
+    /// memory: a finished record's scratch stays until the channel's next spanning record
+    /// or 64 clean buffers otherwise).
+    pub fn give_back_idle_scratch(&mut self) {
+        if self.spanning.is_none()
+            && self.prefix_len == 0
+            && self.scratch.capacity() > SCRATCH_KEPT
+            && !matches!(self.current, Some(Location::Scratch))
+        {
+            self.scratch.clear();
+            self.scratch.shrink_to(SCRATCH_KEPT);
+            self.recharge();
+        }
     }
 
     /// What the scratch beyond 64 KiB counts against the budget.
@@ -152,7 +186,7 @@ impl RecordDeserializer {
         if now > *charged {
             // Allocators may round a reservation up: what was checked before it is charged,
             // the rounding too, past the limit if need be.
-            budget.used.fetch_add(now - *charged, Ordering::Relaxed);
+            budget.charge(now - *charged);
         } else {
             budget.release(*charged - now);
         }
