@@ -1907,6 +1907,47 @@ fn task_events_sent_before_the_partition_exists_reach_it_once_found() {
 }
 
 #[test]
+fn task_events_beyond_what_a_channel_holds_for_a_missing_partition_are_refused() {
+    // A channel keeps 1024 events for a partition not found yet. The next was dropped for it
+    // (logged) while the send said it went out; now the send is refused, for every channel.
+    let f = fixture();
+    let spec = ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(17),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Local,
+    };
+    let mut gate =
+        SingleInputGate::new(vec![spec], f.manager.clone(), &f.network, &f.config).with_backoff(
+            Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
+        );
+    gate.setup().unwrap();
+    let start = Instant::now();
+    gate.request_partitions(start).unwrap();
+    for n in 0..1024u32 {
+        gate.send_task_event(&Event::Task(n.to_be_bytes().to_vec()))
+            .unwrap();
+    }
+    assert!(matches!(
+        gate.send_task_event(&Event::Task(b"one more".to_vec())),
+        Err(GateError::TaskEventBacklog { channel: Some(0) })
+    ));
+    let _producer = f.producer(17, 1);
+    let events = Arc::new(Events(Mutex::new(Vec::new())));
+    f.manager.subscribe_task_events(pid(17), events.clone());
+    gate.handle_timeout(start + Duration::from_millis(100))
+        .unwrap();
+    assert_eq!(events.0.lock().unwrap().len(), 1024);
+    gate.send_task_event(&Event::Task(b"after".to_vec()))
+        .unwrap();
+    assert_eq!(
+        events.0.lock().unwrap().last(),
+        Some(&Event::Task(b"after".to_vec()))
+    );
+}
+
+#[test]
 fn a_released_partition_s_local_reader_gives_back_the_buffer_its_writer_waits_for() {
     // With one buffer per subpartition, the writer waits for the buffer the local channel is
     // reading. Its consumer's next read reports the release and lets go of that buffer, so

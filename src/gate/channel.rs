@@ -221,9 +221,10 @@ pub struct LocalInputChannel {
     pending_events: Vec<Event>,
 }
 
-/// Task events one local channel keeps for a partition not found yet; more are dropped (logged)
-/// rather than held without bound.
-const MAX_PENDING_LOCAL_EVENTS: usize = 1024;
+/// Task events one local channel keeps for a partition not found yet; the gate refuses more
+/// ([`GateError::TaskEventBacklog`](super::GateError::TaskEventBacklog)) rather than hold them
+/// without bound.
+pub(crate) const MAX_PENDING_LOCAL_EVENTS: usize = 1024;
 
 impl LocalInputChannel {
     /// The view's queue state (or "not requested"), for diagnosing stalls.
@@ -353,6 +354,12 @@ impl LocalInputChannel {
         self.view
             .as_mut()
             .is_some_and(|view| view.resume_consumption())
+    }
+
+    /// Whether [`send_task_event`](Self::send_task_event) takes one more event now (it holds
+    /// at most `MAX_PENDING_LOCAL_EVENTS` for a partition not found yet).
+    pub(crate) fn has_task_event_room(&self) -> bool {
+        self.view.is_some() || self.released || self.pending_events.len() < MAX_PENDING_LOCAL_EVENTS
     }
 
     /// Sends a task event to the producer through the partition manager; before the

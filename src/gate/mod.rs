@@ -155,6 +155,16 @@ pub enum GateError {
         /// The checkpoint.
         checkpoint: u64,
     },
+    /// A task event was to be sent while 1024 wait already for a producer not reached yet:
+    /// on `channel` (its partition not found, or its connection not up), or, without one, in
+    /// the gate for channels not located yet. Nothing of it was sent.
+    #[error(
+        "task events wait for their producer already (channel {channel:?}); one more is refused"
+    )]
+    TaskEventBacklog {
+        /// The channel holding them, if one does.
+        channel: Option<usize>,
+    },
     /// A task event longer than a segment was to be sent: a producer would refuse its frame
     /// and close the connection, failing every channel on it.
     #[error("a task event of {len} bytes is longer than a segment ({max} bytes)")]

@@ -974,6 +974,13 @@ impl RemoteInputChannel {
         }
     }
 
+    /// Whether [`send_task_event`](Self::send_task_event) takes one more event now (at most
+    /// `MAX_PENDING_TASK_EVENTS` wait for the connection). Only the connection takes them
+    /// out meanwhile: room seen stays.
+    pub(crate) fn has_task_event_room(&self) -> bool {
+        self.shared.task_events.lock().expect("not poisoned").len() < MAX_PENDING_TASK_EVENTS
+    }
+
     /// Queues `event` for the producer (Flink's `RemoteInputChannel.sendTaskEvent`, through the
     /// connection) and tells the transport.
     pub(crate) fn send_task_event(&self, event: &crate::event::Event) {

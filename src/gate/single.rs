@@ -19,6 +19,10 @@ use crate::event::Event;
 use crate::metrics::{InputMetricsSnapshot, WaitTime};
 use crate::partition::PartitionManager;
 
+/// Task events a gate keeps for its channels not located yet (each gets them when located);
+/// more are refused, as a channel refuses more than it keeps for a producer not reached.
+const MAX_PENDING_GATE_EVENTS: usize = super::channel::MAX_PENDING_LOCAL_EVENTS;
+
 /// One channel of a gate as the scheduler describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChannelSpec {
@@ -303,6 +307,8 @@ impl SingleInputGate {
     }
 
     /// Sends a task event to every producer; channels not located yet get it on update.
+    /// Fails with [`GateError::TaskEventBacklog`], sending nothing, while a channel (or the
+    /// gate, for channels not located yet) holds 1024 events for a producer not reached yet.
     /// Fails with [`GateError::TaskEventTooLarge`], sending nothing, when its encoding is
     /// longer than a segment (`taskmanager.memory.segment-size`): a producer refuses a larger
     /// TaskEventRequest frame as malformed and closes the connection, failing every channel on
@@ -315,16 +321,32 @@ impl SingleInputGate {
                 max: self.config.segment_size,
             });
         }
-        for channel in &mut self.channels {
-            send_event(channel, event);
-        }
         // Before setup there are no channels yet: every one gets it when created.
-        if self.channels.is_empty()
+        let held_for_later = self.channels.is_empty()
             || self
                 .channels
                 .iter()
-                .any(|c| matches!(c, InputChannel::Unknown(_)))
-        {
+                .any(|c| matches!(c, InputChannel::Unknown(_)));
+        // All or none: a channel that holds as many as it may for a producer not found yet
+        // refuses the event for every channel (it was dropped for that one alone, logged,
+        // while the send said it went out).
+        let backlogged = self.channels.iter().position(|c| match c {
+            InputChannel::Local(c) => !c.has_task_event_room(),
+            InputChannel::Remote(c) => !c.has_task_event_room(),
+            InputChannel::Unknown(_) => false,
+        });
+        if let Some(channel) = backlogged {
+            return Err(GateError::TaskEventBacklog {
+                channel: Some(channel),
+            });
+        }
+        if held_for_later && self.pending_events.len() >= MAX_PENDING_GATE_EVENTS {
+            return Err(GateError::TaskEventBacklog { channel: None });
+        }
+        for channel in &mut self.channels {
+            send_event(channel, event);
+        }
+        if held_for_later {
             self.pending_events.push(event.clone());
         }
         Ok(())
