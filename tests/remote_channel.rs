@@ -527,6 +527,35 @@ fn a_stream_ending_inside_a_record_fails_the_read_and_still_ends_its_channel() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// A remote channel that ended takes task events and drops them: no connection serves it to
+/// take them out, so queued they would fill its backlog, and the gate would refuse task
+/// events for its other channels for good.
+#[test]
+fn task_events_for_a_remote_channel_that_ended_are_dropped_not_held() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    sender
+        .send(&encoded(&Event::EndOfPartition), DataType::EventBuffer, 0)
+        .unwrap();
+    let end = gate.next_timeout(LONG).unwrap().expect("the channel's end");
+    assert!(matches!(
+        end.item,
+        GateItem::Event {
+            event: Event::EndOfPartition,
+            ..
+        }
+    ));
+    for n in 0..1100u32 {
+        gate.send_task_event(&Event::Task(n.to_be_bytes().to_vec()))
+            .unwrap();
+    }
+    assert!(shared.take_task_events().is_empty(), "nothing was held");
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 /// A channel can hold more segments than its exclusive ones and the gate's floating quota:
 /// the exclusive segments of channels that ended go back to the gate's pool and can be lent
 /// to it. It receives that many buffers, in order. Its lanes keep room only for the usual

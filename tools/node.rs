@@ -30,7 +30,7 @@ use fluxgate::partition::{
     ChannelSelector, KeyHashSelector, PartitionError, PartitionHandle, RecordWriter,
     ResultPartition, RoundRobinSelector, Selection,
 };
-use fluxgate::record::{RecordDeserializer, SpanningBudget};
+use fluxgate::record::{RecordDeserializer, RecordError, SpanningBudget};
 use fluxgate::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};
 use serde::{Deserialize, Serialize};
 
@@ -1592,6 +1592,26 @@ impl<'a> Consumer<'a> {
     }
 }
 
+/// The next record of `channel`'s buffer. A channel refused memory for a record spanning
+/// buffers first takes back what the others keep from records already read, as a
+/// `RecordReader` does: only records assembled at once count against the budget.
+fn next_record_of(
+    deserializers: &mut [RecordDeserializer],
+    channel: usize,
+) -> Result<Option<&[u8]>, String> {
+    let found = match deserializers[channel].advance() {
+        Err(RecordError::SpanningMemory { .. }) => {
+            deserializers
+                .iter_mut()
+                .for_each(RecordDeserializer::give_back_idle_scratch);
+            deserializers[channel].advance()
+        }
+        found => found,
+    }
+    .map_err(|e| format!("channel {channel}: {e}"))?;
+    Ok(found.then(|| deserializers[channel].current_record()))
+}
+
 /// `--inject hold`: keeps the subtask from reading until a node reported a stall (bounded by
 /// a few stall timeouts), then fails it.
 fn hold_until_a_stall_is_reported(stall: Duration) -> Failed {
@@ -1681,14 +1701,10 @@ fn consume(
                     std::mem::forget(buffer.clone());
                     leaked = true;
                 }
-                let deserializer = &mut deserializers[channel];
-                deserializer
+                deserializers[channel]
                     .set_next_buffer(buffer)
                     .map_err(|e| format!("channel {channel}: {e}"))?;
-                while let Some(record) = deserializer
-                    .next_record()
-                    .map_err(|e| format!("channel {channel}: {e}"))?
-                {
+                while let Some(record) = next_record_of(&mut deserializers, channel)? {
                     seen += u64::from(channel == FAULT_CHANNEL);
                     match fault.filter(|_| channel == FAULT_CHANNEL && seen == FAULT_AT) {
                         None => {}

@@ -359,7 +359,10 @@ impl LocalInputChannel {
     /// Whether [`send_task_event`](Self::send_task_event) takes one more event now (it holds
     /// at most `MAX_PENDING_LOCAL_EVENTS` for a partition not found yet).
     pub(crate) fn has_task_event_room(&self) -> bool {
-        self.view.is_some() || self.released || self.pending_events.len() < MAX_PENDING_LOCAL_EVENTS
+        self.view.is_some()
+            || self.released
+            || self.failed.is_some()
+            || self.pending_events.len() < MAX_PENDING_LOCAL_EVENTS
     }
 
     /// Sends a task event to the producer through the partition manager; before the

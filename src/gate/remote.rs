@@ -976,14 +976,28 @@ impl RemoteInputChannel {
 
     /// Whether [`send_task_event`](Self::send_task_event) takes one more event now (at most
     /// `MAX_PENDING_TASK_EVENTS` wait for the connection). Only the connection takes them
-    /// out meanwhile: room seen stays.
+    /// out meanwhile: room seen stays. A channel released (it ended) or failed has room: it
+    /// drops what it is sent, as no connection will take it out.
     pub(crate) fn has_task_event_room(&self) -> bool {
-        self.shared.task_events.lock().expect("not poisoned").len() < MAX_PENDING_TASK_EVENTS
+        self.is_gone()
+            || self.shared.task_events.lock().expect("not poisoned").len() < MAX_PENDING_TASK_EVENTS
+    }
+
+    /// Released or failed: its connection no longer serves it.
+    fn is_gone(&self) -> bool {
+        self.shared.is_released() || self.shared.failed.load(Ordering::SeqCst)
     }
 
     /// Queues `event` for the producer (Flink's `RemoteInputChannel.sendTaskEvent`, through the
     /// connection) and tells the transport.
     pub(crate) fn send_task_event(&self, event: &crate::event::Event) {
+        if self.is_gone() {
+            tracing::debug!(
+                channel = self.shared.channel,
+                "a task event for a channel that ended or failed is dropped"
+            );
+            return;
+        }
         let mut bytes = Vec::with_capacity(event.encoded_len());
         event.encode(&mut bytes);
         {
