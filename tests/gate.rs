@@ -895,35 +895,42 @@ fn an_async_read_retries_a_local_partition_registered_later() {
     panic!("the async read never retried the partition request");
 }
 
-/// A gate whose other channel always has data still retries a channel's partition request
-/// when it comes due. The blocking read retried only after a wait, which a gate with data
-/// never reaches (nor did `poll_next`, nor a read that failed): the late partition's
-/// producer filled its pool and blocked while its consumer read the other input for ever.
-#[test]
-fn a_busy_gate_still_retries_a_partition_registered_later() {
-    let f = fixture();
-    let mut busy = f.producer(72, 1);
-    let specs = [72, 73]
-        .into_iter()
-        .map(|n| ChannelSpec {
-            consumed: ConsumedSubpartition {
-                partition: pid(n),
-                subpartition: 0,
-            },
-            location: ChannelLocation::Local,
-        })
-        .collect();
-    let mut gate =
-        SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
-            Backoff::new(Duration::from_millis(10), Duration::from_secs(1)),
-        );
-    gate.setup().unwrap();
-    gate.request_partitions(Instant::now()).unwrap();
+impl Fixture {
+    /// A set-up gate of local channels reading subpartition 0 of `partitions`, requested, whose
+    /// missing partitions are retried after `first_retry`.
+    fn requested_gate(&self, partitions: &[u64], first_retry: Duration) -> SingleInputGate {
+        let specs = partitions
+            .iter()
+            .map(|&n| ChannelSpec {
+                consumed: ConsumedSubpartition {
+                    partition: pid(n),
+                    subpartition: 0,
+                },
+                location: ChannelLocation::Local,
+            })
+            .collect();
+        let mut gate =
+            SingleInputGate::new(specs, self.manager.clone(), &self.network, &self.config)
+                .with_backoff(Backoff::new(first_retry, Duration::from_secs(1)));
+        gate.setup().unwrap();
+        gate.request_partitions(Instant::now()).unwrap();
+        gate
+    }
+}
+
+/// Once `gate`'s retry is due, registers partition `late` with one record, and writes a record
+/// to `busy` (channel 0) before every read: channel 1, the late partition's, must be read
+/// within 20 reads. Drops everything and checks every segment came back.
+fn assert_the_late_partition_is_read(
+    f: &Fixture,
+    mut gate: impl InputGate,
+    mut busy: ResultPartition,
+    late: u64,
+) {
     let due = gate.poll_timeout().expect("the missing partition's retry");
     assert!(common::wait_until(LONG, || Instant::now() >= due));
-    let mut late = f.producer(73, 1);
+    let mut late = f.producer(late, 1);
     send(&mut late, b"late");
-    // Channel 0 has data at every read.
     let mut reads = Vec::new();
     for _ in 0..20 {
         send(&mut busy, b"busy");
@@ -936,10 +943,22 @@ fn a_busy_gate_still_retries_a_partition_registered_later() {
     assert_eq!(
         reads.last(),
         Some(&1),
-        "the late channel was never read: {reads:?}"
+        "the late partition was never read: {reads:?}"
     );
     drop((gate, busy, late));
     assert!(f.all_segments_back());
+}
+
+/// A gate whose other channel always has data still retries a channel's partition request
+/// when it comes due. The blocking read retried only after a wait, which a gate with data
+/// never reaches (nor did `poll_next`, nor a read that failed): the late partition's
+/// producer filled its pool and blocked while its consumer read the other input for ever.
+#[test]
+fn a_busy_gate_still_retries_a_partition_registered_later() {
+    let f = fixture();
+    let busy = f.producer(72, 1);
+    let gate = f.requested_gate(&[72, 73], Duration::from_millis(10));
+    assert_the_late_partition_is_read(&f, gate, busy, 73);
 }
 
 /// The same through a union, whose member waiting for its partition has nothing queued: the
@@ -948,23 +967,7 @@ fn a_busy_gate_still_retries_a_partition_registered_later() {
 fn a_busy_union_still_retries_a_member_s_partition_registered_later() {
     let f = fixture();
     let mut busy = f.producer(74, 1);
-    let member = |n: u64| {
-        let spec = ChannelSpec {
-            consumed: ConsumedSubpartition {
-                partition: pid(n),
-                subpartition: 0,
-            },
-            location: ChannelLocation::Local,
-        };
-        let mut gate = SingleInputGate::new(vec![spec], f.manager.clone(), &f.network, &f.config)
-            .with_backoff(Backoff::new(
-                Duration::from_millis(200),
-                Duration::from_secs(1),
-            ));
-        gate.setup().unwrap();
-        gate.request_partitions(Instant::now()).unwrap();
-        gate
-    };
+    let member = |n| f.requested_gate(&[n], Duration::from_millis(200));
     let mut union = UnionInputGate::new(vec![member(74), member(75)]);
     // Each member is looked at once before its retry is due: the waiting one, with nothing
     // queued, is then read no more until something queues it.
@@ -976,26 +979,7 @@ fn a_busy_union_still_retries_a_member_s_partition_registered_later() {
     assert_eq!(first.channel, 0);
     drop(first);
     assert!(union.poll_next().unwrap().is_none());
-    let due = union.poll_timeout().expect("the missing partition's retry");
-    assert!(common::wait_until(LONG, || Instant::now() >= due));
-    let mut late = f.producer(75, 1);
-    send(&mut late, b"late");
-    let mut reads = Vec::new();
-    for _ in 0..20 {
-        send(&mut busy, b"busy");
-        let item = union.next_timeout(LONG).unwrap().unwrap();
-        reads.push(item.channel);
-        if item.channel == 1 {
-            break;
-        }
-    }
-    assert_eq!(
-        reads.last(),
-        Some(&1),
-        "the late member was never read: {reads:?}"
-    );
-    drop((union, busy, late));
-    assert!(f.all_segments_back());
+    assert_the_late_partition_is_read(&f, union, busy, 75);
 }
 
 /// A channel whose producer released its partition fails every later read, not only the
