@@ -30,7 +30,7 @@ use fluxgate::partition::{
     ChannelSelector, KeyHashSelector, PartitionError, PartitionHandle, RecordWriter,
     ResultPartition, RoundRobinSelector, Selection,
 };
-use fluxgate::record::{RecordDeserializer, RecordError, SpanningBudget};
+use fluxgate::record::{RecordDeserializer, SpanningBudget};
 use fluxgate::{ChannelDescriptor, EnvConfig, ProducerLocation, ShuffleEnvironment};
 use serde::{Deserialize, Serialize};
 
@@ -1599,16 +1599,8 @@ fn next_record_of(
     deserializers: &mut [RecordDeserializer],
     channel: usize,
 ) -> Result<Option<&[u8]>, String> {
-    let found = match deserializers[channel].advance() {
-        Err(RecordError::SpanningMemory { .. }) => {
-            deserializers
-                .iter_mut()
-                .for_each(RecordDeserializer::give_back_idle_scratch);
-            deserializers[channel].advance()
-        }
-        found => found,
-    }
-    .map_err(|e| format!("channel {channel}: {e}"))?;
+    let found = RecordDeserializer::advance_among(deserializers, channel)
+        .map_err(|e| format!("channel {channel}: {e}"))?;
     Ok(found.then(|| deserializers[channel].current_record()))
 }
 

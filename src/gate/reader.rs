@@ -182,18 +182,8 @@ impl<G: InputGate> RecordReader<G> {
         }
         loop {
             if let Some(channel) = self.current {
-                let found = match self.deserializers[channel].advance() {
-                    Err(RecordError::SpanningMemory { .. }) => {
-                        // What other channels keep from records already read goes back
-                        // first; only records being assembled at once are refused.
-                        self.deserializers
-                            .iter_mut()
-                            .for_each(RecordDeserializer::give_back_idle_scratch);
-                        self.deserializers[channel].advance()
-                    }
-                    found => found,
-                }
-                .map_err(|source| ReaderError::Record { channel, source })?;
+                let found = RecordDeserializer::advance_among(&mut self.deserializers, channel)
+                    .map_err(|source| ReaderError::Record { channel, source })?;
                 if found {
                     return Ok(Some(ReaderItem::Record {
                         channel,

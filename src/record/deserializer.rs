@@ -151,6 +151,22 @@ impl RecordDeserializer {
         self
     }
 
+    /// [`advance`](Self::advance) of `deserializers[channel]`, one of a reader's channels
+    /// sharing a budget: refused memory, the channel first takes back what the others keep
+    /// from records already read ([`give_back_idle_scratch`](Self::give_back_idle_scratch)),
+    /// so only records assembled at once count.
+    pub fn advance_among(deserializers: &mut [Self], channel: usize) -> Result<bool, RecordError> {
+        match deserializers[channel].advance() {
+            Err(RecordError::SpanningMemory { .. }) => {
+                deserializers
+                    .iter_mut()
+                    .for_each(Self::give_back_idle_scratch);
+                deserializers[channel].advance()
+            }
+            found => found,
+        }
+    }
+
     /// Gives back the scratch beyond 64 KiB kept from a record already read, when no record
     /// is being assembled (what a reader does for its other channels when one is refused
     /// memory: a finished record's scratch stays until the channel's next spanning record
@@ -205,13 +221,8 @@ impl RecordDeserializer {
             self.clean_buffers = 0;
         } else {
             self.clean_buffers = self.clean_buffers.saturating_add(1);
-            if self.clean_buffers >= CLEAN_BUFFERS_BEFORE_SHRINK
-                && self.scratch.capacity() > SCRATCH_KEPT
-                && !matches!(self.current, Some(Location::Scratch))
-            {
-                self.scratch.clear();
-                self.scratch.shrink_to(SCRATCH_KEPT);
-                self.recharge();
+            if self.clean_buffers >= CLEAN_BUFFERS_BEFORE_SHRINK {
+                self.give_back_idle_scratch();
             }
         }
         self.buffer = Some(buffer);
