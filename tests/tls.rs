@@ -532,6 +532,57 @@ fn stalled_tls_handshakes_are_closed_after_the_timeout() {
     assert!(common::pools_full(&[&producer, &consumer]));
 }
 
+/// A channel with something to send (a task event) on a connection whose TLS handshake has
+/// not ended is no work for the I/O thread until the handshake moves on: the thread sleeps
+/// meanwhile instead of polling without a wait until the handshake times out.
+#[test]
+fn an_i_o_thread_sleeps_through_a_stalled_tls_handshake_with_a_task_event_waiting() {
+    let certs = Certs::new("stall-event");
+    let mut options = certs.options("consumer", "ca");
+    options.push((
+        "security.ssl.internal.handshake-timeout".into(),
+        "1000".into(),
+    ));
+    let consumer = env(2, &options);
+    // The kernel's backlog accepts the connection; nothing ever answers the hello.
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut gate = consumer
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(0),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(mute.local_addr().unwrap()),
+        }])
+        .unwrap();
+    gate.send_task_event(&fluxgate::event::Event::Task(b"waiting".to_vec()))
+        .unwrap();
+    let turns = || {
+        consumer
+            .driver_stats()
+            .expect("the I/O thread answers")
+            .turns
+    };
+    let before = turns();
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    let first = reader.next_timeout(LONG);
+    assert!(
+        matches!(
+            first,
+            Err(ReaderError::Gate(GateError::ConnectionLost { ref reason, .. }))
+                if reason.contains("handshake timed out")
+        ),
+        "mute producer: got {first:?}"
+    );
+    // A sleeping thread turns a few times per 100 ms (its longest park) in the second the
+    // handshake waits; one polling without a wait turns hundreds of thousands of times.
+    let turned = turns() - before;
+    assert!(turned < 5_000, "the I/O thread turned {turned} times");
+    drop(reader);
+    drop(mute);
+    assert!(common::pools_full(&[&consumer]));
+}
+
 /// A raw TLS consumer (certified by the test CA as "consumer") connected to `producer`, its
 /// TLS handshake not begun.
 fn raw_tls_consumer(

@@ -96,6 +96,7 @@ impl EpollDriver {
             config,
             manager,
             worked: false,
+            turns: 0,
             sleeps: 0,
             failed_accepts: 0,
             listener_failed: false,
@@ -202,6 +203,8 @@ struct Loop {
     /// work: a flusher that finds nothing to flush wakes a parked thread every buffer
     /// timeout, and counting that would keep a long window open on an idle pipeline.
     worked: bool,
+    /// `DriverStats::turns`.
+    turns: u64,
     /// Waits that could sleep (`DriverStats::sleeps`).
     sleeps: u64,
     /// `DriverStats::failed_accepts`.
@@ -276,6 +279,7 @@ impl Loop {
         let mut events = Events::with_capacity(256);
         let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
+            self.turns += 1;
             if !self.drain_commands() {
                 break;
             }
@@ -303,9 +307,15 @@ impl Loop {
                 for conn in self.connections.values() {
                     // Registered for the wake-up; work only what the next turn can send
                     // (`has_pending`, looked at after the registration): a ready reader behind
-                    // a full outgoing queue is no reason not to park.
+                    // a full outgoing queue is no reason not to park, nor is one waiting for
+                    // its TLS handshake (whose next step a readable socket brings), or the
+                    // thread would spin until the handshake ends or times out.
                     conn.connection.set_waker(&self.std_waker);
-                    busy |= conn.connection.has_pending();
+                    let handshaking = conn
+                        .tls
+                        .as_ref()
+                        .is_some_and(|link| link.session.is_handshaking());
+                    busy |= !handshaking && conn.connection.has_pending();
                 }
                 busy
             });
@@ -387,6 +397,7 @@ impl Loop {
                 Command::Shutdown => return false,
                 Command::Stats(reply) => {
                     let _ = reply.send(super::DriverStats {
+                        turns: self.turns,
                         sleeps: self.sleeps,
                         open_connections: self.connections.len() as u64,
                         failed_accepts: self.failed_accepts,

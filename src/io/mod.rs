@@ -251,12 +251,16 @@ impl fmt::Debug for Command {
 
 /// Operation counts of one I/O thread since it started
 /// ([`ShuffleEnvironment::driver_stats`](crate::ShuffleEnvironment::driver_stats)). The epoll
-/// driver counts only `sleeps`, `open_connections`, `failed_accepts`, `refused_connections`,
-/// `short_writes` and `protocol_errors`; its
+/// driver counts only `turns`, `sleeps`, `open_connections`, `failed_accepts`,
+/// `refused_connections`, `short_writes` and `protocol_errors`; its
 /// other counts (io_uring's operations) are zero.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DriverStats {
+    /// Turns of the event loop: each looks at commands, due timers and every connection's
+    /// writes, then waits. An idle thread takes a few per second (its deadlines); a thread
+    /// that counts many more than it sleeps is busy, or busy-polling.
+    pub turns: u64,
     /// Waits that could sleep: the thread ran out of work (and out of its busy-poll window)
     /// and parked until woken or its next deadline.
     pub sleeps: u64,

@@ -800,6 +800,7 @@ impl Loop {
     fn run(&mut self) {
         let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
+            self.stats.turns += 1;
             if !self.drain_commands() {
                 break;
             }
