@@ -707,6 +707,41 @@ fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer() {
     all_back(s);
 }
 
+/// The same, when data for the channel arrives before the connection's next transmit: the
+/// read finds the channel released and sends the cancel, and the task event still goes out
+/// ahead of it (it was dropped with the channel).
+#[test]
+fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer_under_data() {
+    let mut s = setup(1, 12, 64);
+    let heard = Arc::new(HeardTaskEvents::default());
+    s.manager
+        .subscribe_task_events(s.producers[0].handle().id(), heard.clone());
+    settle(&mut s.pair);
+    // A buffer in flight towards the consumer.
+    s.producers[0].emit_record(&b"in flight"[..], 0).unwrap();
+    s.producers[0].flush_all();
+    s.pair.server.transmit(s.pair.now);
+    assert!(drain_into(&mut s.pair.to_client, &mut s.pair.server));
+    s.gate
+        .send_task_event(&Event::Task(b"last word".to_vec()))
+        .unwrap();
+    s.gate.close();
+    // The consumer's connection reads before it transmits.
+    deliver(
+        &mut s.pair.to_client,
+        usize::MAX,
+        &mut s.pair.client,
+        s.pair.now,
+    )
+    .unwrap();
+    settle(&mut s.pair);
+    assert_eq!(
+        *heard.0.lock().unwrap(),
+        [Event::Task(b"last word".to_vec())]
+    );
+    all_back(s);
+}
+
 #[test]
 fn a_data_buffer_beyond_the_granted_credit_is_a_protocol_error() {
     // The channel granted two exclusive buffers and no floating ones: a third data buffer

@@ -504,10 +504,6 @@ impl ClientConnection {
                 continue;
             }
             let released = channel.shared.is_released();
-            let partition = channel.partition;
-            // Task events go out on a released channel too, ahead of its cancel, as Flink
-            // writes them at once: the producer may be waiting for one.
-            let task_events = channel.shared.take_task_events();
             if !released {
                 let resume = channel.shared.take_resume_request();
                 let credit = channel.shared.buffers().take_unannounced_credit();
@@ -518,16 +514,9 @@ impl ClientConnection {
                     encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
                 }
             }
-            for event in task_events {
-                encode(
-                    &mut self.outbound,
-                    &Message::TaskEventRequest {
-                        partition,
-                        receiver,
-                        event,
-                    },
-                );
-            }
+            // Task events go out on a released channel too, ahead of its cancel, as Flink
+            // writes them at once: the producer may be waiting for one.
+            send_task_events(&mut self.outbound, channel);
             if released {
                 encode(
                     &mut self.outbound,
@@ -742,7 +731,11 @@ impl ClientConnection {
                 .as_ref()
                 .is_some_and(|c| c.shared.is_released())
         }) {
-            self.remove_channel(released);
+            // Its task events still go out, ahead of the cancel below, as they would have
+            // had the transmit come before this read.
+            if let Some(channel) = self.remove_channel(released) {
+                send_task_events(&mut self.outbound, &channel);
+            }
             slot = None;
         }
         let builder = match slot.and_then(|s| self.channels[s].as_ref()) {
@@ -801,6 +794,7 @@ impl ClientConnection {
                                 reason: "no memory for an incoming event".to_owned(),
                             });
                         }
+                        send_task_events(&mut self.outbound, &channel);
                         encode(
                             &mut self.outbound,
                             &Message::CancelPartitionRequest { receiver },
@@ -1128,6 +1122,20 @@ impl Drop for ClientConnection {
 }
 
 /// Appends one control frame to the outbound queue.
+/// Writes the task events queued on `channel` as TaskEventRequests.
+fn send_task_events(outbound: &mut Outbound, channel: &ClientChannel) {
+    for event in channel.shared.take_task_events() {
+        encode(
+            outbound,
+            &Message::TaskEventRequest {
+                partition: channel.partition,
+                receiver: channel.receiver,
+                event,
+            },
+        );
+    }
+}
+
 pub(crate) fn encode(outbound: &mut Outbound, message: &Message) {
     let bytes = outbound.control_bytes();
     let start = bytes.len();
