@@ -1494,6 +1494,23 @@ fn exclusive_segments_wait_for_segments_another_pool_gives_back() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// A buffer manager dropped without `release` gives its exclusive segments back (they were
+/// lost to the global pool for the life of the process).
+#[test]
+fn a_buffer_manager_dropped_unreleased_gives_its_exclusive_segments_back() {
+    let f = fixture();
+    let pool = Arc::new(
+        f.network
+            .create_local_pool(fluxgate::buffer::LocalPoolSpec::for_gate(1, &f.config))
+            .unwrap(),
+    );
+    let manager =
+        fluxgate::gate::BufferManager::new(0, pool.clone(), EXCLUSIVE, FLOATING, LONG).unwrap();
+    assert_eq!(manager.available(), EXCLUSIVE);
+    drop((manager, pool));
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 impl Sender {
     /// Receives `event` as an item of `data_type` (in a segment of its own, without credit)
     /// that overtook `overtaken` items the sender still held.

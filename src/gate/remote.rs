@@ -68,6 +68,18 @@ pub struct BufferManager {
     listener: ArcSwapOption<ListenerSlot>,
 }
 
+/// A manager dropped without [`release`](BufferManager::release) (the gate always releases
+/// first; a caller of the public constructor may not) gives its free exclusive segments back
+/// too: they are bare segment handles, which nothing else returns. Leased ones come back
+/// before: each lease holds the manager.
+impl Drop for BufferManager {
+    fn drop(&mut self) {
+        while let Some(segment) = self.exclusive_free.pop() {
+            self.origin.recycle(segment);
+        }
+    }
+}
+
 impl fmt::Debug for BufferManager {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BufferManager")
