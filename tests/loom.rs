@@ -3,7 +3,8 @@
 //! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
 //! ready-reader queue with its enqueued flags, the I/O thread's parked flag, a
 //! subpartition's backlog count and read order against a priority event queued mid-read and
-//! its barrier turned unaligned by a timeout against its reader, and a remote channel's read
+//! its barrier turned unaligned by a timeout against its reader, a priority event's
+//! notification against the reader's park after it, and a remote channel's read
 //! order against a priority item arriving mid-read and its floating credit against a
 //! blocking barrier read at once.
 //!
@@ -1726,6 +1727,92 @@ fn a_release_taking_the_priority_event_leaves_no_data_for_a_reader_without_credi
             );
         }
         drop((read, view, partition));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+/// (p12) A priority event's notification does not undo the reader's park: a reader that took
+/// the event (and parked, nothing after it) before the producer's notification ran, and that
+/// answers the notification with a look that finds nothing and does not park again (as a
+/// network sender without credit does: nothing it may send), is still told of the item
+/// queued next. The notification cleared the reader's waiting flag after its fence, so that
+/// item came without a word (for a sender, until credit came).
+#[test]
+fn a_priority_event_s_notification_keeps_the_reader_s_later_park() {
+    use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+    bounded_model(|| {
+        let pool = network(4);
+        let config = config(4);
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 1,
+        };
+        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
+        let told = Arc::new(Told::default());
+        let mut view = partition.handle().create_view(0, told.clone()).unwrap();
+        let barrier = |id, alignment| {
+            Event::CheckpointBarrier(CheckpointBarrier {
+                id,
+                timestamp: 0,
+                kind: CheckpointKind::Checkpoint,
+                alignment,
+            })
+        };
+        let producer = thread::spawn(move || {
+            partition
+                .broadcast_event(&barrier(1, Alignment::Unaligned), true)
+                .unwrap();
+            partition
+                .broadcast_event(&barrier(2, Alignment::Aligned), false)
+                .unwrap();
+            partition
+        });
+        let told_now = || told.0.load(Ordering::SeqCst);
+        // Reads until nothing is left; `told_before` is the count before the read after which,
+        // by `poll_next`'s contract, the reader is told of what comes.
+        let read_all = |view: &mut fluxgate::partition::SubpartitionView| {
+            let mut told_before = None;
+            for _ in 0..3 {
+                let before = told_now();
+                match view.poll_next() {
+                    Some(item) => {
+                        let parked = item.next_data_type == DataType::None;
+                        told_before = parked.then_some(before);
+                    }
+                    None => return Some(before),
+                }
+            }
+            told_before
+        };
+        let mut told_before = read_all(&mut view);
+        if let Some(before) = told_before {
+            // Woken (within a bounded wait): one look that finds nothing does not park again.
+            for _ in 0..3 {
+                if told_now() > before {
+                    break;
+                }
+                thread::yield_now();
+            }
+            if told_now() > before {
+                let reacted = told_now();
+                let (available, _) = view.availability_and_backlog(false);
+                told_before = if available {
+                    read_all(&mut view)
+                } else {
+                    Some(reacted)
+                };
+            }
+        }
+        let partition = producer.join().unwrap();
+        let later = view.poll_next();
+        if let (Some(item), Some(told_then)) = (&later, told_before) {
+            assert!(
+                told_now() > told_then,
+                "{:?} became readable after the reader last looked, and it was not told",
+                item.buffer.data_type()
+            );
+        }
+        drop((later, view, partition));
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
 }

@@ -436,9 +436,14 @@ impl PipelinedSubpartition {
         }
     }
 
+    /// Tells the reader of a priority event, whether it waits or not (Flink notifies every
+    /// priority event: a reader without credit is not waiting, yet may send the event). The
+    /// reader's waiting flag is left as it is: the reader may have taken this event already
+    /// and parked again after it, and clearing the flag then would undo that park, leaving
+    /// the next item untold to a reader that answers this call with a look and no park (a
+    /// sender without credit). A flag left set costs at most one extra notification.
     fn notify_priority(&self) {
         fence(Ordering::SeqCst);
-        self.reader_waiting.store(false, Ordering::Relaxed);
         if let Some(slot) = self.listener.load().as_ref() {
             slot.0.notify_priority_event();
         }
