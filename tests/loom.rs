@@ -791,6 +791,51 @@ fn an_event_waiting_for_an_overdraft_segment_is_woken_by_a_global_give_back() {
     });
 }
 
+/// (p2d) An event waits for an overdraft segment as in p2c while another request for one
+/// (a remote channel's, which does not wait) finds the global pool empty. The global
+/// give-back woke the waiter while the other request had counted the overdraft up for a
+/// segment it did not get: the waiter looked, found the overdraft used up and slept; the
+/// count went down again with no wake-up (only the wait's 50 ms re-check; under loom, a
+/// deadlock). Now a request counts the overdraft only once it holds the segment.
+#[test]
+fn a_failed_overdraft_request_hides_no_segment_from_a_waiting_event() {
+    bounded_model(|| {
+        let pool = network(2);
+        let local = Arc::new(
+            pool.create_local_pool(LocalPoolSpec {
+                min_segments: 1,
+                max_segments: 1,
+                subpartitions: 1,
+                max_segments_per_channel: 1,
+                max_listeners: 1,
+                max_overdraft_segments: 1,
+            })
+            .unwrap(),
+        );
+        let held = local.request_buffer_builder(0).unwrap();
+        let elsewhere = pool.request_segment().unwrap();
+        assert_eq!(pool.available_segments(), 0);
+
+        let waiter = {
+            let local = local.clone();
+            loom::thread::spawn(move || {
+                local
+                    .request_event_segment_blocking(FOREVER)
+                    .expect("a segment")
+            })
+        };
+        let giver = loom::thread::spawn(move || drop(elsewhere));
+        let other = local.request_overdraft_segment();
+        // Dropped, it goes back and wakes the waiter.
+        drop(other);
+        let event = waiter.join().unwrap();
+        giver.join().unwrap();
+        drop((held, event));
+        drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
 /// A buffer listener (a remote channel waiting for a floating buffer) that keeps what it gets.
 #[derive(Default)]
 struct KeepingListener {

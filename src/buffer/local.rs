@@ -20,7 +20,7 @@ use super::{DataType, PoolError};
 use crate::config::NetworkConfig;
 use crate::metrics::{WaitSpan, WaitTime};
 use crate::sync::{
-    ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, AtomicWaker, Condvar, Mutex,
+    fence, ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, AtomicWaker, Condvar, Mutex,
     Ordering,
 };
 
@@ -336,6 +336,9 @@ impl LocalBufferPool {
         // A timeout too long for the clock waits without a deadline.
         let deadline = started.checked_add(timeout);
         shared.waiting.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in `wake_waiters`: either a give-back's wake-up sees this
+        // waiter, or the look below sees what it gave back.
+        fence(Ordering::SeqCst);
         let _unregister = WaitingGuard {
             waiting: &shared.waiting,
             _blocked: shared.blocked.span(),
@@ -358,6 +361,8 @@ impl LocalBufferPool {
             // either this sees the new epoch (look again), or that wake-up finds `notified`
             // cleared, takes the lock, and so waits until this thread sleeps to wake it.
             shared.notified.store(false, Ordering::SeqCst);
+            // Pairs with the second fence in `wake_waiters`.
+            fence(Ordering::SeqCst);
             if shared.wake_epoch.load(Ordering::SeqCst) != epoch {
                 continue;
             }
@@ -516,9 +521,25 @@ impl LocalBufferPool {
         let limit = limit.min(shared.spec.max_overdraft_segments);
         // SeqCst, with the recycler's decrement and `notified` (see `recycle`): a waiter that
         // cleared `notified` before this look sees a decrement whose wake-up it missed.
+        if shared.overdraft.load(Ordering::SeqCst) >= limit {
+            return None;
+        }
+        // Taken before it is counted. Counted first, a segment the global pool did not have
+        // was counted and then uncounted, with no wake-up: an event woken meanwhile (by a
+        // give-back to the global pool) looked, found the overdraft used up and slept, with
+        // the overdraft free again and the segment in the global pool. With the global pool
+        // empty, an event waiting for this overdraft is woken when the global pool refills,
+        // not only by a recycle here or its wait's periodic re-check.
+        let segment = shared
+            .network
+            .take()
+            .or_else(|| shared.listen_for_global_then_take())?;
         let mut held = shared.overdraft.load(Ordering::SeqCst);
         loop {
             if held >= limit {
+                // Another request took the last overdraft segment meanwhile; the segment goes
+                // back to the global pool, which wakes the pools starved for one.
+                shared.network.give_back(segment);
                 return None;
             }
             match shared.overdraft.compare_exchange_weak(
@@ -531,16 +552,6 @@ impl LocalBufferPool {
                 Err(current) => held = current,
             }
         }
-        // With the global pool empty, an event waiting for this overdraft is woken when the
-        // global pool refills, not only by a recycle here or its wait's periodic re-check.
-        let Some(segment) = shared
-            .network
-            .take()
-            .or_else(|| shared.listen_for_global_then_take())
-        else {
-            shared.overdraft.fetch_sub(1, Ordering::Relaxed);
-            return None;
-        };
         shared.network.memory().set_tag(&segment, OVERDRAFT);
         Some(PooledSegment::new(shared.clone(), segment))
     }
@@ -947,10 +958,17 @@ impl LocalPoolShared {
         // One wake-up per wait: a burst of recycles (a whole `writev` of buffers) makes one
         // futex call, not one each. A blocking waiter clears `notified` under the lock just
         // before it sleeps, an async one before it looks again.
+        // The SeqCst accesses alone order these looks as the waiter's; the fences say so in
+        // the terms loom checks (it models SeqCst loads and stores as acquire and release
+        // only): this give-back or the waiter's look after it registered sees the other.
+        fence(Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
         self.wake_epoch.fetch_add(1, Ordering::SeqCst);
+        // Either the waiter's look after clearing `notified` sees the new epoch, or this
+        // swap sees `notified` cleared and wakes it.
+        fence(Ordering::SeqCst);
         if !self.notified.swap(true, Ordering::SeqCst) {
             drop(self.wait_lock.lock().expect("not poisoned"));
             self.wait_cond.notify_all();
