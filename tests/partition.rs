@@ -1489,6 +1489,31 @@ fn the_output_flusher_outlives_a_panicking_listener() {
     assert_eq!(records_of(&view.poll_next().unwrap()), [b"second".to_vec()]);
 }
 
+/// A listener that panics is told again of what comes next: its panic cost that
+/// notification only (the reader's waiting flag was cleared before the call, so it heard of
+/// nothing more), and not the writer's thread (the panic went up through its flush).
+#[test]
+fn a_listener_that_panicked_is_told_of_the_next_data() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let listener = Arc::new(PanicsFirst::default());
+    let mut view = partition.handle().create_view(0, listener.clone()).unwrap();
+    partition.emit_record(&b"first"[..], 0).unwrap();
+    partition.flush(0);
+    assert!(listener.panicked.load(Ordering::SeqCst), "no notification");
+    let seen = listener.signal.notifications();
+    partition.emit_record(&b"second"[..], 0).unwrap();
+    partition.flush(0);
+    assert!(
+        listener.signal.notifications() > seen,
+        "the reader heard nothing after its listener's panic"
+    );
+    assert_eq!(
+        records_of(&view.poll_next().unwrap()),
+        [b"first".to_vec(), b"second".to_vec()]
+    );
+}
+
 #[test]
 fn a_slow_consumer_backpressures_the_producer_within_the_pool() {
     let (network, config) = setup(64);

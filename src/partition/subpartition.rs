@@ -360,7 +360,7 @@ impl PipelinedSubpartition {
         // answers its consumer with ProducerFailed and drops the view with the segment it
         // holds; a local channel fails its next read with Released).
         if let Some(slot) = self.listener.swap(None) {
-            slot.0.notify_data_available();
+            self.tell(|| slot.0.notify_data_available());
         }
     }
 
@@ -431,9 +431,27 @@ impl PipelinedSubpartition {
             && self.reader_waiting.swap(false, Ordering::AcqRel)
         {
             if let Some(slot) = self.listener.load().as_ref() {
-                slot.0.notify_data_available();
+                if !self.tell(|| slot.0.notify_data_available()) {
+                    // Untold, it still waits: the next item or flush tells it again.
+                    self.reader_waiting.store(true, Ordering::Release);
+                }
             }
         }
+    }
+
+    /// Runs the reader's listener, the consumer's code, on whichever thread made something
+    /// readable (the writer's, the output flusher's, an I/O thread): a panic in it is logged
+    /// and costs that notification only, not the thread, nor (for the writer's `Drop`
+    /// releasing the partition during an unwind) the process. Returns whether it ran through.
+    fn tell(&self, notify: impl FnOnce()) -> bool {
+        let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(notify)).is_ok();
+        if !told {
+            tracing::error!(
+                subpartition = self.index,
+                "a reader's availability listener panicked"
+            );
+        }
+        told
     }
 
     /// Tells the reader of a priority event, whether it waits or not (Flink notifies every
@@ -445,7 +463,7 @@ impl PipelinedSubpartition {
     fn notify_priority(&self) {
         fence(Ordering::SeqCst);
         if let Some(slot) = self.listener.load().as_ref() {
-            slot.0.notify_priority_event();
+            self.tell(|| slot.0.notify_priority_event());
         }
     }
 
