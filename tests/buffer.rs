@@ -608,6 +608,118 @@ fn a_segment_of_other_memory_a_listener_hands_back_never_enters_the_pool() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// A listener that keeps the segment offered and hands back another it held.
+struct HandsBackAnother {
+    other: Mutex<Option<PooledSegment>>,
+    kept: Mutex<Vec<PooledSegment>>,
+}
+
+impl BufferListener for HandsBackAnother {
+    fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment> {
+        self.kept.lock().unwrap().push(segment);
+        match self.other.lock().unwrap().take() {
+            Some(other) => Err(other),
+            None => Ok(()),
+        }
+    }
+
+    fn on_pool_destroyed(&self) {}
+}
+
+/// A listener may hand back another of the pool's segments than the one offered (it kept
+/// that one): the one handed back goes back as what it is, here an overdraft segment. Taken
+/// for the one offered, it was counted as one of the pool's, the overdraft stayed counted
+/// for good, and the pool's count went wrong by one each way.
+#[test]
+fn a_listener_handing_back_an_overdraft_segment_leaves_the_counts_right() {
+    let (network, _) = network(4);
+    let pool = network
+        .create_local_pool(LocalPoolSpec {
+            max_overdraft_segments: 1,
+            ..spec(0, 1)
+        })
+        .unwrap();
+    let offered = pool.request_segment().unwrap();
+    let overdraft = pool.request_overdraft_segment().unwrap();
+    assert_eq!(pool.overdraft_segments(), 1);
+    let listener = Arc::new(HandsBackAnother {
+        other: Mutex::new(Some(overdraft)),
+        kept: Mutex::new(Vec::new()),
+    });
+    let as_listener: Arc<dyn BufferListener> = listener.clone();
+    assert!(pool
+        .request_segment_or_listen(&as_listener)
+        .unwrap()
+        .is_none());
+    drop(offered);
+    assert_eq!(
+        listener.kept.lock().unwrap().len(),
+        1,
+        "the listener kept it"
+    );
+    assert_eq!(pool.overdraft_segments(), 0, "the overdraft came back");
+    assert_eq!(pool.in_use_segments(), 1, "the one kept");
+    listener.kept.lock().unwrap().clear();
+    assert_eq!(pool.in_use_segments(), 0);
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A listener that panics when offered a segment.
+struct PanicsWhenOffered;
+
+impl BufferListener for PanicsWhenOffered {
+    fn on_segment_available(&self, _segment: PooledSegment) -> Result<(), PooledSegment> {
+        panic!("a buffer listener's panic (expected by the test)");
+    }
+
+    fn on_pool_destroyed(&self) {
+        panic!("a buffer listener's panic at destruction (expected by the test)");
+    }
+}
+
+/// A listener that panics costs its own offer only: the thread that gave the segment back
+/// (here in a drop, where a panic would abort an unwinding thread) goes on, and the next
+/// listener gets the segment; the pool's destruction reaches every listener.
+#[test]
+fn a_panicking_buffer_listener_costs_only_its_own_offer() {
+    let (network, _) = network(4);
+    let pool = network.create_local_pool(spec(1, 1)).unwrap();
+    let held = pool.request_segment().unwrap();
+    let panicking: Arc<dyn BufferListener> = Arc::new(PanicsWhenOffered);
+    let collector = Arc::new(Collector {
+        wanted: 1,
+        kept: Mutex::new(Vec::new()),
+        destroyed: AtomicUsize::new(0),
+    });
+    let collecting: Arc<dyn BufferListener> = collector.clone();
+    assert!(pool
+        .request_segment_or_listen(&panicking)
+        .unwrap()
+        .is_none());
+    assert!(pool
+        .request_segment_or_listen(&collecting)
+        .unwrap()
+        .is_none());
+    drop(held);
+    assert_eq!(collector.kept.lock().unwrap().len(), 1, "the next listener");
+    collector.kept.lock().unwrap().clear();
+    // Both listening again, the pool's end reaches the second despite the first's panic.
+    let held = pool.request_segment().unwrap();
+    assert!(pool
+        .request_segment_or_listen(&panicking)
+        .unwrap()
+        .is_none());
+    assert!(pool
+        .request_segment_or_listen(&collecting)
+        .unwrap()
+        .is_none());
+    pool.destroy();
+    assert_eq!(collector.destroyed.load(Ordering::SeqCst), 1);
+    drop((held, pool));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 #[test]
 fn an_unpooled_segment_stays_below_the_finished_mark() {
     assert!(matches!(

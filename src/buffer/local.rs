@@ -105,6 +105,18 @@ pub trait BufferListener: Send + Sync {
     fn on_pool_destroyed(&self);
 }
 
+/// Tells `listener` its pool was destroyed: every listener hears it, whatever one of them
+/// does (a panic is logged).
+fn tell_destroyed(listener: &dyn BufferListener) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        listener.on_pool_destroyed()
+    }))
+    .is_err()
+    {
+        tracing::error!("a buffer listener panicked on its pool's destruction");
+    }
+}
+
 /// A pool of segments for one result partition or input gate (Flink's `LocalBufferPool`).
 /// Dropping it destroys it lazily: segments still in use return to the global pool later.
 pub struct LocalBufferPool {
@@ -445,7 +457,7 @@ impl LocalBufferPool {
             // `destroy` may have told the listeners before this one was queued: tell them now,
             // or it stays queued (and its pool with it: listeners hold their pool).
             while let Some(listener) = shared.listeners.pop() {
-                listener.on_pool_destroyed();
+                tell_destroyed(&*listener);
             }
             return Err(PoolError::Destroyed);
         }
@@ -931,18 +943,41 @@ impl LocalPoolShared {
         }
         let me: Arc<dyn Recycler> = self.me.upgrade()?;
         while let Some(listener) = self.listeners.pop() {
+            let offered = segment.index();
             self.network.memory().set_tag(&segment, NO_CHANNEL);
-            match listener.on_segment_available(PooledSegment::new(me.clone(), segment)) {
+            let offer = PooledSegment::new(me.clone(), segment);
+            // The listener is a consumer's code, run on whichever thread gave a segment back
+            // (another pool's task, an I/O thread): its panic costs its own offer only, not
+            // that thread, nor the other listeners and waiters this give-back serves.
+            let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                listener.on_segment_available(offer)
+            }));
+            let Ok(answer) = answer else {
+                // The offer went back as the panic unwound (and was offered on from there),
+                // unless the listener stored it first.
+                tracing::error!("a buffer listener panicked");
+                return None;
+            };
+            match answer {
                 Ok(()) => return None,
-                Err(rejected) => match rejected.into_segment_of(&me) {
-                    Ok(returned) => segment = returned,
-                    // Not this pool's: the listener kept the one offered and handed back
-                    // another, which goes back to its own pool as it drops.
-                    Err(foreign) => {
-                        drop(foreign);
-                        return None;
+                Err(rejected) if rejected.index() == offered => {
+                    match rejected.into_segment_of(&me) {
+                        Ok(returned) => segment = returned,
+                        // Not this pool's: the listener kept the one offered and handed back
+                        // another, which goes back to its own pool as it drops.
+                        Err(foreign) => {
+                            drop(foreign);
+                            return None;
+                        }
                     }
-                },
+                }
+                // Another segment of this pool: the listener kept the one offered. The one
+                // handed back goes back as it drops, as what its tag says it is (an overdraft
+                // segment, a subpartition's), not as the one offered, or the counts go wrong.
+                Err(other) => {
+                    drop(other);
+                    return None;
+                }
             }
         }
         Some(segment)
@@ -988,7 +1023,7 @@ impl LocalPoolShared {
         }
         self.drain_available();
         while let Some(listener) = self.listeners.pop() {
-            listener.on_pool_destroyed();
+            tell_destroyed(&*listener);
         }
         self.network.forget_promise(self.spec.min_segments);
         self.wake_epoch.fetch_add(1, Ordering::SeqCst);
