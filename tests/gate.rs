@@ -218,6 +218,42 @@ fn an_exhausted_backoff_fails_with_partition_not_found() {
     );
 }
 
+/// An unknown channel located as local whose request fails for good (here: no such
+/// subpartition) fails the gate's reads as a channel failing its first request does; it
+/// stayed unknown before, so the update's caller alone heard of it and reads waited for good.
+#[test]
+fn an_update_whose_request_fails_fails_the_reads() {
+    let f = fixture();
+    let _producer = f.producer(2, 1);
+    let mut gate = f.gate(&[(2, 5)], ChannelLocation::Unknown);
+    let now = Instant::now();
+    gate.request_partitions(now).unwrap();
+    let updated = gate.update_channel(0, ChannelLocation::Local, now);
+    assert!(
+        matches!(
+            updated,
+            Err(GateError::Partition {
+                channel: 0,
+                source: PartitionError::NoSuchSubpartition { .. }
+            })
+        ),
+        "{updated:?}"
+    );
+    let read = gate.poll_next().map(|item| item.is_some());
+    assert!(
+        matches!(
+            read,
+            Err(GateError::Partition {
+                channel: 0,
+                source: PartitionError::NoSuchSubpartition { .. }
+            })
+        ),
+        "{read:?}"
+    );
+    drop(gate);
+    assert!(f.all_segments_back());
+}
+
 struct Events(Mutex<Vec<Event>>);
 
 impl TaskEventListener for Events {

@@ -268,10 +268,16 @@ impl SingleInputGate {
             return Ok(());
         }
         let mut channel = self.make_channel(index, location)?;
-        if self.requested {
-            channel.request(now)?;
+        // A request that fails leaves its error on the channel, which takes the Unknown one's
+        // place all the same (as Flink's `updateInputChannel` puts the new channel in before
+        // it requests): the gate's reads return the error, as for a channel that failed its
+        // first request, and the segments reserved for it are not reserved again.
+        let requested = if self.requested {
             self.next_retry_look = now;
-        }
+            channel.request(now)
+        } else {
+            Ok(())
+        };
         for event in &self.pending_events {
             send_event(&mut channel, event);
         }
@@ -283,7 +289,7 @@ impl SingleInputGate {
         {
             self.pending_events.clear();
         }
-        Ok(())
+        requested
     }
 
     /// Retries the partition request of a channel now (after the producer said it is running).

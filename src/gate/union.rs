@@ -99,7 +99,10 @@ impl UnionInputGate {
         &self.gates
     }
 
-    /// The member gates, mutably (setup, requests, updates).
+    /// The member gates, mutably (setup, requests, updates). Not for reading: a member's
+    /// channels tell the union, not the member, when they have data, so a member's own
+    /// `next_async` is never woken and its blocking read sees data only at its periodic
+    /// re-check. Read through the union.
     pub fn gates_mut(&mut self) -> &mut [SingleInputGate] {
         &mut self.gates
     }
