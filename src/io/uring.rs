@@ -64,7 +64,11 @@ use crate::sync::ArrayQueue;
 
 /// Submission queue entries of a ring.
 const SQ_ENTRIES: u32 = 256;
-/// Completion queue entries (room for every operation the connections may have in flight).
+/// Completion queue entries. Not room for everything in flight at the most connections
+/// (a read and a write each, and zero-copy notifications): the kernel keeps completions
+/// beyond it (`IORING_FEAT_NODROP`, Linux 5.5, older than the `IORING_FEAT_EXT_ARG` the
+/// probe requires) and hands them over at the next enter; only if it could
+/// not allocate that room does the enter fail (`EBADR`), and the thread with it.
 const CQ_ENTRIES: u32 = 1024;
 /// Longest the thread sleeps without a completion (it then checks timeouts).
 const MAX_PARK: Duration = Duration::from_millis(100);
@@ -1255,9 +1259,13 @@ impl Loop {
         // SAFETY: `read_iov` lives in the boxed `Conn`, which is neither moved nor dropped
         // before this read's completion (`finish_close` and shutdown wait for `reading` to
         // clear). The iovecs point at the state machine's read buffer and read-ahead area;
-        // the state machine changes or frees them only in `on_read` / `on_lost` (and drop),
-        // which run only after the completion, and nothing reads or writes those bytes
-        // meanwhile. The socket stays open until then too. The one exception is a shutdown
+        // the state machine frees them only in `on_read` / `on_lost` (and drop), which run
+        // only after the completion, and nothing reads or writes those bytes meanwhile. (A
+        // client's handshake deadline, in `poll_transmit`, may fail the connection first: it
+        // resets the reader's counters but frees nothing, and a payload segment, which it
+        // would drop, is never a read's target before the handshake ended; `on_read` then
+        // drops the bytes of a closed connection unread.) The socket stays open until then
+        // too. The one exception is a shutdown
         // that gave up waiting (`abandon_busy_connections`): its `on_lost` may reset the read
         // state under the kernel's write, but that connection is leaked, never read again
         // nor freed.
