@@ -574,7 +574,7 @@ fn an_i_o_thread_sleeps_through_a_stalled_tls_handshake_with_a_task_event_waitin
         ),
         "mute producer: got {first:?}"
     );
-    // A sleeping thread turns a few times per 100 ms (its longest park) in the second the
+    // A sleeping thread turns about once per 100 ms (its longest park) in the second the
     // handshake waits; one polling without a wait turns hundreds of thousands of times.
     let turned = turns() - before;
     assert!(turned < 5_000, "the I/O thread turned {turned} times");

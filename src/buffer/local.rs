@@ -99,7 +99,9 @@ impl LocalPoolSpec {
 /// input channels).
 pub trait BufferListener: Send + Sync {
     /// A segment for the listener. `Ok` keeps it; `Err` gives it back to be offered elsewhere.
-    /// The listener is unregistered by the call and registers again if it wants more.
+    /// The listener is unregistered by the call and registers again if it wants more, but
+    /// not in a call that hands the segment back (it would be offered the same one again,
+    /// for good).
     fn on_segment_available(&self, segment: PooledSegment) -> Result<(), PooledSegment>;
     /// The pool was destroyed; no segment will come.
     fn on_pool_destroyed(&self);
@@ -669,6 +671,9 @@ impl<'a> AsyncWait<'a> {
             self.registered = Some(shared.blocked.span());
             shared.waiting.fetch_add(1, Ordering::SeqCst);
         }
+        // Pairs with the fences in `wake_waiters`: either a give-back's wake-up sees this
+        // waiter registered with `notified` clear, or the look below sees what it gave back.
+        fence(Ordering::SeqCst);
         match attempt(self.pool)? {
             Some(found) => Poll::Ready(Ok(found)),
             None => Poll::Pending,
@@ -993,9 +998,11 @@ impl LocalPoolShared {
         // One wake-up per wait: a burst of recycles (a whole `writev` of buffers) makes one
         // futex call, not one each. A blocking waiter clears `notified` under the lock just
         // before it sleeps, an async one before it looks again.
-        // The SeqCst accesses alone order these looks as the waiter's; the fences say so in
-        // the terms loom checks (it models SeqCst loads and stores as acquire and release
-        // only): this give-back or the waiter's look after it registered sees the other.
+        // The fences pair with the waiters' (`wait_for`, `AsyncWait::poll`): what was given
+        // back is published by queues and counters that are not all SeqCst, so the SeqCst
+        // accesses to `waiting` and `notified` alone do not order it against a waiter's look
+        // (and loom, which models SeqCst loads and stores as acquire and release only, finds
+        // the lost wake-up). With them, this give-back or the waiter's look sees the other.
         fence(Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;

@@ -258,8 +258,8 @@ impl fmt::Debug for Command {
 #[non_exhaustive]
 pub struct DriverStats {
     /// Turns of the event loop: each looks at commands, due timers and every connection's
-    /// writes, then waits. An idle thread takes a few per second (its deadlines); a thread
-    /// that counts many more than it sleeps is busy, or busy-polling.
+    /// writes, then waits. An idle thread takes about ten per second (it parks for at most
+    /// 100 ms); a thread that counts many more than it sleeps is busy, or busy-polling.
     pub turns: u64,
     /// Waits that could sleep: the thread ran out of work (and out of its busy-poll window)
     /// and parked until woken or its next deadline.

@@ -9,7 +9,8 @@
 //! producer makes data readable, then checks the flag. With a SeqCst fence on both sides
 //! (Dekker's pattern) either the reader sees the data or the producer sees the flag, so no
 //! wake-up is lost, and only the side that clears the flag notifies: exactly one notification
-//! per nothing-to-read → something-to-read transition.
+//! per nothing-to-read → something-to-read transition, and a priority event's besides (which
+//! leaves the flag as it is, so at most one more may follow it).
 //!
 //! The lanes are bounded by `max-buffers-per-channel`, not by the partition's pool: the pool
 //! bounds a subpartition's own buffers by that option already, and sized by the pool (about
@@ -443,6 +444,8 @@ impl PipelinedSubpartition {
     /// readable (the writer's, the output flusher's, an I/O thread): a panic in it is logged
     /// and costs that notification only, not the thread, nor (for the writer's `Drop`
     /// releasing the partition during an unwind) the process. Returns whether it ran through.
+    /// (A release tells once, with nothing after it: a listener that panics then does not
+    /// hear of the release.)
     fn tell(&self, notify: impl FnOnce()) -> bool {
         let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(notify)).is_ok();
         if !told {

@@ -1121,7 +1121,6 @@ impl Drop for ClientConnection {
     }
 }
 
-/// Appends one control frame to the outbound queue.
 /// Writes the task events queued on `channel` as TaskEventRequests.
 fn send_task_events(outbound: &mut Outbound, channel: &ClientChannel) {
     for event in channel.shared.take_task_events() {
@@ -1136,6 +1135,7 @@ fn send_task_events(outbound: &mut Outbound, channel: &ClientChannel) {
     }
 }
 
+/// Appends one control frame to the outbound queue.
 pub(crate) fn encode(outbound: &mut Outbound, message: &Message) {
     let bytes = outbound.control_bytes();
     let start = bytes.len();
