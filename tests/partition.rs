@@ -1941,6 +1941,85 @@ fn an_async_record_running_past_the_open_buffer_waits_for_its_next_segment_witho
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// A partition of `subpartitions` that may queue few buffers each (`max-buffers-per-channel`
+/// 1), with the first one's reader, which takes nothing: broadcast buffers, which the pool
+/// does not count against a subpartition, fill its queue before the pool runs dry.
+fn broadcasting_into_a_queue_that_fills(
+    subpartitions: usize,
+) -> (NetworkBufferPool, ResultPartition, SubpartitionView) {
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let partition = ResultPartition::new(ID, subpartitions, &network, &config).unwrap();
+    let (view, _signal) = view(&partition, 0);
+    (network, partition, view)
+}
+
+/// An async broadcast record running past its open buffer into a full queue waits for room
+/// as a future, before its first byte: it blocked the thread inside the record (on a
+/// single-threaded executor whose reader ran on it, for good).
+#[test]
+fn an_async_record_running_into_a_full_queue_waits_without_blocking() {
+    let (network, partition, view) = broadcasting_into_a_queue_that_fills(1);
+    let (done, finished) = mpsc::channel();
+    let writer = thread::spawn(move || {
+        let mut partition = partition;
+        // Bounded: the queue fills within a few records.
+        let pending = (0..1_000)
+            .any(|_| poll_once(partition.broadcast_record_async(&[7u8; 1000][..])).is_none());
+        done.send(pending).unwrap();
+        partition
+    });
+    let pending = finished
+        .recv_timeout(LONG)
+        .expect("the async broadcast blocked its thread");
+    assert!(pending, "the queue never filled");
+    let partition = writer.join().unwrap();
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// The blocking broadcast stops before a record that would run into a full queue, as it
+/// does before one for which no segment is at hand: what the other readers can read then
+/// ends with a whole record. It stopped inside the record, its start already sent to every
+/// reader.
+#[test]
+fn a_record_running_into_a_full_queue_waits_before_its_first_byte() {
+    let (network, partition, stalled) = broadcasting_into_a_queue_that_fills(2);
+    let (mut view, _signal) = view(&partition, 1);
+    let handle = partition.handle();
+    let writer = thread::spawn(move || {
+        let mut partition = partition;
+        // Bounded: the first queue fills within a few records; the release ends the wait.
+        for _ in 0..1_000 {
+            if partition.broadcast_record(&[7u8; 1000][..]).is_err() {
+                break;
+            }
+        }
+        partition
+    });
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    // The second reader reads all there is; the first queue, full, keeps the writer waiting.
+    handle.flush_all();
+    let mut readable = 0;
+    while let Some(item) = view.poll_next() {
+        if item.buffer.data_type().is_buffer() {
+            readable += item.buffer.len();
+        }
+    }
+    // 1000 bytes with their 2-byte prefix each, from the stream's start.
+    assert!(readable > 0);
+    assert_eq!(readable % 1002, 0, "the stream stops inside a record");
+    handle.release();
+    let partition = writer.join().unwrap();
+    drop((stalled, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// A selector that broadcasts every record and counts how often it was asked.
 #[derive(Default)]
 struct CountedBroadcast(usize);

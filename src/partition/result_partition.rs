@@ -368,7 +368,7 @@ impl ResultPartition {
                 // fresh buffer, for which it waits as any request does.
                 self.finish_unicast_builder(target, Sent::Yes);
             } else {
-                self.wait_for_segment_at_hand(target)?;
+                self.wait_for_segment_at_hand(Target::Unicast(target))?;
             }
         }
         let max_record_bytes = self.max_record_bytes;
@@ -437,7 +437,7 @@ impl ResultPartition {
         self.check_writable()?;
         self.finish_unicast_builders(Sent::Yes);
         if self.crosses(record, self.broadcast.as_ref()) {
-            self.wait_for_segment_at_hand(UNACCOUNTED)?;
+            self.wait_for_segment_at_hand(Target::Broadcast)?;
         }
         self.broadcast_record_general(record)
     }
@@ -478,7 +478,8 @@ impl ResultPartition {
     }
 
     /// The async emits' wait that the sync ones block in before a record's first byte: for
-    /// the segment a record running past `target`'s open buffer needs. A barrier timer due
+    /// room in `target`'s queues and the segment a record running past its open buffer needs
+    /// (a write that found either missing would block the thread). A barrier timer due
     /// before or during the wait fires here (it may take the segment waited for: then this
     /// waits again), and the write after it fires none, so it finds the segment still at
     /// hand. Bounded by the back pressure, as the wait is.
@@ -487,10 +488,7 @@ impl ResultPartition {
         record: &R,
         target: Target,
     ) -> Result<(), PartitionError> {
-        let channel = match target {
-            Target::Unicast(index) => index,
-            Target::Broadcast => UNACCOUNTED,
-        };
+        let channel = target.channel();
         loop {
             // As the sync path: no clock read per record without a timer.
             if self.barrier_timer.is_some() {
@@ -500,10 +498,22 @@ impl ResultPartition {
                 Target::Unicast(index) => self.unicast[index].as_ref(),
                 Target::Broadcast => self.broadcast.as_ref(),
             };
-            if !self.crosses(record, open) || self.pool.segment_at_hand(channel) {
+            if !self.crosses(record, open) {
                 return Ok(());
             }
             let mut timed = self.barrier_timed();
+            let readers = target.readers(timed.subpartitions);
+            // Room in the queues first: the write would block the thread for it.
+            if !readers.iter().all(|s| s.has_room(Queued::Buffer)) {
+                let room = timed
+                    .pool
+                    .until_ready(|| readers.iter().all(|s| s.has_room_or_listen(Queued::Buffer)));
+                timed.wait(room).await.map_err(released_if_destroyed)?;
+                continue;
+            }
+            if timed.pool.segment_at_hand(channel) {
+                return Ok(());
+            }
             let at_hand = timed.pool.until_segment_at_hand(channel);
             timed.wait(at_hand).await.map_err(released_if_destroyed)?;
         }
@@ -549,18 +559,34 @@ impl ResultPartition {
         })
     }
 
-    /// Before a record that will run past the open buffer: waits until a segment for it is
-    /// at hand, as a Flink task waits for its output to be available before it processes a
-    /// record. So the record stops before its first byte under back pressure, not inside
-    /// itself, and needs overdraft only for segments beyond that one.
-    fn wait_for_segment_at_hand(&mut self, channel: usize) -> Result<(), PartitionError> {
+    /// Before a record that will run past the open buffer: waits until its next buffer can be
+    /// had at once, room for it in the target's queue (every queue, for a broadcast) and a
+    /// segment at hand, as a Flink task waits for its output to be available before it
+    /// processes a record. So the record stops before its first byte under back pressure, not
+    /// inside itself, and needs overdraft only for segments beyond that one. (Room stays: only
+    /// this writer queues buffers.)
+    fn wait_for_segment_at_hand(&mut self, target: Target) -> Result<(), PartitionError> {
         let (pool, subpartitions) = (&self.pool, &self.handle.shared.subpartitions[..]);
+        let readers = target.readers(subpartitions);
+        if !readers.iter().all(|s| s.has_room(Queued::Buffer)) {
+            until_available_timed(
+                &mut self.barrier_timer,
+                pool,
+                subpartitions,
+                self.request_timeout,
+                |wait| {
+                    pool.wait_until(wait, || {
+                        readers.iter().all(|s| s.has_room_or_listen(Queued::Buffer))
+                    })
+                },
+            )?;
+        }
         until_available_timed(
             &mut self.barrier_timer,
             pool,
             subpartitions,
             self.request_timeout,
-            |wait| pool.wait_until_segment_at_hand(channel, wait),
+            |wait| pool.wait_until_segment_at_hand(target.channel(), wait),
         )
     }
 
@@ -859,6 +885,27 @@ impl Drop for ResultPartition {
 enum Target {
     Unicast(usize),
     Broadcast,
+}
+
+impl Target {
+    /// The subpartitions a buffer for this target is queued in.
+    fn readers(
+        self,
+        subpartitions: &[Arc<PipelinedSubpartition>],
+    ) -> &[Arc<PipelinedSubpartition>] {
+        match self {
+            Target::Unicast(index) => &subpartitions[index..=index],
+            Target::Broadcast => subpartitions,
+        }
+    }
+
+    /// The pool's channel its segments count against.
+    fn channel(self) -> usize {
+        match self {
+            Target::Unicast(index) => index,
+            Target::Broadcast => UNACCOUNTED,
+        }
+    }
 }
 
 /// Finishes a builder and tells the subpartition(s) reading it.
