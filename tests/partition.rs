@@ -2020,6 +2020,55 @@ fn a_record_running_into_a_full_queue_waits_before_its_first_byte() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// An async emit refuses a record over `fluxgate.record.max-size` at once, as the blocking
+/// one does, also while its subpartition is back-pressured: it waited for room and a buffer
+/// first, pending for as long as the consumer stalled, only to refuse the record then.
+#[test]
+fn an_async_emit_refuses_a_record_too_large_without_waiting() {
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    config.set("fluxgate.record.max-size", "1024").unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (view, _signal) = view(&partition, 0);
+    // 4 × 1002 + 88 bytes fill the subpartition's one buffer to its end, finishing it: the
+    // next record needs a second, which the subpartition may not have.
+    for _ in 0..4 {
+        partition.emit_record(&[0u8; 1000][..], 0).unwrap();
+    }
+    partition.emit_record(&[0u8; 87][..], 0).unwrap();
+    for attempt in [
+        poll_once(partition.emit_record_async(&[0u8; 1025][..], 0)),
+        poll_once(partition.broadcast_record_async(&[0u8; 1025][..])),
+    ] {
+        assert!(
+            matches!(
+                attempt,
+                Some(Err(PartitionError::Record(RecordError::TooLarge {
+                    len: 1025,
+                    max: 1024
+                })))
+            ),
+            "{attempt:?}"
+        );
+    }
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A partition checks the configuration it is given (its fields are public): a
+/// `max-buffers-per-channel` of 0 made the first emit wait for good.
+#[test]
+fn a_partition_refuses_a_configuration_that_cannot_work() {
+    let (network, mut config) = setup(64);
+    config.max_buffers_per_channel = 0;
+    assert!(matches!(
+        ResultPartition::new(ID, 1, &network, &config),
+        Err(PartitionError::Pool(PoolError::Config(_)))
+    ));
+}
+
 /// A selector that broadcasts every record and counts how often it was asked.
 #[derive(Default)]
 struct CountedBroadcast(usize);

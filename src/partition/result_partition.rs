@@ -215,6 +215,12 @@ impl ResultPartition {
         if subpartitions == 0 {
             return Err(PartitionError::NoSubpartitions);
         }
+        // The fields are public, and only the network pool's constructor checked them: a
+        // `max-buffers-per-channel` of 0 made the first emit wait for good, a zero request
+        // timeout every wait a busy loop.
+        config
+            .validate()
+            .map_err(|error| PoolError::Config(error.to_string()))?;
         let pool =
             network.create_local_pool(LocalPoolSpec::for_partition(subpartitions, config))?;
         // As created: bounded by the network memory.
@@ -396,6 +402,7 @@ impl ResultPartition {
         target: usize,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
+        self.check_record_size(record)?;
         let open = self
             .unicast
             .get(target)
@@ -451,6 +458,7 @@ impl ResultPartition {
         record: &R,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
+        self.check_record_size(record)?;
         self.finish_unicast_builders(Sent::Yes);
         if self.broadcast.as_ref().is_none_or(|b| b.is_full()) {
             self.finish_broadcast_builder(Sent::Yes);
@@ -475,6 +483,21 @@ impl ResultPartition {
         self.until_segment_for_crossing(record, Target::Broadcast)
             .await?;
         self.broadcast_record_general(record)
+    }
+
+    /// Refuses a record longer than `fluxgate.record.max-size` before an async emit waits for
+    /// anything (the write would refuse it after the wait: under back pressure, a future
+    /// pending for as long as the consumer stalls, for a record that never goes out).
+    fn check_record_size<R: Record + ?Sized>(&self, record: &R) -> Result<(), PartitionError> {
+        let len = record.encoded_len();
+        if len > self.max_record_bytes || len > u32::MAX as usize {
+            return Err(RecordError::TooLarge {
+                len,
+                max: self.max_record_bytes,
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// The async emits' wait that the sync ones block in before a record's first byte: for
