@@ -10,7 +10,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use fluxgate::buffer::NetworkBufferPool;
+use fluxgate::buffer::{NetworkBufferPool, PoolError};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, Backoff, BufferOrEvent, ChannelLocation, ChannelSpec, CheckpointedInputGate,
@@ -249,6 +249,31 @@ fn an_update_whose_request_fails_fails_the_reads() {
             })
         ),
         "{read:?}"
+    );
+    drop(gate);
+    assert!(f.all_segments_back());
+}
+
+/// A gate checks the configuration it is given at setup (its fields are public): an absurd
+/// `buffers-per-channel` is refused as a configuration error, not tried against the pool.
+#[test]
+fn a_gate_refuses_a_configuration_that_cannot_work() {
+    let f = fixture();
+    let mut config = f.config.clone();
+    config.buffers_per_channel = 100_000;
+    config.buffer_request_timeout = Duration::from_millis(1);
+    let specs = vec![ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(2),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Remote,
+    }];
+    let mut gate = SingleInputGate::new(specs, f.manager.clone(), &f.network, &config);
+    let setup = gate.setup();
+    assert!(
+        matches!(setup, Err(GateError::Pool(PoolError::Config(_)))),
+        "{setup:?}"
     );
     drop(gate);
     assert!(f.all_segments_back());

@@ -13,7 +13,7 @@ use super::{
     partition_error, BufferOrEvent, ChannelRead, ConsumedSubpartition, GateError, GateItem,
     InputGate,
 };
-use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool};
+use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError};
 use crate::config::NetworkConfig;
 use crate::event::Event;
 use crate::metrics::{InputMetricsSnapshot, WaitTime};
@@ -138,6 +138,11 @@ impl SingleInputGate {
             // Flink: "Bug in input gate setup logic: Already registered buffer pool."
             return Err(GateError::AlreadyRequested);
         }
+        // The fields are public, and only the network pool's constructor checked them: an
+        // absurd `buffers-per-channel` sized a free list past any memory (an abort).
+        self.config
+            .validate()
+            .map_err(|error| PoolError::Config(error.to_string()))?;
         let non_local = self
             .specs
             .iter()
