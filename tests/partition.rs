@@ -1957,27 +1957,32 @@ fn broadcasting_into_a_queue_that_fills(
 }
 
 /// An async broadcast record running past its open buffer into a full queue waits for room
-/// as a future, before its first byte: it blocked the thread inside the record (on a
-/// single-threaded executor whose reader ran on it, for good).
+/// as a future, before its first byte, also one running into more than one buffer: it
+/// blocked the thread inside the record (on a single-threaded executor whose reader ran on
+/// it, for good).
 #[test]
 fn an_async_record_running_into_a_full_queue_waits_without_blocking() {
-    let (network, partition, view) = broadcasting_into_a_queue_that_fills(1);
-    let (done, finished) = mpsc::channel();
-    let writer = thread::spawn(move || {
-        let mut partition = partition;
-        // Bounded: the queue fills within a few records.
-        let pending = (0..1_000)
-            .any(|_| poll_once(partition.broadcast_record_async(&[7u8; 1000][..])).is_none());
-        done.send(pending).unwrap();
-        partition
-    });
-    let pending = finished
-        .recv_timeout(LONG)
-        .expect("the async broadcast blocked its thread");
-    assert!(pending, "the queue never filled");
-    let partition = writer.join().unwrap();
-    drop((view, partition));
-    assert_eq!(network.available_segments(), network.total_segments());
+    // 1000 bytes: into the next buffer; 6000: into the next two (4 KiB segments).
+    for size in [1000, 6000] {
+        let (network, partition, view) = broadcasting_into_a_queue_that_fills(1);
+        let (done, finished) = mpsc::channel();
+        let writer = thread::spawn(move || {
+            let mut partition = partition;
+            let record = vec![7u8; size];
+            // Bounded: the queue fills within a few records.
+            let pending = (0..1_000)
+                .any(|_| poll_once(partition.broadcast_record_async(&record[..])).is_none());
+            done.send(pending).unwrap();
+            partition
+        });
+        let pending = finished
+            .recv_timeout(LONG)
+            .unwrap_or_else(|_| panic!("the async broadcast of {size} bytes blocked its thread"));
+        assert!(pending, "the queue never filled");
+        let partition = writer.join().unwrap();
+        drop((view, partition));
+        assert_eq!(network.available_segments(), network.total_segments());
+    }
 }
 
 /// The blocking broadcast stops before a record that would run into a full queue, as it
@@ -1986,38 +1991,46 @@ fn an_async_record_running_into_a_full_queue_waits_without_blocking() {
 /// reader.
 #[test]
 fn a_record_running_into_a_full_queue_waits_before_its_first_byte() {
-    let (network, partition, stalled) = broadcasting_into_a_queue_that_fills(2);
-    let (mut view, _signal) = view(&partition, 1);
-    let handle = partition.handle();
-    let writer = thread::spawn(move || {
-        let mut partition = partition;
-        // Bounded: the first queue fills within a few records; the release ends the wait.
-        for _ in 0..1_000 {
-            if partition.broadcast_record(&[7u8; 1000][..]).is_err() {
-                break;
+    for size in [1000, 6000] {
+        let (network, partition, stalled) = broadcasting_into_a_queue_that_fills(2);
+        let (mut view, _signal) = view(&partition, 1);
+        let handle = partition.handle();
+        let writer = thread::spawn(move || {
+            let mut partition = partition;
+            let record = vec![7u8; size];
+            // Bounded: the first queue fills within a few records; the release ends the wait.
+            for _ in 0..1_000 {
+                if partition.broadcast_record(&record[..]).is_err() {
+                    break;
+                }
+            }
+            partition
+        });
+        assert!(
+            common::wait_until(LONG, || handle.is_back_pressured()),
+            "the writer never waited"
+        );
+        // The second reader reads all there is; the first queue, full, keeps the writer
+        // waiting.
+        handle.flush_all();
+        let mut readable = 0;
+        while let Some(item) = view.poll_next() {
+            if item.buffer.data_type().is_buffer() {
+                readable += item.buffer.len();
             }
         }
-        partition
-    });
-    assert!(
-        common::wait_until(LONG, || handle.is_back_pressured()),
-        "the writer never waited"
-    );
-    // The second reader reads all there is; the first queue, full, keeps the writer waiting.
-    handle.flush_all();
-    let mut readable = 0;
-    while let Some(item) = view.poll_next() {
-        if item.buffer.data_type().is_buffer() {
-            readable += item.buffer.len();
-        }
+        // Records of `size` bytes with their 2-byte prefix each, from the stream's start.
+        assert!(readable > 0);
+        assert_eq!(
+            readable % (size + 2),
+            0,
+            "the stream of {size}-byte records stops inside one"
+        );
+        handle.release();
+        let partition = writer.join().unwrap();
+        drop((stalled, view, partition));
+        assert_eq!(network.available_segments(), network.total_segments());
     }
-    // 1000 bytes with their 2-byte prefix each, from the stream's start.
-    assert!(readable > 0);
-    assert_eq!(readable % 1002, 0, "the stream stops inside a record");
-    handle.release();
-    let partition = writer.join().unwrap();
-    drop((stalled, view, partition));
-    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// An async emit refuses a record over `fluxgate.record.max-size` at once, as the blocking

@@ -136,6 +136,8 @@ pub struct ResultPartition {
     /// The builder shared by all subpartitions (broadcast records).
     broadcast: Option<BufferBuilder>,
     max_record_bytes: usize,
+    /// Bytes of a segment: how many buffers a record runs into.
+    segment_size: usize,
     request_timeout: Duration,
     /// `max-overdraft-buffers-per-gate`: segments beyond the pool that finish a started record.
     max_overdraft_for_records: usize,
@@ -261,6 +263,7 @@ impl ResultPartition {
             unicast: (0..subpartitions).map(|_| None).collect(),
             broadcast: None,
             max_record_bytes: config.max_record_bytes,
+            segment_size: network.segment_size(),
             request_timeout: config.buffer_request_timeout,
             max_overdraft_for_records: config.max_overdraft_buffers_per_gate,
             finished: false,
@@ -367,16 +370,13 @@ impl ResultPartition {
             self.fire_barrier_timer();
         }
         let open = self.unicast.get(target).and_then(Option::as_ref);
-        if self.crosses(record, open) {
-            if self.pool.spec().max_segments_per_channel <= 1 {
-                // The open buffer is all the subpartition may hold, and its reader cannot give
-                // it back before it is finished: finish it now, and the record starts in a
-                // fresh buffer, for which it waits as any request does.
-                self.finish_unicast_builder(target, Sent::Yes);
-            } else {
-                self.wait_for_segment_at_hand(Target::Unicast(target))?;
-            }
+        if self.crosses(record, open) && self.pool.spec().max_segments_per_channel <= 1 {
+            // The open buffer is all the subpartition may hold, and its reader cannot give it
+            // back before it is finished: finish it now, and the record starts in a fresh
+            // buffer, for which it waits as any request does.
+            self.finish_unicast_builder(target, Sent::Yes);
         }
+        self.wait_before_record(record, Target::Unicast(target))?;
         let max_record_bytes = self.max_record_bytes;
         let written = record::serialize(
             record,
@@ -402,7 +402,6 @@ impl ResultPartition {
         target: usize,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
-        self.check_record_size(record)?;
         let open = self
             .unicast
             .get(target)
@@ -411,6 +410,7 @@ impl ResultPartition {
                 count: self.unicast.len(),
             })?
             .as_ref();
+        self.check_record_size(record)?;
         if self.crosses(record, open) && self.pool.spec().max_segments_per_channel <= 1 {
             // As `emit_record` does: the open buffer is all the subpartition may hold, so the
             // record starts in a fresh one, waited for below.
@@ -443,9 +443,7 @@ impl ResultPartition {
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
         self.finish_unicast_builders(Sent::Yes);
-        if self.crosses(record, self.broadcast.as_ref()) {
-            self.wait_for_segment_at_hand(Target::Broadcast)?;
-        }
+        self.wait_before_record(record, Target::Broadcast)?;
         self.broadcast_record_general(record)
     }
 
@@ -517,24 +515,20 @@ impl ResultPartition {
             if self.barrier_timer.is_some() {
                 self.fire_barrier_timer();
             }
-            let open = match target {
-                Target::Unicast(index) => self.unicast[index].as_ref(),
-                Target::Broadcast => self.broadcast.as_ref(),
-            };
-            if !self.crosses(record, open) {
-                return Ok(());
-            }
+            let open = self.open_builder(target);
+            let crosses = self.crosses(record, open);
+            let room = Queued::Buffers(self.buffers_for(record, open));
             let mut timed = self.barrier_timed();
             let readers = target.readers(timed.subpartitions);
             // Room in the queues first: the write would block the thread for it.
-            if !readers.iter().all(|s| s.has_room(Queued::Buffer)) {
+            if room != Queued::Buffers(0) && !readers.iter().all(|s| s.has_room(room)) {
                 let room = timed
                     .pool
-                    .until_ready(|| readers.iter().all(|s| s.has_room_or_listen(Queued::Buffer)));
+                    .until_ready(|| readers.iter().all(|s| s.has_room_or_listen(room)));
                 timed.wait(room).await.map_err(released_if_destroyed)?;
                 continue;
             }
-            if timed.pool.segment_at_hand(channel) {
+            if !crosses || timed.pool.segment_at_hand(channel) {
                 return Ok(());
             }
             let at_hand = timed.pool.until_segment_at_hand(channel);
@@ -582,27 +576,56 @@ impl ResultPartition {
         })
     }
 
-    /// Before a record that will run past the open buffer: waits until its next buffer can be
-    /// had at once, room for it in the target's queue (every queue, for a broadcast) and a
-    /// segment at hand, as a Flink task waits for its output to be available before it
-    /// processes a record. So the record stops before its first byte under back pressure, not
-    /// inside itself, and needs overdraft only for segments beyond that one. (Room stays: only
-    /// this writer queues buffers.)
-    fn wait_for_segment_at_hand(&mut self, target: Target) -> Result<(), PartitionError> {
+    /// The builder a record for `target` starts in, if one is open.
+    fn open_builder(&self, target: Target) -> Option<&BufferBuilder> {
+        match target {
+            Target::Unicast(index) => self.unicast[index].as_ref(),
+            Target::Broadcast => self.broadcast.as_ref(),
+        }
+    }
+
+    /// How many buffers `record` adds to its target's queues beyond the open builder `open`:
+    /// at most one more than the overdraft a record may take (past that, it waits for
+    /// segments inside itself anyway).
+    fn buffers_for<R: Record + ?Sized>(&self, record: &R, open: Option<&BufferBuilder>) -> usize {
+        let framed = record::framed_len(record.encoded_len().min(self.max_record_bytes));
+        let in_open = open
+            .filter(|builder| !builder.is_full())
+            .map_or(0, BufferBuilder::remaining);
+        framed
+            .saturating_sub(in_open)
+            .div_ceil(self.segment_size)
+            .min(self.max_overdraft_for_records.saturating_add(1))
+    }
+
+    /// Before a record's first byte: waits until the buffers it runs into can be had without
+    /// a wait inside it, room for them in the target's queues (every queue, for a broadcast;
+    /// a queue fills before the pool when broadcast buffers pile up behind a stalled reader)
+    /// and, for a record running past the open buffer, a segment at hand, as a Flink task
+    /// waits for its output to be available before it processes a record. So the record stops
+    /// before its first byte under back pressure, not inside itself, and needs overdraft only
+    /// for segments beyond that one. (Room stays: only this writer queues buffers.)
+    fn wait_before_record<R: Record + ?Sized>(
+        &mut self,
+        record: &R,
+        target: Target,
+    ) -> Result<(), PartitionError> {
+        let open = self.open_builder(target);
+        let crosses = self.crosses(record, open);
+        let room = Queued::Buffers(self.buffers_for(record, open));
         let (pool, subpartitions) = (&self.pool, &self.handle.shared.subpartitions[..]);
         let readers = target.readers(subpartitions);
-        if !readers.iter().all(|s| s.has_room(Queued::Buffer)) {
+        if room != Queued::Buffers(0) && !readers.iter().all(|s| s.has_room(room)) {
             until_available_timed(
                 &mut self.barrier_timer,
                 pool,
                 subpartitions,
                 self.request_timeout,
-                |wait| {
-                    pool.wait_until(wait, || {
-                        readers.iter().all(|s| s.has_room_or_listen(Queued::Buffer))
-                    })
-                },
+                |wait| pool.wait_until(wait, || readers.iter().all(|s| s.has_room_or_listen(room))),
             )?;
+        }
+        if !crosses {
+            return Ok(());
         }
         until_available_timed(
             &mut self.barrier_timer,

@@ -55,6 +55,9 @@ pub(crate) enum Conversion {
 pub(crate) enum Queued {
     /// A data buffer (unicast or broadcast): the data lane, short of its event reserve.
     Buffer,
+    /// This many data buffers at once (a record's that runs into more than one), at most as
+    /// many as the lane takes.
+    Buffers(usize),
     /// An event in line with the data: the data lane, reserve included.
     Event,
     /// A priority event: the priority lane.
@@ -391,6 +394,9 @@ impl PipelinedSubpartition {
     pub(crate) fn has_room(&self, queued: Queued) -> bool {
         match queued {
             Queued::Buffer => self.data.len() < self.buffer_room,
+            Queued::Buffers(count) => {
+                self.data.len() + count.min(self.buffer_room) <= self.buffer_room
+            }
             Queued::Event => !self.data.is_full(),
             Queued::PriorityEvent => !self.priority.is_full(),
         }
