@@ -1,6 +1,8 @@
 //! Segment leases and pools through the public API: who sees which bytes, where segments go
 //! back, and how local pools hand them out, wait for them and give them up.
 
+mod common;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -439,10 +441,14 @@ fn blocking_request_wakes_when_another_thread_recycles() {
     let held = pool.request_buffer_builder(0).unwrap();
     let waiting = thread::scope(|s| {
         let waiter = s.spawn(|| pool.request_buffer_builder_blocking(0, LONG));
+        // The waiter waits first: the recycle must wake it, not be found by its first look.
+        assert!(common::wait_until(LONG, || pool.waiting_requests() == 1));
         drop(held);
         waiter.join().unwrap()
     });
     assert!(waiting.is_ok());
+    drop((waiting, pool));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -453,10 +459,14 @@ fn blocking_request_wakes_when_another_pool_frees_global_segments() {
     let held: Vec<_> = (0..3).map(|_| other.request_segment().unwrap()).collect();
     let waiting = thread::scope(|s| {
         let waiter = s.spawn(|| small.request_buffer_builder_blocking(0, LONG));
+        // The waiter waits first: the give-back must wake it, not be found by its first look.
+        assert!(common::wait_until(LONG, || small.waiting_requests() == 1));
         drop(held);
         waiter.join().unwrap()
     });
     assert!(waiting.is_ok());
+    drop((waiting, small, other));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 struct ThreadWaker(thread::Thread);

@@ -360,16 +360,12 @@ fn a_stalled_peer_backpressures_only_its_producer(transport: Transport) {
         Err("still emitting".to_string())
     });
     // The producer fills the socket and its pool, then waits: back pressure, not growth.
-    let deadline = Instant::now() + LONG;
-    while producer_env.network().available_segments() + pool_max
-        > producer_env.network().total_segments()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the producer's pool never filled"
-        );
-        thread::yield_now();
-    }
+    assert!(
+        common::wait_until(LONG, || producer_env.network().available_segments()
+            + pool_max
+            <= producer_env.network().total_segments()),
+        "the producer's pool never filled"
+    );
     // Meanwhile another consumer of the same server is served to its end.
     let consumer_env = env(7, transport);
     let healthy_id = ResultPartitionId {

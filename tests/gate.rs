@@ -352,12 +352,16 @@ fn closing_from_another_thread_wakes_a_blocked_reader() {
     let mut gate = f.gate(&[(3, 0)], ChannelLocation::Local);
     gate.request_partitions(Instant::now()).unwrap();
     let closer = gate.closer();
+    let idle = gate.metrics().idle.clone();
     let result = thread::scope(|s| {
         let reader = s.spawn(move || gate.next_timeout(LONG));
+        // The reader blocks first (its idle time grows): the close must wake it.
+        assert!(common::wait_until(LONG, || idle.total() > Duration::ZERO));
         closer.close();
         reader.join().unwrap()
     });
     assert_eq!(result.unwrap_err(), GateError::Closed);
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -1463,12 +1467,13 @@ fn a_blocking_read_wakes_for_the_alignment_timeout() {
 fn an_async_read_wakes_for_the_alignment_timeout() {
     let f = fixture();
     let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 72);
-    a.broadcast_event(&common::timeoutable_barrier(5, 50, 0), false)
+    a.broadcast_event(&common::timeoutable_barrier(5, 1_000, 0), false)
         .unwrap();
     let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
     let waker = Waker::from(waker_state.clone());
     let mut cx = Context::from_waker(&waker);
     let mut read = Box::pin(checkpointed.next_async());
+    // A second: the first poll comes well within it even on a loaded machine.
     assert!(
         read.as_mut().poll(&mut cx).is_pending(),
         "aligning, within the timeout"
@@ -1496,7 +1501,7 @@ fn an_async_read_wakes_for_the_alignment_timeout() {
 fn an_async_read_moved_to_another_task_is_woken_there_at_the_alignment_timeout() {
     let f = fixture();
     let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 76);
-    a.broadcast_event(&common::timeoutable_barrier(6, 50, 0), false)
+    a.broadcast_event(&common::timeoutable_barrier(6, 1_000, 0), false)
         .unwrap();
     let first = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
     let second = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));

@@ -447,7 +447,7 @@ fn aligned_exchange_without_exclusive_buffers(transport: Transport, union: bool)
         .collect();
     // Every producer sends records of the same sizes.
     let expected_bytes: u64 = (0..RECORDS)
-        .map(|seq| fluxgate::record::framed_len(common::record(0, seq).len()) as u64)
+        .map(|seq| common::framed_record(&common::record(0, seq)).len() as u64)
         .sum();
     let every = RECORDS / CHECKPOINTS;
     thread::scope(|s| {
@@ -893,20 +893,28 @@ on_both_drivers!(
     a_partition_never_registered_fails_with_partition_not_found_uring
 );
 
-/// A loopback address nobody listens on (just released by a listener of our own).
-fn unused_addr() -> std::net::SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
+/// A loopback address nobody listens on, and the socket that holds it: bound, never
+/// listening, so connects to it are refused and no other socket of the machine (another
+/// test's listener, an outgoing connection's port) takes it while it is held.
+fn unused_addr() -> (std::net::SocketAddr, socket2::Socket) {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    socket
+        .bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let addr = socket.local_addr().unwrap().as_socket().unwrap();
+    (addr, socket)
 }
 
 fn a_refused_connection_is_retried_until_the_producer_listens(transport: Transport) {
     // Nodes started apart: the consumer asks before the producer's process listens.
-    let addr = unused_addr();
+    let (addr, held) = unused_addr();
     let consumer_env = env_from(2, transport, &FAST_BACKOFF, |_| {});
     let gate = remote_gate(&consumer_env, addr);
     wait_until("the connection was refused and tried again", || {
         retries_of(&gate) >= 1
     });
+    drop(held);
     let producer_env = env_from(1, transport, &[], |c| c.bind = addr);
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
     partition.emit_record(&b"listening now"[..], 0).unwrap();
@@ -922,7 +930,7 @@ on_both_drivers!(
 );
 
 fn a_connection_refused_for_good_fails_the_channel(transport: Transport) {
-    let addr = unused_addr();
+    let (addr, _held) = unused_addr();
     let consumer_env = env_from(
         2,
         transport,

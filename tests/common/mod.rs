@@ -44,11 +44,13 @@ macro_rules! on_both_drivers {
     };
 }
 
-/// Looks at `condition` until it holds or `timeout` passed; true if it held. Yields between
-/// looks: a bounded wait on a condition, not a sleep.
+/// Looks at `condition` until it holds or `timeout` passed; true if it held. A bounded wait
+/// on a condition, not a sleep: it looks again after 20 µs at first, then backs off (to 5 ms
+/// between looks), so a long wait does not take a vCPU from the threads it waits for.
 #[allow(dead_code)]
 pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_micros(20);
     // Bounded by the deadline.
     loop {
         if condition() {
@@ -57,7 +59,8 @@ pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> boo
         if Instant::now() > deadline {
             return false;
         }
-        std::thread::yield_now();
+        std::thread::park_timeout(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
     }
 }
 
