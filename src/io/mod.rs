@@ -5,7 +5,7 @@
 //! * [`epoll`] — mio (epoll), vectored reads and writes; works everywhere.
 //!   With TLS on ([`tls`]), a rustls session sits between each socket and its connection.
 //! * [`uring`] — io_uring: one ring per I/O thread, one read and at most one write chain in
-//!   flight per connection, every submission of a loop turn in one `io_uring_enter`.
+//!   flight per connection, the submissions of a loop turn entered together.
 //!
 //! Hand-off from task threads: commands go through a bounded queue; a parked I/O thread is
 //! woken through the poller's waker only when its "parked" flag is set, so the busy path makes

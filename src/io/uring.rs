@@ -3,7 +3,8 @@
 //!
 //! Per connection exactly one read is in flight (a `Readv` of `[destination, read-ahead]`, as
 //! the epoll driver reads) and at most one write (a `Writev` of the frame bytes, segment
-//! payloads in place, control bytes copied into a per-connection staging area first); short
+//! payloads in place, control bytes copied into a per-connection staging area first; a
+//! `WriteFixed` when the write is one range of a registered segment); short
 //! writes continue with the next write. A write to a non-loopback peer that starts with at
 //! least 16 KiB of segment bytes goes out as a zero-copy send instead (`SendZc` from the
 //! registered arena for one range, `SendMsgZc` for several; `fluxgate.network.zero-copy-send`);
@@ -11,8 +12,9 @@
 //! Sockets are used through a sparse registered-file table (slot = connection slot, cleared
 //! when the connection closes) where the kernel allows one, else through their descriptors.
 //! The listener keeps one `Accept` armed and an eventfd keeps one `Read` armed for wake-ups.
-//! Every submission of a loop turn goes to the kernel in the turn's single `io_uring_enter`,
-//! which also waits (bounded) for the next completion.
+//! The submissions of a loop turn go to the kernel together, in the `io_uring_enter` that
+//! also waits (bounded) for the next completion; a turn whose reads filled their buffers
+//! enters up to 16 times more without waiting, to read on (`READ_ROUNDS`).
 //!
 //! Memory the kernel may touch stays put until its completion arrives:
 //!
