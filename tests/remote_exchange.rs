@@ -233,6 +233,13 @@ fn sleeps_in_a_ping_pong(transport: Transport, options: &[(&str, &str)], records
 /// show.)
 fn busy_polling_io_threads_do_not_sleep_between_records(transport: Transport) {
     const RECORDS: u64 = 200;
+    // The two drivers' runs take turns: each has two I/O threads polling for a whole second
+    // after their last work, and both at once on two vCPUs could stall a ping-pong long
+    // enough for a window to close.
+    static POLLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = POLLING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let polling = sleeps_in_a_ping_pong(
         transport,
         &[("fluxgate.network.io-thread.busy-poll-us", "1000000")],
