@@ -113,6 +113,8 @@ fn append_stops_at_capacity_and_trim_never_cuts_written_bytes() {
     assert_eq!(small.capacity(), 100);
     small.trim(1 << 20);
     assert_eq!(small.capacity(), 4096);
+    drop((builder, small));
+    assert_eq!(pool.available_segments(), 2);
 }
 
 #[test]
@@ -129,6 +131,8 @@ fn dropping_the_builder_finishes_it_for_consumers() {
     let buffer = consumer.build();
     assert_eq!(buffer.as_slice(), b"abc");
     assert_eq!(buffer.data_type(), DataType::EventBuffer);
+    drop((consumer, buffer));
+    assert_eq!(pool.available_segments(), 1);
 }
 
 #[test]
@@ -181,6 +185,8 @@ fn headroom_is_writable_only_by_the_sole_lease_at_offset_zero() {
     assert_eq!(frame.len(), HEADROOM + 7);
     assert!(frame[..HEADROOM].iter().all(|&b| b == 0xEE));
     assert_eq!(&frame[HEADROOM..], b"payload");
+    drop(whole);
+    assert_eq!(pool.available_segments(), 2);
 }
 
 #[test]
@@ -275,6 +281,8 @@ fn recycled_segments_above_the_minimum_go_back_to_the_global_pool() {
     assert_eq!(pool.requested_segments(), 1, "keeps its minimum");
     assert_eq!(pool.available_segments(), 1);
     assert_eq!(network.available_segments(), 7);
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -331,6 +339,7 @@ fn admission_fails_when_minimums_exceed_the_network_memory() {
     ));
     drop(first);
     assert!(network.create_local_pool(spec(3, 8)).is_ok());
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -403,6 +412,8 @@ fn listeners_get_recycled_segments_before_the_free_list() {
     collector.kept.lock().unwrap().clear();
     assert_eq!(pool.available_segments(), 2);
     assert!(pool.request_segment_or_listen(&listener).unwrap().is_some());
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -427,11 +438,13 @@ fn destroying_a_pool_tells_its_listeners() {
 fn blocking_request_times_out_when_nothing_comes_back() {
     let (network, _) = network(2);
     let pool = network.create_local_pool(spec(1, 1)).unwrap();
-    let _held = pool.request_buffer_builder(0).unwrap();
+    let held = pool.request_buffer_builder(0).unwrap();
     let err = pool
         .request_buffer_builder_blocking(0, Duration::from_millis(1))
         .unwrap_err();
     assert_eq!(err, PoolError::Timeout(Duration::from_millis(1)));
+    drop((held, pool));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -498,6 +511,9 @@ fn async_request_resolves_when_a_segment_is_recycled() {
         }
         panic!("the request never resolved");
     });
+    drop(request);
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -559,6 +575,8 @@ fn no_local_pool_may_hold_more_than_the_network_memory() {
         .unwrap();
     assert_eq!(pool.spec().max_segments, network.total_segments());
     assert!(pool.spec().max_overdraft_segments <= network.total_segments());
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// Memory mapped for one segment (Flink's unpooled buffer, for an event that finds the network

@@ -182,6 +182,8 @@ fn a_missing_partition_is_retried_with_doubling_backoff_then_found() {
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
         common::framed_record(b"late")
     );
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -216,6 +218,8 @@ fn an_exhausted_backoff_fails_with_partition_not_found() {
             source: PartitionError::PartitionNotFound(pid(9))
         }
     );
+    drop(gate);
+    assert!(f.all_segments_back());
 }
 
 /// An unknown channel located as local whose request fails for good (here: no such
@@ -319,6 +323,8 @@ fn unknown_channels_become_local_get_requested_and_receive_pending_task_events()
     gate.send_task_event(&Event::Task(b"again".to_vec()))
         .unwrap();
     assert_eq!(events.0.lock().unwrap().len(), 2);
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -326,7 +332,7 @@ fn a_task_event_longer_than_a_segment_is_refused_before_it_goes_out() {
     // A producer refuses a TaskEventRequest frame longer than a segment as malformed and
     // closes the connection: sent, such an event failed every channel on it.
     let f = fixture();
-    let _producer = f.producer(2, 1);
+    let producer = f.producer(2, 1);
     let events = Arc::new(Events(Mutex::new(Vec::new())));
     f.manager.subscribe_task_events(pid(2), events.clone());
     let mut gate = f.gate(&[(2, 0)], ChannelLocation::Local);
@@ -343,6 +349,8 @@ fn a_task_event_longer_than_a_segment_is_refused_before_it_goes_out() {
     ));
     gate.send_task_event(&fits).unwrap();
     assert_eq!(*events.0.lock().unwrap(), vec![fits]);
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -380,6 +388,8 @@ fn the_gate_finishes_after_end_of_partition_from_every_channel() {
     }
     ended.sort();
     assert_eq!(ended, vec![0, 1, 2]);
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 /// The checkpointed gate's next item, within LONG.
@@ -427,6 +437,8 @@ fn an_aligned_barrier_blocks_its_channel_until_resumed() {
         data(&gate.next_timeout(LONG).unwrap().unwrap().item),
         common::framed_record(b"after")
     );
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -447,6 +459,8 @@ fn priority_events_are_read_before_queued_data_of_every_channel() {
     assert_eq!(first.channel, 1);
     assert_eq!(event(&first.item), &barrier(2, Alignment::Unaligned));
     assert_eq!(first.overtaken, 1);
+    drop((first, gate, a, b));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -469,6 +483,8 @@ fn a_busy_channel_does_not_starve_the_others() {
         order[..3].contains(&1),
         "the quiet channel waited behind {order:?}"
     );
+    drop((gate, busy, quiet));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -508,6 +524,8 @@ fn a_union_gate_remaps_channels_and_takes_gates_in_turn() {
     }
     assert_eq!(ends, 3);
     assert!(union.is_finished());
+    drop((union, a, b));
+    assert!(f.all_segments_back());
 }
 
 /// A union is cancelled from another thread through its own closer or a member's: a reader
@@ -563,8 +581,8 @@ fn a_union_gate_is_closed_from_another_thread_by_its_closer_or_a_member_s() {
 #[test]
 fn a_failed_partition_request_is_reported_again_on_the_next_call() {
     let f = fixture();
-    let _taken = f.producer(34, 1);
-    let _free = f.producer(35, 1);
+    let taken = f.producer(34, 1);
+    let free = f.producer(35, 1);
     // Another gate holds the only view of partition 34's subpartition.
     let mut first = f.gate(&[(34, 0)], ChannelLocation::Local);
     first.request_partitions(Instant::now()).unwrap();
@@ -574,6 +592,8 @@ fn a_failed_partition_request_is_reported_again_on_the_next_call() {
         gate.request_partitions(Instant::now()).is_err(),
         "the second call still has a channel it could not request"
     );
+    drop((gate, first, taken, free));
+    assert!(f.all_segments_back());
 }
 
 use common::RecordingSink as Sink;
@@ -620,14 +640,18 @@ fn aligned_checkpoints_hand_the_barrier_over_once_all_channels_delivered_it() {
     assert_eq!(checkpointed.blocked_channels(), &[0]);
     b.broadcast_event(&barrier(1, Alignment::Aligned), false)
         .unwrap();
+    drop(item);
     let item = next_item(&mut checkpointed);
     assert_eq!(event(&item.item), &barrier(1, Alignment::Aligned));
     assert_eq!(checkpointed.pending_checkpoint(), None);
+    drop(item);
     let item = next_item(&mut checkpointed);
     assert_eq!(
         (item.channel, data(&item.item)),
         (0, common::framed_record(b"a-after"))
     );
+    drop((item, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -682,11 +706,14 @@ fn a_cancel_marker_aborts_alignment_and_unblocks_channels() {
     b.broadcast_event(&barrier(3, Alignment::Aligned), false)
         .unwrap();
     send(&mut b, b"b");
+    drop(item);
     let item = next_item(&mut checkpointed);
     assert_eq!(
         (item.channel, data(&item.item)),
         (1, common::framed_record(b"b"))
     );
+    drop((item, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -739,6 +766,8 @@ fn unaligned_checkpoints_trigger_at_the_first_barrier_and_persist_in_flight_data
         ]
     );
     assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
+    drop((first, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 /// The items an unaligned barrier overtakes are all of its channel's data lane, events
@@ -778,6 +807,8 @@ fn an_unaligned_barrier_counts_overtaken_events_without_persisting_them() {
         ]
     );
     assert_eq!(*sink.complete.lock().unwrap(), vec![4]);
+    drop((first, checkpointed, a));
+    assert!(f.all_segments_back());
 }
 
 /// Without a sink an unaligned checkpoint still completes once its overtaken data is read
@@ -798,6 +829,8 @@ fn an_unaligned_checkpoint_without_a_sink_completes_once_its_overtaken_data_is_r
     let second = next_item(&mut checkpointed);
     assert_eq!(data(&second.item), common::framed_record(b"in-flight"));
     assert_eq!(checkpointed.pending_checkpoint(), None);
+    drop((first, second, checkpointed, a));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -835,6 +868,8 @@ fn the_record_reader_yields_records_and_events_from_every_channel() {
             (1, b"other".to_vec())
         ]
     );
+    drop((reader, a, b));
+    assert!(f.all_segments_back());
 }
 
 /// A reader's channels share the memory records spanning buffers may hold; a channel
@@ -922,6 +957,9 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
         panic!("the async read never resolved");
     });
     assert!(waker_state.1.load(Ordering::SeqCst) >= 1);
+    drop(read);
+    drop(gate);
+    assert!(f.all_segments_back());
 }
 
 /// An async read of a local channel whose partition is registered only later: the gate
@@ -953,6 +991,9 @@ fn an_async_read_retries_a_local_partition_registered_later() {
                 waker_state.1.load(Ordering::SeqCst) >= 1,
                 "woken, not polled blindly"
             );
+            drop((item, read));
+            drop((gate, producer));
+            assert!(f.all_segments_back());
             return;
         }
         thread::park_timeout(LONG);
@@ -1150,6 +1191,8 @@ fn a_record_reader_reads_through_barrier_alignment() {
     assert!(seen[..barrier_at].contains(&"a0".to_string()));
     assert!(seen[..barrier_at].contains(&"b0".to_string()));
     assert_eq!(seen[barrier_at + 1..], ["a1".to_string()]);
+    drop((reader, a, b));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -1442,7 +1485,7 @@ fn an_alignment_within_its_timeout_stays_aligned() {
 #[test]
 fn a_blocking_read_wakes_for_the_alignment_timeout() {
     let f = fixture();
-    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 66);
+    let ([mut a, b], mut checkpointed, _sink) = unaligned_gate(&f, 66);
     a.broadcast_event(&common::timeoutable_barrier(4, 50, 0), false)
         .unwrap();
     // The caller's own deadline ends such a read too (and turns the alignment then): the
@@ -1457,7 +1500,8 @@ fn a_blocking_read_wakes_for_the_alignment_timeout() {
         "woken only by the caller's deadline"
     );
     assert_eq!(unaligned_barrier_id(&triggered.item), 4);
-    drop((triggered, checkpointed, a));
+    drop((triggered, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 /// An async read of a checkpointed gate waiting on channels that send nothing is woken at
@@ -1466,7 +1510,7 @@ fn a_blocking_read_wakes_for_the_alignment_timeout() {
 #[test]
 fn an_async_read_wakes_for_the_alignment_timeout() {
     let f = fixture();
-    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 72);
+    let ([mut a, b], mut checkpointed, _sink) = unaligned_gate(&f, 72);
     a.broadcast_event(&common::timeoutable_barrier(5, 1_000, 0), false)
         .unwrap();
     let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
@@ -1490,6 +1534,9 @@ fn an_async_read_wakes_for_the_alignment_timeout() {
         };
         let triggered = result.unwrap().unwrap();
         assert_eq!(unaligned_barrier_id(&triggered.item), 5);
+        drop((triggered, read));
+        drop((checkpointed, a, b));
+        assert!(f.all_segments_back());
         return;
     }
     panic!("the async read was never woken for the alignment's timeout");
@@ -1500,7 +1547,7 @@ fn an_async_read_wakes_for_the_alignment_timeout() {
 #[test]
 fn an_async_read_moved_to_another_task_is_woken_there_at_the_alignment_timeout() {
     let f = fixture();
-    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 76);
+    let ([mut a, b], mut checkpointed, _sink) = unaligned_gate(&f, 76);
     a.broadcast_event(&common::timeoutable_barrier(6, 1_000, 0), false)
         .unwrap();
     let first = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
@@ -1524,6 +1571,9 @@ fn an_async_read_moved_to_another_task_is_woken_there_at_the_alignment_timeout()
         if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
             let triggered = result.unwrap().unwrap();
             assert_eq!(unaligned_barrier_id(&triggered.item), 6);
+            drop((triggered, read));
+            drop((checkpointed, a, b));
+            assert!(f.all_segments_back());
             return;
         }
     }
@@ -1538,7 +1588,7 @@ fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
     let mut b = f.producer(75, 1);
     let mut g0 = f.gate(&[(74, 0)], ChannelLocation::Local);
     let mut g1 = f.gate(&[(75, 0)], ChannelLocation::Local);
-    let _a = f.producer(74, 1);
+    let a = f.producer(74, 1);
     g0.request_partitions(Instant::now()).unwrap();
     g1.request_partitions(Instant::now()).unwrap();
     let mut union = UnionInputGate::new(vec![g0, g1]);
@@ -1572,6 +1622,9 @@ fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
         waker_state.1.load(Ordering::SeqCst) >= 1,
         "woken, not polled blindly"
     );
+    drop(read);
+    drop((union, a));
+    assert!(f.all_segments_back());
 }
 
 /// A task that reads without blocking, from its own loop, hears of the alignment timeout
@@ -1579,7 +1632,7 @@ fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
 #[test]
 fn handle_timeout_turns_a_timed_out_alignment_for_a_polling_task() {
     let f = fixture();
-    let ([mut a, _b], mut checkpointed, _sink) = unaligned_gate(&f, 68);
+    let ([mut a, b], mut checkpointed, _sink) = unaligned_gate(&f, 68);
     a.broadcast_event(&common::timeoutable_barrier(2, 3_600_000, 0), false)
         .unwrap();
     assert!(checkpointed
@@ -1591,7 +1644,8 @@ fn handle_timeout_turns_a_timed_out_alignment_for_a_polling_task() {
     checkpointed.handle_timeout(deadline).unwrap();
     let triggered = checkpointed.poll_next().unwrap().expect("the barrier");
     assert_eq!(unaligned_barrier_id(&triggered.item), 2);
-    drop((triggered, checkpointed, a));
+    drop((triggered, checkpointed, a, b));
+    assert!(f.all_segments_back());
 }
 
 /// EndOfChannelState (an upstream finished sending recovered channel state) blocks its
@@ -1879,11 +1933,13 @@ fn a_union_of_a_gate_closed_before_it_reports_the_close() {
     // union: the union still reads it once, and its read reports the close instead of the
     // union waiting for good.
     let f = fixture();
-    let _producer = f.producer(1, 1);
+    let producer = f.producer(1, 1);
     let member = f.gate(&[(1, 0)], ChannelLocation::Local);
     member.closer().close();
     let mut union = UnionInputGate::new(vec![member]);
     assert!(matches!(union.next_timeout(LONG), Err(GateError::Closed)));
+    drop((union, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -1901,7 +1957,7 @@ fn a_union_closer_ends_a_members_wait_for_exclusive_segments() {
 #[test]
 fn a_union_names_a_members_failed_channel_in_its_own_numbering() {
     let f = fixture();
-    let _a = f.producer(14, 2);
+    let a = f.producer(14, 2);
     let b = f.producer(15, 1);
     let mut g0 = f.gate(&[(14, 0), (14, 1)], ChannelLocation::Local);
     let mut g1 = f.gate(&[(15, 0)], ChannelLocation::Local);
@@ -1915,6 +1971,8 @@ fn a_union_names_a_members_failed_channel_in_its_own_numbering() {
         matches!(error, GateError::Partition { channel: 2, .. }),
         "{error:?}"
     );
+    drop((union, a, b));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -1941,7 +1999,7 @@ fn task_events_sent_before_the_partition_exists_reach_it_once_found() {
     gate.request_partitions(start).unwrap();
     gate.send_task_event(&Event::Task(b"while missing".to_vec()))
         .unwrap();
-    let _producer = f.producer(16, 1);
+    let producer = f.producer(16, 1);
     let events = Arc::new(Events(Mutex::new(Vec::new())));
     f.manager.subscribe_task_events(pid(16), events.clone());
     assert!(events.0.lock().unwrap().is_empty());
@@ -1954,6 +2012,8 @@ fn task_events_sent_before_the_partition_exists_reach_it_once_found() {
             Event::Task(b"while missing".to_vec())
         ]
     );
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]
@@ -1983,7 +2043,7 @@ fn task_events_beyond_what_a_channel_holds_for_a_missing_partition_are_refused()
         gate.send_task_event(&Event::Task(b"one more".to_vec())),
         Err(GateError::TaskEventBacklog { channel: Some(0) })
     ));
-    let _producer = f.producer(17, 1);
+    let producer = f.producer(17, 1);
     let events = Arc::new(Events(Mutex::new(Vec::new())));
     f.manager.subscribe_task_events(pid(17), events.clone());
     gate.handle_timeout(start + Duration::from_millis(100))
@@ -1995,6 +2055,8 @@ fn task_events_beyond_what_a_channel_holds_for_a_missing_partition_are_refused()
         events.0.lock().unwrap().last(),
         Some(&Event::Task(b"after".to_vec()))
     );
+    drop((gate, producer));
+    assert!(f.all_segments_back());
 }
 
 #[test]

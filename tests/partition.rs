@@ -151,6 +151,7 @@ fn partial_buffers_are_readable_only_after_a_flush_and_the_listener_hears_once()
         2,
         "empty → readable again notifies again"
     );
+    drop(item);
     let item = view.poll_next().unwrap();
     assert_eq!(records_of(&item), vec![b"three".to_vec()]);
     assert_eq!(
@@ -159,6 +160,8 @@ fn partial_buffers_are_readable_only_after_a_flush_and_the_listener_hears_once()
         "the same segment, read on from where it stopped (two 1-byte lengths, 6 bytes)"
     );
     assert_eq!(item.sequence_number, 1);
+    drop((item, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A flush tells a parked reader only when it makes bytes readable that the reader has not
@@ -219,6 +222,8 @@ fn full_buffers_are_readable_with_backlog_and_consecutive_sequence_numbers() {
     let metrics = partition.handle();
     assert_eq!(metrics.metrics().num_buffers_out.get(), 3);
     assert_eq!(metrics.metrics().num_records_out.get(), 13);
+    drop((view, metrics, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -237,6 +242,8 @@ fn a_broadcast_buffer_counts_once_per_subpartition_in_the_output_metrics() {
     assert_eq!(metrics.num_buffers_out, 3 + 1);
     assert_eq!(metrics.num_bytes_out, 3 * 4096 + 1024);
     assert_eq!(metrics.num_records_out, 5);
+    drop(partition);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -592,6 +599,8 @@ fn an_unaligned_barrier_overtakes_queued_data_and_says_how_much() {
         rest.iter().map(|i| i.sequence_number).collect::<Vec<_>>(),
         vec![1, 2, 3]
     );
+    drop((first, rest, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -622,6 +631,8 @@ fn an_aligned_barrier_keeps_its_place_and_blocks_until_resumed() {
     assert!(view.resume_consumption());
     let after = view.poll_next().unwrap();
     assert_eq!(records_of(&after), vec![b"after".to_vec()]);
+    drop((before, barrier_item, after, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A partition of one subpartition whose reader took an aligned barrier: its view is blocked.
@@ -852,7 +863,7 @@ fn an_async_emit_waiting_under_back_pressure_turns_its_barrier_unaligned_when_du
 /// never blocked; the data after it follows in order.
 #[test]
 fn a_queued_barrier_turned_unaligned_overtakes_the_data_before_it() {
-    let (_network, mut partition, mut view, signal, barrier) =
+    let (network, mut partition, mut view, signal, barrier) =
         records_then_a_timeoutable_barrier(64, 4, 3_600_000);
     partition.emit_record(&b"after"[..], 0).unwrap();
     partition.flush(0);
@@ -881,6 +892,8 @@ fn a_queued_barrier_turned_unaligned_overtakes_the_data_before_it() {
         rest.iter().map(|i| i.sequence_number).collect::<Vec<_>>(),
         vec![1, 2, 3]
     );
+    drop((first, rest, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A barrier its reader took before the timeout went out aligned, in place: the timeout
@@ -904,6 +917,8 @@ fn a_barrier_taken_before_its_timeout_stays_aligned() {
     assert_eq!(partition.aligned_barrier_timeout(6), 0);
     assert!(!view.resume_consumption(), "nothing queued after it");
     assert!(view.poll_next().is_none(), "no second barrier");
+    drop((before, aligned, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A timer outliving its barrier (taken in place) turns nothing of the next checkpoint's
@@ -941,6 +956,8 @@ fn a_barrier_timer_turns_only_its_own_checkpoints_barrier() {
         DataType::TimeoutableAlignedCheckpointBarrier
     );
     assert_eq!(event_of(&next), Event::CheckpointBarrier(six));
+    drop((taken, data, next, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// Two checkpoints' barriers time out in one queue before the reader reaches either: both
@@ -990,6 +1007,8 @@ fn two_queued_barriers_both_turn_unaligned() {
     );
     assert!(view.poll_next().is_none());
     assert!(!view.is_blocked());
+    drop((first, a, second, b, c, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A subpartition whose reader went away with a turned barrier's original still queued
@@ -1016,6 +1035,8 @@ fn a_released_subpartition_does_not_keep_a_barrier_timer_alive() {
         None,
         "the timer ended"
     );
+    drop((first, kept, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A newer checkpoint's barrier ends the pending timer of an older one: its consumers abort
@@ -1037,6 +1058,8 @@ fn a_newer_barrier_ends_an_older_barriers_timer() {
         .map(|item| event_of(&item))
         .collect();
     assert_eq!(items, [barrier(6, Alignment::Unaligned), five]);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A writer blocked by back pressure still turns its barrier unaligned when the timeout
@@ -1098,6 +1121,8 @@ fn without_credit_only_an_event_counts_as_available() {
         .broadcast_event(&Event::CancelCheckpointMarker(4), false)
         .unwrap();
     assert!(view.availability_and_backlog(false).0);
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1118,12 +1143,15 @@ fn finish_ends_with_end_of_partition_and_refuses_more_records() {
         Event::EndOfPartition
     );
     assert_eq!(records_of(&b.poll_next().unwrap()), vec![b"x".to_vec()]);
+    drop(end);
     let end = b.poll_next().unwrap();
     assert_eq!(
         Event::decode(end.buffer.as_slice()).unwrap(),
         Event::EndOfPartition
     );
     assert!(partition.handle().is_finished());
+    drop((end, a, b, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1285,7 +1313,7 @@ fn the_manager_finds_partitions_and_allows_one_view_per_subpartition() {
         manager.register(partition.handle()).unwrap_err(),
         PartitionError::DuplicatePartition(ID)
     );
-    let _view = manager.create_view(ID, 0, signal.clone()).unwrap();
+    let view = manager.create_view(ID, 0, signal.clone()).unwrap();
     assert_eq!(
         manager.create_view(ID, 0, signal.clone()).unwrap_err(),
         PartitionError::ViewExists(0)
@@ -1296,6 +1324,8 @@ fn the_manager_finds_partitions_and_allows_one_view_per_subpartition() {
     ));
     manager.release(ID).unwrap();
     assert!(manager.is_empty());
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1375,6 +1405,8 @@ fn broadcast_records_share_one_segment_across_subpartitions() {
         assert_eq!(records_of(item), vec![b"everyone".to_vec()]);
         assert_eq!(item.buffer.segment_index(), items[0].buffer.segment_index());
     }
+    drop((items, views, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1400,6 +1432,7 @@ fn selectors_spread_round_robin_and_keep_keys_together() {
             .collect();
         assert_eq!(got, expected);
     }
+    drop((views, writer));
 
     let id = ResultPartitionId {
         partition: 2,
@@ -1423,6 +1456,8 @@ fn selectors_spread_round_robin_and_keep_keys_together() {
         }
     }
     assert!(channel_of_key.iter().all(Option::is_some));
+    drop((views, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1441,6 +1476,8 @@ fn the_output_flusher_makes_data_readable_without_an_explicit_flush() {
         records_of(&view.poll_next().unwrap()),
         vec![b"soon".to_vec()]
     );
+    drop((view, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A listener whose first notification panics; it counts the later ones in `signal`.
@@ -1487,6 +1524,8 @@ fn the_output_flusher_outlives_a_panicking_listener() {
         "the flusher stopped at the listener's panic"
     );
     assert_eq!(records_of(&view.poll_next().unwrap()), [b"second".to_vec()]);
+    drop((view, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A listener that panics is told again of what comes next: its panic cost that
@@ -1512,6 +1551,8 @@ fn a_listener_that_panicked_is_told_of_the_next_data() {
         records_of(&view.poll_next().unwrap()),
         [b"first".to_vec(), b"second".to_vec()]
     );
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1610,6 +1651,8 @@ fn a_reader_woken_for_nothing_new_waits_again_and_hears_of_the_next_data() {
         records_of(&view.poll_next().unwrap()),
         vec![b"two".to_vec()]
     );
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -1741,6 +1784,8 @@ fn the_backlog_counts_a_flushed_tail_only_when_it_is_next_and_holds_bytes() {
     let tail = view.poll_next().unwrap();
     assert_eq!(tail.buffer.len(), 6 + 5 * 1002 - 4096);
     assert_eq!(tail.backlog, 0);
+    drop((first, full, tail, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -2080,6 +2125,7 @@ fn a_partition_refuses_a_configuration_that_cannot_work() {
         ResultPartition::new(ID, 1, &network, &config),
         Err(PartitionError::Pool(PoolError::Config(_)))
     ));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A selector that broadcasts every record and counts how often it was asked.

@@ -1591,6 +1591,8 @@ fn task_events_sent_while_the_request_waits_reach_the_producer_once_it_is_found(
     server.poll_transmit(start + Duration::from_millis(60));
     assert_eq!(server.reader_count(), 1, "the request was served");
     assert_eq!(*heard.0.lock().unwrap(), tasks(&[b"first", b"second"]));
+    drop((server, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// Held task events go to a producer that listens by now, in order, ahead of the next event
@@ -1651,6 +1653,8 @@ fn task_events_held_past_the_bound_refuse_their_request() {
         0,
         "the refused request was withdrawn"
     );
+    drop((server, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// An ErrorResponse for one receiver ends its request as a cancellation does, also while the
@@ -1690,4 +1694,6 @@ fn an_error_for_a_receiver_waiting_for_its_partition_withdraws_the_request() {
         partition.handle().create_view(0, Arc::new(Deaf)).is_ok(),
         "the subpartition's view is free"
     );
+    drop((server, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
 }

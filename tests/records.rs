@@ -207,6 +207,8 @@ fn a_length_over_the_maximum_is_refused_before_any_allocation() {
             max: 64
         }
     );
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -421,6 +423,8 @@ fn a_stream_ending_inside_a_record_is_truncated() {
         .unwrap();
     assert_eq!(reader.next_record().unwrap(), None);
     assert_eq!(reader.finish().unwrap_err(), RecordError::Truncated);
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -436,6 +440,8 @@ fn a_new_buffer_before_the_old_one_is_read_is_refused() {
             .unwrap_err(),
         RecordError::BufferNotConsumed
     );
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]
@@ -448,6 +454,9 @@ fn oversized_records_are_refused_by_the_writer() {
     let err = record::serialize(&[0u8; 65][..], &mut sink, 64).unwrap_err();
     assert_eq!(err, RecordError::TooLarge { len: 65, max: 64 });
     assert!(sink.current.is_none(), "nothing was written");
+    drop(sink);
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A user type that writes itself in two pieces straight into the segment.
@@ -500,6 +509,9 @@ fn user_types_write_directly_and_a_wrong_length_keeps_the_stream_framed() {
     assert_eq!(got[0], b"\0\0\0\x07seven");
     assert_eq!(got[1], b"abc\0\0\0\0\0\0\0");
     assert_eq!(got[2], b"after");
+    drop((reader, sink));
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 /// A broken user type: says 10 bytes, writes 3 and then 8.
@@ -532,4 +544,7 @@ fn a_record_writing_more_than_it_declared_is_refused_with_its_own_counts() {
             written: 11
         }
     );
+    drop(sink);
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
 }

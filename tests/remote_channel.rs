@@ -390,6 +390,10 @@ fn a_buffer_behind_an_undecodable_event_is_read_after_the_error() {
         .unwrap()
         .expect("the buffer behind the bad event");
     assert_eq!(data(&after.item), b"after");
+    drop(after);
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
 /// A blocking barrier whose bytes do not decode fails that read and then its channel for
