@@ -2115,6 +2115,85 @@ fn an_async_emit_refuses_a_record_too_large_without_waiting() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// The blocking emits refuse a record over `fluxgate.record.max-size` at once too, also with
+/// its queue full: the wait before a record's first byte, for room, came first.
+#[test]
+fn a_blocking_emit_refuses_a_record_too_large_without_waiting() {
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    config.set("fluxgate.record.max-size", "1024").unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (view, _signal) = view(&partition, 0);
+    // Broadcast buffers fill the queue of a reader that takes nothing (bounded: within a few).
+    assert!(
+        (0..1_000).any(|_| poll_once(partition.broadcast_record_async(&[7u8; 1000][..])).is_none()),
+        "the queue never filled"
+    );
+    let (done, refused) = mpsc::channel();
+    let writer = thread::spawn(move || {
+        let too_large = [0u8; 2000];
+        let results = [
+            partition.broadcast_record(&too_large[..]),
+            partition.emit_record(&too_large[..], 0),
+        ];
+        done.send(results).unwrap();
+        partition
+    });
+    let results = refused
+        .recv_timeout(LONG)
+        .expect("a record too large waited for room");
+    for result in results {
+        assert!(
+            matches!(
+                result,
+                Err(PartitionError::Record(RecordError::TooLarge {
+                    len: 2000,
+                    max: 1024
+                }))
+            ),
+            "{result:?}"
+        );
+    }
+    let partition = writer.join().unwrap();
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A partition whose queue is clamped to its tiny pool (a segment per subpartition, no
+/// floating buffers, and as many overdraft segments) writes a record over more buffers than
+/// the queue holds. The wait for room before it asked for all of them at once, with the
+/// writer's own open, unflushed buffer in the queue and the reader parked untold: for good.
+#[test]
+fn a_record_over_more_buffers_than_a_tiny_queue_holds_still_goes_out() {
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.buffers-per-channel", "1")
+        .unwrap();
+    config
+        .set("taskmanager.network.memory.floating-buffers-per-gate", "0")
+        .unwrap();
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let (done, finished) = mpsc::channel();
+    let writer = thread::spawn(move || {
+        let mut partition = partition;
+        partition.emit_record(&[1u8; 10][..], 0).unwrap();
+        partition.emit_record(&[2u8; 20_000][..], 0).unwrap();
+        partition.finish().unwrap();
+        done.send(()).unwrap();
+        partition
+    });
+    let (reader, events) = read_to_end(&mut view, &signal);
+    finished.recv_timeout(LONG).expect("the writer stalled");
+    assert_eq!(reader.records, [(10, 1), (20_000, 2)]);
+    assert_eq!(events, [Event::EndOfPartition]);
+    let partition = writer.join().unwrap();
+    drop((view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// A partition checks the configuration it is given (its fields are public): a
 /// `max-buffers-per-channel` of 0 made the first emit wait for good.
 #[test]

@@ -363,6 +363,8 @@ impl ResultPartition {
                 count: self.unicast.len(),
             });
         }
+        // Before any wait, too: refused whatever the back pressure.
+        self.check_record_size(record)?;
         if self.broadcast.is_some() {
             self.finish_broadcast_builder(Sent::Yes);
         }
@@ -442,6 +444,7 @@ impl ResultPartition {
         record: &R,
     ) -> Result<(), PartitionError> {
         self.check_writable()?;
+        self.check_record_size(record)?;
         self.finish_unicast_builders(Sent::Yes);
         self.wait_before_record(record, Target::Broadcast)?;
         self.broadcast_record_general(record)
@@ -611,11 +614,16 @@ impl ResultPartition {
         target: Target,
     ) -> Result<(), PartitionError> {
         let open = self.open_builder(target);
+        let buffers = self.buffers_for(record, open);
+        if buffers == 0 {
+            // It fits the open buffer (and so does not cross it).
+            return Ok(());
+        }
         let crosses = self.crosses(record, open);
-        let room = Queued::Buffers(self.buffers_for(record, open));
+        let room = Queued::Buffers(buffers);
         let (pool, subpartitions) = (&self.pool, &self.handle.shared.subpartitions[..]);
         let readers = target.readers(subpartitions);
-        if room != Queued::Buffers(0) && !readers.iter().all(|s| s.has_room(room)) {
+        if !readers.iter().all(|s| s.has_room(room)) {
             until_available_timed(
                 &mut self.barrier_timer,
                 pool,

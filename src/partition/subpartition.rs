@@ -55,8 +55,9 @@ pub(crate) enum Conversion {
 pub(crate) enum Queued {
     /// A data buffer (unicast or broadcast): the data lane, short of its event reserve.
     Buffer,
-    /// This many data buffers at once (a record's that runs into more than one), at most as
-    /// many as the lane takes.
+    /// This many data buffers at once (a record's that runs into more than one), at most one
+    /// fewer than the lane takes: the writer's own open buffer may sit in it until the reader
+    /// looks, and nothing may need the reader to look (a lane clamped to a tiny pool).
     Buffers(usize),
     /// An event in line with the data: the data lane, reserve included.
     Event,
@@ -395,7 +396,8 @@ impl PipelinedSubpartition {
         match queued {
             Queued::Buffer => self.data.len() < self.buffer_room,
             Queued::Buffers(count) => {
-                self.data.len() + count.min(self.buffer_room) <= self.buffer_room
+                let count = count.clamp(1, self.buffer_room.saturating_sub(1).max(1));
+                self.data.len() + count <= self.buffer_room
             }
             Queued::Event => !self.data.is_full(),
             Queued::PriorityEvent => !self.priority.is_full(),
