@@ -2161,10 +2161,10 @@ fn a_blocking_emit_refuses_a_record_too_large_without_waiting() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
-/// A partition whose queue is clamped to its tiny pool (a segment per subpartition, no
-/// floating buffers, and as many overdraft segments) writes a record over more buffers than
-/// the queue holds. The wait for room before it asked for all of them at once, with the
-/// writer's own open, unflushed buffer in the queue and the reader parked untold: for good.
+/// A partition whose queue is clamped to its tiny pool (two segments, no floating buffers,
+/// and as many overdraft segments) writes a record over more buffers than the queue holds.
+/// The wait for room before it asked for all of them at once, with the writer's own open,
+/// unflushed buffer in the queue and the reader parked untold: for good.
 #[test]
 fn a_record_over_more_buffers_than_a_tiny_queue_holds_still_goes_out() {
     let (network, mut config) = setup(64);
@@ -2174,17 +2174,24 @@ fn a_record_over_more_buffers_than_a_tiny_queue_holds_still_goes_out() {
     config
         .set("taskmanager.network.memory.floating-buffers-per-gate", "0")
         .unwrap();
-    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (mut view, signal) = view(&partition, 0);
+    // An open buffer holding a record, unflushed, which its reader has not looked at: nothing
+    // tells the reader of it.
+    partition.emit_record(&[1u8; 10][..], 0).unwrap();
     let (done, finished) = mpsc::channel();
     let writer = thread::spawn(move || {
         let mut partition = partition;
-        partition.emit_record(&[1u8; 10][..], 0).unwrap();
         partition.emit_record(&[2u8; 20_000][..], 0).unwrap();
         partition.finish().unwrap();
         done.send(()).unwrap();
         partition
     });
+    // The reader looks once told: by the first buffer the long record finishes.
+    assert!(
+        signal.wait_beyond(0),
+        "the writer stalled before the long record"
+    );
     let (reader, events) = read_to_end(&mut view, &signal);
     finished.recv_timeout(LONG).expect("the writer stalled");
     assert_eq!(reader.records, [(10, 1), (20_000, 2)]);

@@ -486,9 +486,9 @@ impl ResultPartition {
         self.broadcast_record_general(record)
     }
 
-    /// Refuses a record longer than `fluxgate.record.max-size` before an async emit waits for
-    /// anything (the write would refuse it after the wait: under back pressure, a future
-    /// pending for as long as the consumer stalls, for a record that never goes out).
+    /// Refuses a record longer than `fluxgate.record.max-size` before an emit waits for
+    /// anything (the write would refuse it after the wait: under back pressure, an emit
+    /// waiting for as long as the consumer stalls, for a record that never goes out).
     fn check_record_size<R: Record + ?Sized>(&self, record: &R) -> Result<(), PartitionError> {
         let len = record.encoded_len();
         if len > self.max_record_bytes || len > u32::MAX as usize {
@@ -602,7 +602,8 @@ impl ResultPartition {
     }
 
     /// Before a record's first byte: waits until the buffers it runs into can be had without
-    /// a wait inside it, room for them in the target's queues (every queue, for a broadcast;
+    /// a wait inside it (as far as the queue's size allows: see `Queued::Buffers`), room for
+    /// them in the target's queues (every queue, for a broadcast;
     /// a queue fills before the pool when broadcast buffers pile up behind a stalled reader)
     /// and, for a record running past the open buffer, a segment at hand, as a Flink task
     /// waits for its output to be available before it processes a record. So the record stops

@@ -57,7 +57,9 @@ pub(crate) enum Queued {
     Buffer,
     /// This many data buffers at once (a record's that runs into more than one), at most one
     /// fewer than the lane takes: the writer's own open buffer may sit in it until the reader
-    /// looks, and nothing may need the reader to look (a lane clamped to a tiny pool).
+    /// looks, and nothing may need the reader to look (a lane clamped to a tiny pool). A
+    /// partition's lanes take at least two buffers (twice `max-buffers-per-channel`, and at
+    /// least the pool's two segments plus overdraft).
     Buffers(usize),
     /// An event in line with the data: the data lane, reserve included.
     Event,
