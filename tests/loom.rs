@@ -1668,6 +1668,24 @@ impl AvailabilityListener for Told {
     }
 }
 
+/// A partition of one subpartition over 4 segments, its view, and what the view was told.
+fn one_subpartition_told() -> (
+    NetworkBufferPool,
+    ResultPartition,
+    fluxgate::partition::SubpartitionView,
+    Arc<Told>,
+) {
+    let pool = network(4);
+    let id = ResultPartitionId {
+        partition: 1,
+        producer: 1,
+    };
+    let partition = ResultPartition::new(id, 1, &pool, &config(4)).unwrap();
+    let told = Arc::new(Told::default());
+    let view = partition.handle().create_view(0, told.clone()).unwrap();
+    (pool, partition, view, told)
+}
+
 /// (p10) The reader takes the flushed start of a buffer while the producer fills it, starts the
 /// next one with the rest of its record and flushes that: the second flush is neither lost
 /// nor unheard. Every byte written ends up read, and bytes readable after the reader parked
@@ -1677,15 +1695,7 @@ impl AvailabilityListener for Told {
 #[test]
 fn a_flush_of_the_next_buffer_survives_the_read_of_the_one_before() {
     bounded_model(|| {
-        let pool = network(4);
-        let config = config(4);
-        let id = ResultPartitionId {
-            partition: 1,
-            producer: 1,
-        };
-        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
-        let told = Arc::new(Told::default());
-        let mut view = partition.handle().create_view(0, told.clone()).unwrap();
+        let (pool, mut partition, mut view, told) = one_subpartition_told();
         partition.emit_record(&[1u8; 3000][..], 0).unwrap();
         partition.flush(0);
 
@@ -1786,15 +1796,7 @@ fn a_release_taking_the_priority_event_leaves_no_data_for_a_reader_without_credi
 fn a_priority_event_s_notification_keeps_the_reader_s_later_park() {
     use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
     bounded_model(|| {
-        let pool = network(4);
-        let config = config(4);
-        let id = ResultPartitionId {
-            partition: 1,
-            producer: 1,
-        };
-        let mut partition = ResultPartition::new(id, 1, &pool, &config).unwrap();
-        let told = Arc::new(Told::default());
-        let mut view = partition.handle().create_view(0, told.clone()).unwrap();
+        let (pool, mut partition, mut view, told) = one_subpartition_told();
         let barrier = |id, alignment| {
             Event::CheckpointBarrier(CheckpointBarrier {
                 id,

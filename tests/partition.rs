@@ -2078,18 +2078,36 @@ fn a_record_running_into_a_full_queue_waits_before_its_first_byte() {
     }
 }
 
-/// An async emit refuses a record over `fluxgate.record.max-size` at once, as the blocking
-/// one does, also while its subpartition is back-pressured: it waited for room and a buffer
-/// first, pending for as long as the consumer stalled, only to refuse the record then.
-#[test]
-fn an_async_emit_refuses_a_record_too_large_without_waiting() {
+/// A partition of one subpartition that may hold one buffer and refuses records over 1024
+/// bytes, with its view.
+fn refusing_records_over_1024() -> (NetworkBufferPool, ResultPartition, SubpartitionView) {
     let (network, mut config) = setup(64);
     config
         .set("taskmanager.network.memory.max-buffers-per-channel", "1")
         .unwrap();
     config.set("fluxgate.record.max-size", "1024").unwrap();
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
     let (view, _signal) = view(&partition, 0);
+    (network, partition, view)
+}
+
+/// `result` refused a record of `len` bytes as over the 1024 allowed.
+fn assert_too_large(result: Result<(), PartitionError>, len: usize) {
+    assert!(
+        matches!(
+            result,
+            Err(PartitionError::Record(RecordError::TooLarge { len: l, max: 1024 })) if l == len
+        ),
+        "{result:?}"
+    );
+}
+
+/// An async emit refuses a record over `fluxgate.record.max-size` at once, as the blocking
+/// one does, also while its subpartition is back-pressured: it waited for room and a buffer
+/// first, pending for as long as the consumer stalled, only to refuse the record then.
+#[test]
+fn an_async_emit_refuses_a_record_too_large_without_waiting() {
+    let (network, mut partition, view) = refusing_records_over_1024();
     // 4 × 1002 + 88 bytes fill the subpartition's one buffer to its end, finishing it: the
     // next record needs a second, which the subpartition may not have.
     for _ in 0..4 {
@@ -2100,16 +2118,7 @@ fn an_async_emit_refuses_a_record_too_large_without_waiting() {
         poll_once(partition.emit_record_async(&[0u8; 1025][..], 0)),
         poll_once(partition.broadcast_record_async(&[0u8; 1025][..])),
     ] {
-        assert!(
-            matches!(
-                attempt,
-                Some(Err(PartitionError::Record(RecordError::TooLarge {
-                    len: 1025,
-                    max: 1024
-                })))
-            ),
-            "{attempt:?}"
-        );
+        assert_too_large(attempt.expect("refused at once"), 1025);
     }
     drop((view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
@@ -2119,13 +2128,7 @@ fn an_async_emit_refuses_a_record_too_large_without_waiting() {
 /// its queue full: the wait before a record's first byte, for room, came first.
 #[test]
 fn a_blocking_emit_refuses_a_record_too_large_without_waiting() {
-    let (network, mut config) = setup(64);
-    config
-        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
-        .unwrap();
-    config.set("fluxgate.record.max-size", "1024").unwrap();
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (view, _signal) = view(&partition, 0);
+    let (network, mut partition, view) = refusing_records_over_1024();
     // Broadcast buffers fill the queue of a reader that takes nothing (bounded: within a few).
     assert!(
         (0..1_000).any(|_| poll_once(partition.broadcast_record_async(&[7u8; 1000][..])).is_none()),
@@ -2145,16 +2148,7 @@ fn a_blocking_emit_refuses_a_record_too_large_without_waiting() {
         .recv_timeout(LONG)
         .expect("a record too large waited for room");
     for result in results {
-        assert!(
-            matches!(
-                result,
-                Err(PartitionError::Record(RecordError::TooLarge {
-                    len: 2000,
-                    max: 1024
-                }))
-            ),
-            "{result:?}"
-        );
+        assert_too_large(result, 2000);
     }
     let partition = writer.join().unwrap();
     drop((view, partition));
