@@ -603,12 +603,12 @@ impl ResultPartition {
 
     /// Before a record's first byte: waits until the buffers it runs into can be had without
     /// a wait inside it (as far as the queue's size allows: see `Queued::Buffers`), room for
-    /// them in the target's queues (every queue, for a broadcast;
-    /// a queue fills before the pool when broadcast buffers pile up behind a stalled reader)
-    /// and, for a record running past the open buffer, a segment at hand, as a Flink task
-    /// waits for its output to be available before it processes a record. So the record stops
-    /// before its first byte under back pressure, not inside itself, and needs overdraft only
-    /// for segments beyond that one. (Room stays: only this writer queues buffers.)
+    /// them in the target's queues (every queue, for a broadcast; a queue fills before the
+    /// pool when broadcast buffers pile up behind a stalled reader) and, for a record running
+    /// past the open buffer, a segment at hand, as a Flink task waits for its output to be
+    /// available before it processes a record. So the record stops before its first byte
+    /// under back pressure, not inside itself, and needs overdraft only for segments beyond
+    /// that one. (Room stays: only this writer queues buffers.)
     fn wait_before_record<R: Record + ?Sized>(
         &mut self,
         record: &R,
