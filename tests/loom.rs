@@ -755,6 +755,32 @@ fn two_waiters_on_one_pool_are_both_woken() {
     });
 }
 
+/// A pool at its maximum of one segment (held, the builder), allowed one overdraft segment,
+/// and the network's other segment held elsewhere: neither the pool nor its overdraft has
+/// one until something is given back.
+fn a_full_pool_and_none_elsewhere() -> (
+    NetworkBufferPool,
+    LocalBufferPool,
+    fluxgate::buffer::BufferBuilder,
+    PooledSegment,
+) {
+    let pool = network(2);
+    let local = pool
+        .create_local_pool(LocalPoolSpec {
+            min_segments: 1,
+            max_segments: 1,
+            subpartitions: 1,
+            max_segments_per_channel: 1,
+            max_listeners: 1,
+            max_overdraft_segments: 1,
+        })
+        .unwrap();
+    let held = local.request_buffer_builder(0).unwrap();
+    let elsewhere = pool.request_segment().unwrap();
+    assert_eq!(pool.available_segments(), 0);
+    (pool, local, held, elsewhere)
+}
+
 /// (p2c) An event waits for a segment while its pool is at its maximum and the global pool is
 /// empty, so neither the pool nor its overdraft has one; another thread gives a global segment
 /// back. The event gets it as an overdraft segment: the failed overdraft take registered the
@@ -763,20 +789,7 @@ fn two_waiters_on_one_pool_are_both_woken() {
 #[test]
 fn an_event_waiting_for_an_overdraft_segment_is_woken_by_a_global_give_back() {
     bounded_model(|| {
-        let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 1,
-                max_segments: 1,
-                subpartitions: 1,
-                max_segments_per_channel: 1,
-                max_listeners: 1,
-                max_overdraft_segments: 1,
-            })
-            .unwrap();
-        let held = local.request_buffer_builder(0).unwrap();
-        let elsewhere = pool.request_segment().unwrap();
-        assert_eq!(pool.available_segments(), 0);
+        let (pool, local, held, elsewhere) = a_full_pool_and_none_elsewhere();
 
         let giver = loom::thread::spawn(move || drop(elsewhere));
         let event = local
@@ -800,21 +813,8 @@ fn an_event_waiting_for_an_overdraft_segment_is_woken_by_a_global_give_back() {
 #[test]
 fn a_failed_overdraft_request_hides_no_segment_from_a_waiting_event() {
     bounded_model(|| {
-        let pool = network(2);
-        let local = Arc::new(
-            pool.create_local_pool(LocalPoolSpec {
-                min_segments: 1,
-                max_segments: 1,
-                subpartitions: 1,
-                max_segments_per_channel: 1,
-                max_listeners: 1,
-                max_overdraft_segments: 1,
-            })
-            .unwrap(),
-        );
-        let held = local.request_buffer_builder(0).unwrap();
-        let elsewhere = pool.request_segment().unwrap();
-        assert_eq!(pool.available_segments(), 0);
+        let (pool, local, held, elsewhere) = a_full_pool_and_none_elsewhere();
+        let local = Arc::new(local);
 
         let waiter = {
             let local = local.clone();

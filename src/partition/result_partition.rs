@@ -519,12 +519,17 @@ impl ResultPartition {
                 self.fire_barrier_timer();
             }
             let open = self.open_builder(target);
+            let buffers = self.buffers_for(record, open);
+            if buffers == 0 {
+                // It fits the open buffer (and so does not cross it), as in the sync wait.
+                return Ok(());
+            }
             let crosses = self.crosses(record, open);
-            let room = Queued::Buffers(self.buffers_for(record, open));
+            let room = Queued::Buffers(buffers);
             let mut timed = self.barrier_timed();
             let readers = target.readers(timed.subpartitions);
             // Room in the queues first: the write would block the thread for it.
-            if room != Queued::Buffers(0) && !readers.iter().all(|s| s.has_room(room)) {
+            if !readers.iter().all(|s| s.has_room(room)) {
                 let room = timed
                     .pool
                     .until_ready(|| readers.iter().all(|s| s.has_room_or_listen(room)));
