@@ -261,8 +261,7 @@ pub fn latency(
     let (epoch_tx, epoch_rx) = mpsc::channel::<Instant>();
     let reader = thread::spawn(move || -> std::io::Result<Histogram<u64>> {
         as_reader(pinning)?;
-        let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let mut histogram = super::bench::latency_histogram().map_err(std::io::Error::other)?;
         let mut buffer = vec![0u8; BATCH];
         // Exactly the warm-up frame: the measured ones start after it.
         let mut warm = 0;
@@ -284,7 +283,7 @@ pub fn latency(
             }
             let now = epoch.elapsed().as_nanos() as u64;
             stamps.feed(&buffer[..n], |sent| {
-                histogram.saturating_record(now.saturating_sub(sent).max(1));
+                super::bench::record_latency(&mut histogram, now.saturating_sub(sent));
             });
         }
     });

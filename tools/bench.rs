@@ -990,12 +990,33 @@ fn throughput(
     Ok((figures, metrics, transport))
 }
 
-/// Nanoseconds since the Unix epoch: the clock both processes of a remote latency run share
-/// (`Instant` cannot cross a process boundary). Its rare steps would show as outliers.
-fn wall_nanos() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+/// Nanoseconds on `CLOCK_MONOTONIC`, the clock the baseline's `Instant` reads: both
+/// processes of a remote latency run share it (they run on one machine), and unlike the wall
+/// clock it never steps, so an NTP correction cannot shift the engine's samples and not the
+/// baseline's.
+fn monotonic_nanos() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// A latency histogram (ns) that grows past its first bound of a minute rather than clip:
+/// a paced sender that falls behind for long measures from the scheduled send times, and its
+/// samples grow without a bound; a clipped max would print too low, and on one side only.
+pub(crate) fn latency_histogram() -> Result<Histogram<u64>, String> {
+    let mut histogram =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+    histogram.auto(true);
+    Ok(histogram)
+}
+
+/// Records one latency sample (ns) in a [`latency_histogram`], growing it as needed
+/// (`saturating_record` would clip even a growing histogram); 0 counts as 1 ns.
+pub(crate) fn record_latency(histogram: &mut Histogram<u64>, nanos: u64) {
+    let nanos = nanos.max(1);
+    if histogram.record(nanos).is_err() {
+        // Beyond what a u64 histogram can grow to: clipped there.
+        histogram.saturating_record(nanos);
+    }
 }
 
 /// The send time a latency run's warm-up record carries: it is not measured.
@@ -1017,12 +1038,12 @@ fn produce_latency(
     writer.emit(&record[..]).map_err(|e| e.to_string())?;
     start()?;
     let epoch = Instant::now();
-    let epoch_wall = wall_nanos();
+    let epoch_nanos = monotonic_nanos();
     let total = (args.rate as f64 * args.latency_duration) as u64;
     for i in 0..total {
         let scheduled = scheduled(i, args.rate);
         pace(epoch, scheduled);
-        let sent = epoch_wall + scheduled.as_nanos() as u64;
+        let sent = epoch_nanos + scheduled.as_nanos() as u64;
         record[..8].copy_from_slice(&sent.to_le_bytes());
         writer.emit(&record[..]).map_err(|e| e.to_string())?;
     }
@@ -1036,8 +1057,7 @@ fn consume_latency(
     max_record: usize,
     started: impl FnOnce() -> Result<(), String>,
 ) -> Result<Histogram<u64>, String> {
-    let mut histogram =
-        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+    let mut histogram = latency_histogram()?;
     let mut reader = RecordReader::new(gate, max_record);
     match reader.next_timeout(Duration::from_secs(30)) {
         Ok(Some(ReaderItem::Record { bytes, .. }))
@@ -1053,7 +1073,7 @@ fn consume_latency(
                     return Err(format!("a {} B record in the latency run", bytes.len()));
                 };
                 let sent = u64::from_le_bytes(sent.try_into().expect("8 bytes"));
-                histogram.saturating_record(wall_nanos().saturating_sub(sent).max(1));
+                record_latency(&mut histogram, monotonic_nanos().saturating_sub(sent));
             }
             Ok(Some(ReaderItem::Event { .. })) => {}
             Ok(None) => return Ok(histogram),
@@ -1332,4 +1352,22 @@ fn cpu_time() -> Duration {
         now.tv_sec.max(0) as u64,
         now.tv_nsec.clamp(0, 999_999_999) as u32,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_latency_beyond_a_minute_is_reported_as_it_was() {
+        let mut histogram = latency_histogram().unwrap();
+        let two_minutes = 120_000_000_000;
+        record_latency(&mut histogram, two_minutes);
+        // hdrhistogram reports a value's bucket; at 3 significant digits that is within 0.1 %.
+        let max = histogram.max();
+        assert!(
+            max.abs_diff(two_minutes) <= two_minutes / 1000,
+            "a two-minute sample reported as {max} ns"
+        );
+    }
 }
