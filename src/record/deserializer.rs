@@ -230,8 +230,9 @@ impl RecordDeserializer {
         Ok(())
     }
 
-    /// Heap bytes held for assembling records that span buffers (at most 64 KiB between
-    /// such records, unless a larger one is being assembled).
+    /// Heap bytes held for assembling records that span buffers: what the largest recent one
+    /// needed, kept for the next until 64 buffers in a row need none (or the next such record
+    /// starts, or the reader is cleared); see the type's documentation.
     pub fn held_bytes(&self) -> usize {
         self.scratch.capacity()
     }
@@ -377,8 +378,9 @@ impl RecordDeserializer {
         }
     }
 
-    /// True when a record has begun but not ended (checked when the channel ends: a partial
-    /// record then means a truncated stream).
+    /// True when bytes of the stream have not come out as records: a record begun and not
+    /// ended, or the unread rest of the current buffer (checked when the channel ends, after
+    /// the reader has read until `Ok(None)`: then only a truncated stream leaves any).
     pub fn has_partial_record(&self) -> bool {
         self.spanning.is_some()
             || self.prefix_len > 0
@@ -409,7 +411,9 @@ impl RecordDeserializer {
         out.len() > start
     }
 
-    /// Fails with [`RecordError::Truncated`] if a record was begun and never finished.
+    /// Ends the stream: fails with [`RecordError::Truncated`] if bytes of it have not come out
+    /// as records ([`Self::has_partial_record`]): a record begun and never finished, or a
+    /// buffer not read to its end, whose records are dropped with it.
     pub fn finish(&mut self) -> Result<(), RecordError> {
         let partial = self.has_partial_record();
         self.clear();
