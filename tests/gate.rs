@@ -258,6 +258,25 @@ fn an_update_whose_request_fails_fails_the_reads() {
     assert!(f.all_segments_back());
 }
 
+/// Flink's inPoolUsage counts segments holding data: the exclusive segments reserved for a
+/// channel not located yet hold none (an unknown channel holds no buffers in Flink).
+#[test]
+fn in_pool_usage_leaves_out_the_segments_reserved_for_unknown_channels() {
+    let f = fixture();
+    let gate = f.gate(&[(2, 0), (3, 0)], ChannelLocation::Unknown);
+    let pool = gate
+        .pool()
+        .expect("unknown channels reserve remote segments");
+    assert_eq!(
+        pool.in_use_segments(),
+        2 * f.config.buffers_per_channel,
+        "both channels' exclusive segments are reserved"
+    );
+    assert_eq!(gate.metrics_snapshot().in_pool_usage, 0.0);
+    drop(gate);
+    assert!(f.all_segments_back());
+}
+
 /// A gate checks the configuration it is given at setup (its fields are public): an absurd
 /// `buffers-per-channel` is refused as a configuration error, not tried against the pool.
 #[test]

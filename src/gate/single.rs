@@ -459,7 +459,9 @@ impl SingleInputGate {
     }
 
     /// The two sides of [`pool_usage`](Self::pool_usage): segments holding data, and the pool's
-    /// maximum (both 0 without a pool).
+    /// maximum (both 0 without a pool). Not holding data: what remote channels hold free as
+    /// credit, and the exclusive segments reserved for channels not located yet (an unknown
+    /// channel holds no buffers in Flink; here it keeps its remote successor's).
     pub(crate) fn pool_segments_in_use(&self) -> (usize, usize) {
         let Some(pool) = &self.pool else {
             return (0, 0);
@@ -472,8 +474,9 @@ impl SingleInputGate {
                 _ => None,
             })
             .sum();
+        let reserved: usize = self.reserved.iter().map(Vec::len).sum();
         (
-            pool.in_use_segments().saturating_sub(credit),
+            pool.in_use_segments().saturating_sub(credit + reserved),
             pool.spec().max_segments,
         )
     }
