@@ -547,25 +547,41 @@ impl NetworkConfig {
                 "must be from 1 byte to 2 GiB - 1",
             );
         }
-        if self.request_backoff_initial.is_zero()
-            || self.request_backoff_max < self.request_backoff_initial
-        {
+        if self.request_backoff_initial.is_zero() {
+            return invalid(
+                "taskmanager.network.request-backoff.initial",
+                0,
+                "the initial back-off must be above 0 ms",
+            );
+        }
+        if self.request_backoff_max < self.request_backoff_initial {
             return invalid(
                 "taskmanager.network.request-backoff.max",
                 self.request_backoff_max.as_millis() as usize,
-                "the initial back-off must be above 0 ms and at most the maximum",
+                "the maximum back-off must be at least the initial one",
             );
         }
         // The kernel's own ranges (TCP_KEEPIDLE/KEEPINTVL ≤ 32767 s, TCP_KEEPCNT ≤ 127,
         // TCP_USER_TIMEOUT ≤ i32::MAX ms): outside them every socket option call fails.
-        if !(1..=32767).contains(&self.keepalive_idle.as_secs())
-            || !(1..=32767).contains(&self.keepalive_interval.as_secs())
-            || !(1..=127).contains(&self.keepalive_count)
-        {
-            return invalid(
+        for (key, seconds) in [
+            (
                 "taskmanager.network.netty.client.tcp.keepIdleSec",
-                self.keepalive_idle.as_secs() as usize,
-                "keepalive idle time and interval must be 1 to 32767 s and count 1 to 127",
+                self.keepalive_idle.as_secs(),
+            ),
+            (
+                "taskmanager.network.netty.client.tcp.keepIntervalSec",
+                self.keepalive_interval.as_secs(),
+            ),
+        ] {
+            if !(1..=32767).contains(&seconds) {
+                return invalid(key, seconds as usize, "must be 1 to 32767 s");
+            }
+        }
+        if !(1..=127).contains(&self.keepalive_count) {
+            return invalid(
+                "taskmanager.network.netty.client.tcp.keepCount",
+                self.keepalive_count as usize,
+                "must be 1 to 127",
             );
         }
         if self.tcp_user_timeout.as_millis() > i32::MAX as u128 {
@@ -1045,6 +1061,33 @@ mod tests {
         // A refused set changes nothing.
         assert!(config.set_all([(max, "70000"), (initial, "-1")]).is_err());
         assert_eq!(config.request_backoff_max, Duration::from_secs(60));
+    }
+
+    /// Options set together in a file: a value refused only by a check spanning several
+    /// options still names its own key and value (the checks once blamed the back-off's
+    /// maximum and the keepalive idle time for every such value).
+    #[test]
+    fn a_refusal_among_several_options_names_the_option_at_fault() {
+        let segment_size = ("taskmanager.memory.segment-size", "32kb");
+        for (key, value) in [
+            ("taskmanager.network.netty.client.tcp.keepCount", "0"),
+            (
+                "taskmanager.network.netty.client.tcp.keepIntervalSec",
+                "40000",
+            ),
+            ("taskmanager.network.netty.client.tcp.keepIdleSec", "0"),
+            ("taskmanager.network.request-backoff.initial", "0"),
+        ] {
+            let refused = NetworkConfig::default().set_all([(key, value), segment_size]);
+            match refused {
+                Err(ConfigError::InvalidValue {
+                    key: named,
+                    value: named_value,
+                    ..
+                }) => assert_eq!((named.as_str(), named_value.as_str()), (key, value)),
+                other => panic!("{key} = {value}: expected a refusal, got {other:?}"),
+            }
+        }
     }
 
     #[test]
