@@ -1125,8 +1125,8 @@ fn bench_config_file_errors_are_clear() {
             vec!["invalid value `lots` for `taskmanager.memory.segment-size`"],
         ),
         (
-            "\"taskmanager.memory.segment-size\" = true\n",
-            vec!["expected a string or an integer, got boolean"],
+            "\"taskmanager.memory.segment-size\" = 1.5\n",
+            vec!["expected a string, an integer or a boolean, got float"],
         ),
         ("[taskmanager\n", vec!["TOML parse error at line 1"]),
     ];

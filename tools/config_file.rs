@@ -7,10 +7,11 @@ use std::path::Path;
 use fluxgate::config::ConfigError;
 use fluxgate::NetworkConfig;
 
-/// The options of a config file as `(Flink name, value)` strings, in file order. Nested tables
+/// The options of a config file as `(Flink name, value)` strings, sorted by name (their order
+/// does not matter: they are set all at once). Nested tables
 /// join their keys with dots, so `taskmanager.memory.segment-size = "16kb"` (a dotted key) and
-/// the quoted `"taskmanager.memory.segment-size" = "16kb"` mean the same. Values are strings
-/// or integers.
+/// the quoted `"taskmanager.memory.segment-size" = "16kb"` mean the same. Values are strings,
+/// integers or booleans (`security.ssl.internal.enabled = true`).
 pub fn read_options(path: &Path) -> Result<Vec<(String, String)>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read config file `{}`: {e}", path.display()))?;
@@ -25,16 +26,28 @@ pub fn read_options(path: &Path) -> Result<Vec<(String, String)>, String> {
     flatten("", &table, &mut leaves);
     leaves
         .into_iter()
-        .map(|(key, value)| match value {
-            toml::Value::String(s) => Ok((key, s.clone())),
-            toml::Value::Integer(i) => Ok((key, i.to_string())),
-            other => Err(format!(
-                "config file `{}`: `{key}`: expected a string or an integer, got {}",
-                path.display(),
-                other.type_str()
+        .map(|(key, value)| match option_text(value) {
+            Ok(text) => Ok((key, text)),
+            Err(refused) => Err(format!(
+                "config file `{}`: `{key}`: {refused}",
+                path.display()
             )),
         })
         .collect()
+}
+
+/// An option's TOML value as the text [`NetworkConfig::set`] takes: a string as it is, an
+/// integer or a boolean written out; any other type is refused, saying what it was.
+pub fn option_text(value: &toml::Value) -> Result<String, String> {
+    match value {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        other => Err(format!(
+            "expected a string, an integer or a boolean, got {}",
+            other.type_str()
+        )),
+    }
 }
 
 /// Applies a config file to `config`; returns the names it set. A bad key or value is an
@@ -87,5 +100,39 @@ fn flatten<'a>(prefix: &str, table: &'a toml::Table, out: &mut Vec<(String, &'a 
             toml::Value::Table(inner) => flatten(&key, inner, out),
             leaf => out.push((key, leaf)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The README writes `security.ssl.internal.enabled = true`: a bare TOML boolean reads as
+    /// the option's value, as the string "true" does (it was refused as not a string).
+    #[test]
+    fn a_boolean_value_reads_as_the_option_s_value() {
+        let dir = std::env::temp_dir().join(format!("fluxgate-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("bool.toml");
+        std::fs::write(
+            &path,
+            "security.ssl.internal.enabled = false\n\"fluxgate.network.zero-copy-send\" = \"off\"\n",
+        )
+        .unwrap();
+        let options = read_options(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            options.unwrap(),
+            [
+                (
+                    "fluxgate.network.zero-copy-send".to_owned(),
+                    "off".to_owned()
+                ),
+                (
+                    "security.ssl.internal.enabled".to_owned(),
+                    "false".to_owned()
+                ),
+            ]
+        );
     }
 }

@@ -381,16 +381,8 @@ impl Topology {
         let mut network = NetworkConfig::default();
         let mut options = Vec::with_capacity(file.network.len());
         for (key, value) in &file.network {
-            let text = match value {
-                toml::Value::String(s) => s.clone(),
-                toml::Value::Integer(i) => i.to_string(),
-                other => {
-                    return Err(format!(
-                        "[network] `{key}`: expected a string or an integer, got {}",
-                        other.type_str()
-                    ))
-                }
-            };
+            let text = crate::config_file::option_text(value)
+                .map_err(|refused| format!("[network] `{key}`: {refused}"))?;
             options.push((key.clone(), text));
         }
         // All at once: the relations between options are checked after every one is set.
