@@ -1602,6 +1602,14 @@ fn a_barrier_received_behind_data_goes_ahead_of_it_when_its_alignment_times_out(
         "the barrier moved ahead is not read again"
     );
     assert_eq!(persisted(&sink).len(), 2, "nothing persisted twice");
+    // Every item received counts as read in, the barrier moved ahead too (Flink reads it from
+    // the head of the queue, where it counts like any other).
+    let metrics = gate.gate().metrics_snapshot();
+    let barrier_bytes = encoded(&barrier).len() as u64;
+    assert_eq!(
+        (metrics.num_buffers_in, metrics.num_bytes_in),
+        (4, 2 * barrier_bytes + 6)
+    );
     drop((first, one, two, gate, sender0, sender1));
     assert_eq!(f.leased(), 0);
 }

@@ -945,6 +945,10 @@ impl RemoteInputChannel {
         self.data_taken += 1;
         debug_assert!(barrier.buffer.data_type().requires_announcement());
         shared.unread_events.fetch_sub(1, Ordering::Relaxed);
+        // Read in, though not handed to the task: Flink's channel reads it from the head of
+        // its queue, and counts it there.
+        self.metrics().num_buffers_in.add(1);
+        self.metrics().num_bytes_in.add(barrier.buffer.len() as u64);
         drop(barrier);
         true
     }
