@@ -1614,6 +1614,78 @@ fn a_barrier_received_behind_data_goes_ahead_of_it_when_its_alignment_times_out(
     assert_eq!(f.leased(), 0);
 }
 
+/// Reads what the gate delivers now, dropping it; returns the data read, concatenated.
+fn read_all_now(gate: &mut CheckpointedInputGate<SingleInputGate>) -> Vec<u8> {
+    let mut read = Vec::new();
+    for _ in 0..64 {
+        let Some(item) = gate.poll_next().unwrap() else {
+            return read;
+        };
+        if let GateItem::Buffer(buffer) = &item.item {
+            read.extend_from_slice(buffer.as_slice());
+        }
+    }
+    panic!("the gate delivered more than 64 items");
+}
+
+#[test]
+fn a_newer_unaligned_barrier_ahead_of_data_an_older_barrier_moved_ahead_persists_only_that() {
+    // The producer sends a newer unaligned barrier ahead of an older timeoutable one still in
+    // its queue. Here the older one's alignment times out before the task reads on, and moves
+    // it ahead of the data before it: that data is the newer checkpoint's in-flight data as
+    // well (the newer barrier overtook it), but once, and the older barrier, dropped, is not
+    // waited for; what the sender wrote after the newer barrier is not in its checkpoint.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let five = common::timeoutable_barrier(5, 60_000, 0);
+    sender0.send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    assert!(gate.poll_next().unwrap().is_none(), "channel 0 aligns on 5");
+    // The sender's queue held one, two and barrier 5 behind barrier 6.
+    sender1.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 3);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    sender1.send(b"two", DataType::DataBuffer, 0).unwrap();
+    sender1.send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    gate.handle_timeout(Instant::now() + Duration::from_secs(120))
+        .unwrap();
+    assert_eq!(read_all_now(&mut gate), b"onetwo");
+    assert_eq!(sink.channel_state(5, 1), b"onetwo");
+    assert!(
+        sender1.announce() > 0,
+        "the buffers read came back as credit"
+    );
+    sender1.send(b"three", DataType::DataBuffer, 0).unwrap();
+    sender0.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 0);
+    assert_eq!(read_all_now(&mut gate), b"three");
+    assert_eq!(sink.channel_state(6, 1), b"onetwo");
+    assert_eq!(*sink.complete.lock().unwrap(), [5, 6]);
+    drop((gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn a_priority_barrier_twice_on_a_channel_persists_its_data_once() {
+    // A sender that sends its unaligned barrier twice (hostile, or broken): the data the
+    // first overtook here goes to the checkpoint once, not again with the second.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    sender1.send(b"two", DataType::DataBuffer, 0).unwrap();
+    sender1.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 0);
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(matches!(
+        first.item,
+        GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.id == 6
+    ));
+    sender1.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 0);
+    assert_eq!(read_all_now(&mut gate), b"onetwo");
+    sender0.send_event(&barrier(6), DataType::PrioritizedEventBuffer, 0);
+    assert!(read_all_now(&mut gate).is_empty());
+    assert_eq!(sink.channel_state(6, 1), b"onetwo");
+    assert_eq!(*sink.complete.lock().unwrap(), [6]);
+    drop((first, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
 #[test]
 fn the_data_a_priority_barrier_overtook_here_is_persisted_when_the_barrier_comes() {
     // As Flink's channel hands its queued buffers to the channel-state writer when an

@@ -595,7 +595,12 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if blocks && !self.blocked.contains(&channel) {
             self.blocked.push(channel);
         }
-        self.barrier_seen[channel] = true;
+        if std::mem::replace(&mut self.barrier_seen[channel], true) {
+            // The channel's second barrier of this checkpoint (a sender that sent both kinds,
+            // or one twice): its in-flight data was counted, and listed, with the first.
+            self.check_complete()?;
+            return Ok(first);
+        }
         // An aligned barrier came in order: what its channel sent before it was read, and
         // persisted as read. An unaligned one overtook `overtaken` items still to be read:
         // those the channel received already are taken ahead of their turn and persisted

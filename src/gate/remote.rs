@@ -764,10 +764,14 @@ pub struct RemoteInputChannel {
     /// A data item taken off `received` while a priority item came in: returned after it.
     stashed: Option<Received>,
     /// Data-lane items taken off `received` ahead of their turn, to persist them as a
-    /// checkpoint's in-flight data at once; read, in order, before anything after them.
-    pending: VecDeque<Received>,
-    /// Unread data-lane items that came before the priority item read last.
+    /// checkpoint's in-flight data at once, each with its index on the data lane (a dropped
+    /// barrier leaves a gap); read, in order, before anything after them.
+    pending: VecDeque<(u64, Received)>,
+    /// Unread data-lane items in the in-flight data of the priority item read last that came
+    /// before it (taken ahead already, or queued): to be taken ahead.
     unread_before_priority: usize,
+    /// How many of `pending`, from its front, the gate lists for persisting.
+    listed_ahead: usize,
 }
 
 impl fmt::Debug for RemoteInputChannel {
@@ -821,6 +825,7 @@ impl RemoteInputChannel {
             stashed: None,
             pending: VecDeque::with_capacity(usual),
             unread_before_priority: 0,
+            listed_ahead: 0,
         }
     }
 
@@ -863,7 +868,8 @@ impl RemoteInputChannel {
             Some(item) => item,
             None => {
                 // Items taken ahead of their turn came before everything still queued.
-                if let Some(data) = self.pending.pop_front() {
+                if let Some((_, data)) = self.pending.pop_front() {
+                    self.listed_ahead = self.listed_ahead.saturating_sub(1);
                     return Ok(Some(self.read_of(data.buffer, 0)));
                 }
                 let Some(data) = self.stashed.take().or_else(|| shared.received.pop()) else {
@@ -881,17 +887,22 @@ impl RemoteInputChannel {
                 item
             }
         };
-        // The sender counted the data it still held behind the priority item; what it had
-        // sent before is queued here, unread, and is overtaken as well (the gate reads this
-        // lane first). Everything received before the item was pushed before it, by the
-        // transport's one thread, so the item's count covers it; the items taken ahead of
-        // their turn all came before it.
-        let unread_before =
-            item.data_before.saturating_sub(self.data_taken) as usize + self.pending.len();
-        self.unread_before_priority = unread_before;
+        // The item's in-flight data is every data-lane item before index `end` the task has
+        // not read: the sender counted what it still held behind the item (indices from
+        // `data_before` on, after the item on the wire); what it had sent before is queued
+        // here, unread, and is overtaken as well (the gate reads this lane first). Everything
+        // received before the item was pushed before it, by the transport's one thread, so
+        // `data_before` covers it. Items taken ahead of their turn count if they are before
+        // `end` (an older barrier moved ahead may have taken some that came after the item);
+        // a barrier moved ahead and dropped is never read, and does not count.
+        let end = item.data_before.saturating_add(item.overtaken as u64);
+        let taken_before_end = self.pending.iter().filter(|(i, _)| *i < end).count();
+        let queued_before = item.data_before.saturating_sub(self.data_taken) as usize;
+        let still_to_come = end.saturating_sub(self.data_taken.max(item.data_before)) as usize;
+        self.unread_before_priority = taken_before_end + queued_before;
         Ok(Some(self.read_of(
             item.buffer,
-            item.overtaken.saturating_add(unread_before),
+            self.unread_before_priority + still_to_come,
         )))
     }
 
@@ -906,7 +917,8 @@ impl RemoteInputChannel {
     pub(crate) fn take_unread_before_priority(&mut self) -> usize {
         let wanted = std::mem::take(&mut self.unread_before_priority);
         self.take_ahead(wanted.saturating_sub(self.pending.len()));
-        self.pending.len()
+        self.listed_ahead = wanted.min(self.pending.len());
+        self.listed_ahead
     }
 
     /// Flink's `convertToPriorityEvent`: the aligned barrier of `checkpoint`, received and not
@@ -939,6 +951,8 @@ impl RemoteInputChannel {
         if self.take_ahead(before) < before {
             return false;
         }
+        // Every item taken ahead came before this barrier.
+        self.listed_ahead = self.pending.len();
         let Some(barrier) = self.stashed.take().or_else(|| shared.received.pop()) else {
             return false;
         };
@@ -953,10 +967,13 @@ impl RemoteInputChannel {
         true
     }
 
-    /// The data buffers among the items taken ahead of their turn, in order.
+    /// The data buffers among the items taken ahead of their turn that the last barrier
+    /// listed, in order.
     pub(crate) fn for_each_taken_ahead(&self, f: &mut dyn FnMut(&Buffer)) {
         self.pending
             .iter()
+            .take(self.listed_ahead)
+            .map(|(_, item)| item)
             .filter(|item| item.buffer.data_type().is_buffer())
             .for_each(|item| f(&item.buffer));
     }
@@ -968,8 +985,8 @@ impl RemoteInputChannel {
             let Some(item) = self.stashed.take().or_else(|| self.shared.received.pop()) else {
                 return moved;
             };
+            self.pending.push_back((self.data_taken, item));
             self.data_taken += 1;
-            self.pending.push_back(item);
         }
         count
     }
@@ -1046,6 +1063,7 @@ impl RemoteInputChannel {
     pub(crate) fn release(&mut self) {
         self.stashed = None;
         self.pending.clear();
+        self.listed_ahead = 0;
         let shared = &self.shared;
         shared.released.store(true, Ordering::SeqCst);
         while shared.received.pop().is_some() {}
