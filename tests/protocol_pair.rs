@@ -1125,6 +1125,45 @@ fn a_request_without_a_proof_gets_an_error_response_and_the_connection_closes() 
     }
 }
 
+/// A man in the middle passes an environment's consumer handshake to that environment's own
+/// server, to carry the server's proof back to the consumer: the server refuses it before
+/// proving anything (the per-direction tags do not stop this: both roles share a secret and
+/// a node id).
+#[test]
+fn a_consumer_handshake_passed_back_to_its_own_environment_gets_no_proof() {
+    let shared = secret("the cluster's shared secret");
+    let mut s = setup_with(1, 1, 64, None, shared.clone());
+    let server = &mut s.pair.server;
+    let own_nonce = shared.as_ref().unwrap().fresh_nonce().unwrap();
+    let (result, written) = feed_server(server, &handshake(true, own_nonce), Instant::now());
+    assert!(
+        matches!(result, Err(ProtocolError::Unauthenticated(_))),
+        "{result:?}"
+    );
+    assert!(
+        !written
+            .iter()
+            .any(|m| matches!(m, Message::AuthProof { .. })),
+        "the server proved itself: {written:?}"
+    );
+    assert!(!server.is_authenticated());
+    all_back(s);
+    // Another environment's consumer, with the same secret, gets the proof.
+    let mut s = setup_with(1, 1, 64, None, shared.clone());
+    let server = &mut s.pair.server;
+    let elsewhere = Secret::new(b"the cluster's shared secret").unwrap();
+    let (result, written) = feed_server(
+        server,
+        &handshake(true, elsewhere.fresh_nonce().unwrap()),
+        Instant::now(),
+    );
+    assert_eq!(result, Ok(()));
+    assert!(written
+        .iter()
+        .any(|m| matches!(m, Message::AuthProof { .. })));
+    all_back(s);
+}
+
 #[test]
 fn a_proof_for_another_connection_is_refused() {
     let shared = secret("the cluster's shared secret");

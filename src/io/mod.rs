@@ -96,8 +96,8 @@ pub struct DriverConfig {
 impl DriverConfig {
     /// A consumer-side connection, with a fresh handshake nonce when it authenticates.
     pub(crate) fn new_client(&self) -> std::io::Result<ClientConnection> {
-        let nonce = match self.client.secret {
-            Some(_) => auth::fresh_nonce().map_err(|error| {
+        let nonce = match &self.client.secret {
+            Some(secret) => secret.fresh_nonce().map_err(|error| {
                 std::io::Error::other(format!("no random nonce for the handshake: {error}"))
             })?,
             None => [0; auth::NONCE_LEN],

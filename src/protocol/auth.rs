@@ -16,7 +16,16 @@
 //! Both handshakes leave at once (as without authentication), so authentication costs the
 //! client one round trip before its first request is served, and nothing when it is off on
 //! both sides. Nonces are the one input drawn from outside (the OS's random source,
-//! [`fresh_nonce`]); the connections take them as parameters so tests are deterministic.
+//! [`Secret::fresh_nonce`]); the connections take them as parameters so tests are
+//! deterministic.
+//!
+//! The direction tags keep a proof from being sent back on its own connection, but one
+//! environment plays both roles with one secret and one node id: a man in the middle could
+//! pass its consumer's handshake to its own server and the server's proof back to the
+//! consumer, and have the environment vouch for itself. Every nonce an environment draws
+//! therefore begins with bytes random per [`Secret`] value (per environment), and a server
+//! refuses a consumer handshake whose nonce it could have drawn itself; changing those bytes
+//! on the way changes the transcript the consumer's proof covers.
 
 use std::fmt;
 
@@ -41,29 +50,72 @@ const SERVER_TAG: &[u8] = b"fluxgate/2 auth: producer proof";
 /// What the consumer (client) proves.
 const CLIENT_TAG: &[u8] = b"fluxgate/2 auth: consumer proof";
 
-/// The cluster's shared secret. Its bytes never appear in `Debug` output or logs.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Box<[u8]>);
+/// Bytes at the start of every nonce drawn with one [`Secret`] value.
+const ORIGIN_LEN: usize = 8;
+
+/// The cluster's shared secret. Its bytes never appear in `Debug` output or logs. A value
+/// (and its clones) also marks the nonces drawn with it ([`Secret::fresh_nonce`]): one
+/// environment, one value.
+#[derive(Clone)]
+pub struct Secret {
+    bytes: Box<[u8]>,
+    /// What this value's nonces begin with; `None` if the OS's random source failed (no
+    /// nonce can be drawn then either, and every connection is refused).
+    origin: Option<[u8; ORIGIN_LEN]>,
+}
+
+impl PartialEq for Secret {
+    /// The same secret, whichever environment holds it.
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for Secret {}
 
 impl Secret {
     /// A secret of at least [`MIN_SECRET_LEN`] bytes; `None` when shorter.
     pub fn new(bytes: &[u8]) -> Option<Self> {
-        (bytes.len() >= MIN_SECRET_LEN).then(|| Self(bytes.into()))
+        (bytes.len() >= MIN_SECRET_LEN).then(|| {
+            let mut origin = [0; ORIGIN_LEN];
+            Self {
+                bytes: bytes.into(),
+                origin: getrandom::fill(&mut origin).ok().map(|()| origin),
+            }
+        })
     }
 
     /// Length in bytes (for diagnostics; the bytes themselves stay private).
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.bytes.len()
     }
 
     /// Never true: a secret has at least [`MIN_SECRET_LEN`] bytes.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.bytes.is_empty()
+    }
+
+    /// A fresh nonce from the operating system's random source: this value's origin bytes,
+    /// then random ones (192 bits).
+    pub fn fresh_nonce(&self) -> Result<Nonce, getrandom::Error> {
+        let mut nonce = [0; NONCE_LEN];
+        getrandom::fill(&mut nonce[ORIGIN_LEN..])?;
+        if let Some(origin) = self.origin {
+            nonce[..ORIGIN_LEN].copy_from_slice(&origin);
+        }
+        Ok(nonce)
+    }
+
+    /// True when `nonce` could have been drawn with this value: a consumer handshake
+    /// carrying it came from this environment's own consumer.
+    pub(crate) fn drew(&self, nonce: &Nonce) -> bool {
+        self.origin
+            .is_some_and(|origin| nonce[..ORIGIN_LEN] == origin)
     }
 
     fn mac(&self, tag: &[u8], transcript: &Transcript) -> Hmac<Sha256> {
         // HMAC takes keys of any length: this cannot fail.
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.bytes)
             .expect("HMAC accepts keys of any length");
         mac.update(tag);
         mac.update(&transcript.client_nonce);
@@ -85,7 +137,7 @@ impl Secret {
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Secret({} bytes, redacted)", self.0.len())
+        write!(f, "Secret({} bytes, redacted)", self.bytes.len())
     }
 }
 
@@ -120,13 +172,6 @@ impl Transcript {
     pub(crate) fn verify_client(&self, secret: &Secret, proof: &Proof) -> bool {
         secret.verify(CLIENT_TAG, self, proof)
     }
-}
-
-/// A fresh nonce from the operating system's random source.
-pub fn fresh_nonce() -> Result<Nonce, getrandom::Error> {
-    let mut nonce = [0; NONCE_LEN];
-    getrandom::fill(&mut nonce)?;
-    Ok(nonce)
 }
 
 #[cfg(test)]
@@ -172,7 +217,13 @@ mod tests {
     }
 
     #[test]
-    fn nonces_differ() {
-        assert_ne!(fresh_nonce().unwrap(), fresh_nonce().unwrap());
+    fn nonces_differ_and_tell_their_origin() {
+        let secret = Secret::new(b"a very secret value").unwrap();
+        let (first, second) = (secret.fresh_nonce().unwrap(), secret.fresh_nonce().unwrap());
+        assert_ne!(first, second);
+        assert!(secret.drew(&first) && secret.clone().drew(&second));
+        let elsewhere = Secret::new(b"a very secret value").unwrap();
+        assert_eq!(elsewhere, secret, "the same secret");
+        assert!(!elsewhere.drew(&first), "drawn in another environment");
     }
 }

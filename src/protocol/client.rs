@@ -176,8 +176,8 @@ impl ClientConnection {
     }
 
     /// A connection as `config` says. With a secret, `nonce` must be fresh random bytes
-    /// ([`fresh_nonce`](super::auth::fresh_nonce)); partition requests then wait until the
-    /// producer proved it knows the secret, and follow our proof.
+    /// ([`Secret::fresh_nonce`](super::auth::Secret::fresh_nonce)); partition requests then
+    /// wait until the producer proved it knows the secret, and follow our proof.
     pub fn with_config(config: ClientConfig, nonce: Nonce) -> Self {
         let auth = config.secret.map(|secret| ClientAuth {
             secret,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use super::auth::{fresh_nonce, Nonce, Proof, Secret, Transcript};
+use super::auth::{Nonce, Proof, Secret, Transcript};
 use super::client::encode;
 use super::frame::{
     encode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, MessageId,
@@ -222,8 +222,8 @@ impl ServerConnection {
     /// A connection serving partitions of `manager`. With a secret in `config`, its nonce
     /// comes from the OS's random source; if that fails, the connection is refused at once.
     pub fn new(config: ServerConfig, manager: Arc<PartitionManager>) -> Self {
-        let nonce = match config.secret {
-            Some(_) => fresh_nonce().map_err(|error| error.to_string()),
+        let nonce = match &config.secret {
+            Some(secret) => secret.fresh_nonce().map_err(|error| error.to_string()),
             None => Ok([0; 32]),
         };
         match nonce {
@@ -652,6 +652,15 @@ impl ServerConnection {
         if !authenticate {
             return Err(ProtocolError::Unauthenticated(
                 "the consumer did not authenticate (no secret configured on its side?)".into(),
+            ));
+        }
+        if auth.secret.drew(&nonce) {
+            // Our proof would prove this environment to itself: see `auth`'s documentation.
+            return Err(ProtocolError::Unauthenticated(
+                "the consumer's nonce was drawn in this environment: its own consumer's \
+                 handshake, passed back to it (a remote channel to its own environment, or a \
+                 man in the middle)"
+                    .into(),
             ));
         }
         let transcript = Transcript {
