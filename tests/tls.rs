@@ -51,6 +51,16 @@ impl Certs {
                 .issue_node("stranger", DEFAULT_SSL_SERVER_NAME)
                 .unwrap(),
         );
+        // Another cluster whose CA has the cluster CA's name (every `fluxgate tls-certs` CA
+        // has the same one): its certificates match the trusted CA by name, and fail only
+        // its signature check.
+        let twin = ClusterCa::generate("test cluster CA").unwrap();
+        write(
+            "twin-stranger",
+            &twin
+                .issue_node("twin-stranger", DEFAULT_SSL_SERVER_NAME)
+                .unwrap(),
+        );
         Self { dir }
     }
 
@@ -340,6 +350,10 @@ fn certificates_from_another_ca_are_refused_and_the_server_serves_others() {
     let strangers = [
         ("stranger certificate", certs.options("stranger", "ca")),
         ("stranger CA", certs.options("stranger", "other-ca")),
+        (
+            "certificate of a CA named as the cluster's",
+            certs.options("twin-stranger", "ca"),
+        ),
     ];
     for (node, (name, options)) in strangers.iter().enumerate() {
         let stranger = env(10 + node as u128, options);

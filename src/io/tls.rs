@@ -218,6 +218,11 @@ pub(crate) fn is_identity_failure(error: &rustls::Error) -> bool {
                     | AlertDescription::CertificateRevoked
                     | AlertDescription::UnsupportedCertificate
                     | AlertDescription::AccessDenied
+                    // What rustls sends for a certificate whose signature does not verify
+                    // (one from another CA of the same name) or an unsupported signature
+                    // algorithm; otherwise only a Finished message that does not verify,
+                    // a handshake that was tampered with.
+                    | AlertDescription::DecryptError
             )
     )
 }
