@@ -222,6 +222,76 @@ fn an_exhausted_backoff_fails_with_partition_not_found() {
     assert!(f.all_segments_back());
 }
 
+/// A gate closed by its closer (task cancellation) while a local channel waits to retry its
+/// request retries no more: the read says `Closed`, not that the partition was not found
+/// (a failed request, not a cancellation), and a partition registered meanwhile is not
+/// requested by a consumer that left.
+#[test]
+fn a_closed_gate_retries_no_partition_request() {
+    let f = fixture();
+    let specs = vec![ChannelSpec {
+        consumed: ConsumedSubpartition {
+            partition: pid(9),
+            subpartition: 0,
+        },
+        location: ChannelLocation::Local,
+    }];
+    let mut gate =
+        SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
+            Backoff::new(Duration::from_millis(100), Duration::from_millis(100)),
+        );
+    gate.setup().unwrap();
+    let now = Instant::now();
+    gate.request_partitions(now).unwrap();
+    gate.closer().close();
+    let producer = f.producer(9, 1);
+    for retry in 1..=3 {
+        let due = now + Duration::from_secs(retry);
+        assert_eq!(gate.handle_timeout(due), Err(GateError::Closed));
+    }
+    assert_eq!(gate.poll_next().unwrap_err(), GateError::Closed);
+    let view = f.manager.create_view(pid(9), 0, Arc::new(Deaf));
+    assert!(
+        view.is_ok(),
+        "the closed consumer took the subpartition's one view: {view:?}"
+    );
+    drop((view, gate, producer));
+    assert!(f.all_segments_back());
+}
+
+/// Task events from a local channel that ended are dropped, as a remote channel's are, and a
+/// closed gate sends none (Flink's channels refuse to send once released).
+#[test]
+fn task_events_reach_no_producer_after_the_channel_ended_or_the_gate_closed() {
+    let f = fixture();
+    let mut producer = f.producer(2, 1);
+    let events = Arc::new(Events(Mutex::new(Vec::new())));
+    f.manager.subscribe_task_events(pid(2), events.clone());
+    let mut gate = f.gate(&[(2, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    gate.send_task_event(&Event::Task(b"before".to_vec()))
+        .unwrap();
+    producer.finish().unwrap();
+    let end = gate.next_timeout(LONG).unwrap().expect("the channel's end");
+    assert!(matches!(
+        end.item,
+        GateItem::Event {
+            event: Event::EndOfPartition,
+            ..
+        }
+    ));
+    gate.send_task_event(&Event::Task(b"after the end".to_vec()))
+        .unwrap();
+    gate.close();
+    assert_eq!(
+        gate.send_task_event(&Event::Task(b"after the close".to_vec())),
+        Err(GateError::Closed)
+    );
+    assert_eq!(*events.0.lock().unwrap(), [Event::Task(b"before".to_vec())]);
+    drop((end, gate, producer));
+    assert!(f.all_segments_back());
+}
+
 /// An unknown channel located as local whose request fails for good (here: no such
 /// subpartition) fails the gate's reads as a channel failing its first request does; it
 /// stayed unknown before, so the update's caller alone heard of it and reads waited for good.
@@ -303,6 +373,13 @@ fn a_gate_refuses_a_configuration_that_cannot_work() {
 }
 
 struct Events(Mutex<Vec<Event>>);
+
+/// A reader that listens to nothing.
+struct Deaf;
+
+impl fluxgate::partition::AvailabilityListener for Deaf {
+    fn notify_data_available(&self) {}
+}
 
 impl TaskEventListener for Events {
     fn on_task_event(&self, event: &Event) {

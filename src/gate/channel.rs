@@ -368,7 +368,12 @@ impl LocalInputChannel {
     /// Sends a task event to the producer through the partition manager; before the
     /// partition was found (its request waits for a retry) the event waits for it.
     pub(crate) fn send_task_event(&mut self, event: &Event) {
-        if self.view.is_none() && !self.released {
+        if self.released {
+            // The channel ended (or was released): its producer hears from this consumer no
+            // more, as a remote channel that ended drops them.
+            return;
+        }
+        if self.view.is_none() {
             if self.pending_events.len() < MAX_PENDING_LOCAL_EVENTS {
                 self.pending_events.push(event.clone());
             } else {

@@ -317,7 +317,8 @@ impl SingleInputGate {
         self.channels.iter().filter_map(|c| c.retry_due()).min()
     }
 
-    /// Sends a task event to every producer; channels not located yet get it on update.
+    /// Sends a task event to every producer; channels not located yet get it on update, and
+    /// channels that ended drop it. Fails with [`GateError::Closed`] once the gate is closed.
     /// Fails with [`GateError::TaskEventBacklog`], sending nothing, while a channel (or the
     /// gate, for channels not located yet) holds 1024 events for a producer not reached yet.
     /// Fails with [`GateError::TaskEventTooLarge`], sending nothing, when its encoding is
@@ -325,6 +326,10 @@ impl SingleInputGate {
     /// TaskEventRequest frame as malformed and closes the connection, failing every channel on
     /// it.
     pub fn send_task_event(&mut self, event: &Event) -> Result<(), GateError> {
+        // Flink's channels refuse to send once released; a closed gate's are.
+        if self.closed || self.queue.is_closed() {
+            return Err(GateError::Closed);
+        }
         let len = event.encoded_len();
         if len > self.config.segment_size {
             return Err(GateError::TaskEventTooLarge {
@@ -802,6 +807,11 @@ impl InputGate for SingleInputGate {
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        // A closed gate requests nothing more: a cancelled task is not a failed request, and
+        // a partition found now would be given a view no one releases.
+        if self.closed || self.queue.is_closed() {
+            return Err(GateError::Closed);
+        }
         for index in 0..self.channels.len() {
             if self.channels[index]
                 .retry_due()
