@@ -102,7 +102,9 @@ impl UnionInputGate {
     /// The member gates, mutably (setup, requests, updates). Not for reading: a member's
     /// channels tell the union, not the member, when they have data, so a member's own
     /// `next_async` is never woken and its blocking read sees data only at its periodic
-    /// re-check. Read through the union.
+    /// re-check. Read through the union. Nor for replacing one (`std::mem::replace`): the
+    /// union was linked to the gates it was built with, so a gate put in their place is never
+    /// read, and the one taken out can join no other union.
     pub fn gates_mut(&mut self) -> &mut [SingleInputGate] {
         &mut self.gates
     }
