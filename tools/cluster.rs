@@ -315,6 +315,20 @@ const NODE_REPORT_GRACE: Duration = Duration::from_secs(5);
 /// After the first node fails, how long the others may go on before they are killed.
 const FAILURE_GRACE: Duration = Duration::from_secs(5);
 
+/// The node processes not reaped yet: killed and reaped when dropped, so a launcher that
+/// returns early or unwinds (a panic, e.g. a progress line printed into a closed pipe) leaves
+/// none running in the directory and namespaces its caller then removes.
+struct Running(Vec<Option<Child>>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        for mut child in self.0.iter_mut().filter_map(Option::take) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 impl Launch<'_> {
     /// Spawns the nodes, waits for them (calling `tick` about once a second with the nodes'
     /// progress), kills stragglers and collects the reports.
@@ -323,19 +337,12 @@ impl Launch<'_> {
             .map_err(|e| format!("cannot find the fluxgate executable: {e}"))?;
         let started = Instant::now();
         let deadline = started + self.timeout + NODE_REPORT_GRACE;
-        let mut children: Vec<Option<Child>> = Vec::with_capacity(self.nodes);
+        let mut running = Running(Vec::with_capacity(self.nodes));
         for index in 0..self.nodes {
-            match self.spawn(&exe, index) {
-                Ok(child) => children.push(Some(child)),
-                Err(error) => {
-                    for child in children.iter_mut().flatten() {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                    }
-                    return Err(error);
-                }
-            }
+            // A spawn that fails drops `running`: the nodes started are killed.
+            running.0.push(Some(self.spawn(&exe, index)?));
         }
+        let children = &mut running.0;
         let mut statuses: Vec<Option<ExitStatus>> = vec![None; self.nodes];
         let mut killed: Vec<Option<String>> = vec![None; self.nodes];
         let mut first_failure: Option<(usize, Instant)> = None;
@@ -348,11 +355,17 @@ impl Launch<'_> {
                     continue;
                 }
                 let at_unix_ms = super::node::unix_millis();
-                let at = children[planned.node].take().map(|mut child| {
+                let at = children[planned.node].take().and_then(|mut child| {
+                    // Exited since the last look: it is gone already, and its status is kept
+                    // (a kill of an unreaped process still "succeeds").
+                    if let Ok(Some(status)) = child.try_wait() {
+                        statuses[planned.node] = Some(status);
+                        return None;
+                    }
                     // SIGKILL: no orderly close, the kernel resets the node's connections.
                     let _ = child.kill();
                     let _ = child.wait();
-                    started.elapsed()
+                    Some(started.elapsed())
                 });
                 if let Some(at) = at {
                     killed[planned.node] = Some(format!(
@@ -665,6 +678,8 @@ pub struct Verification {
     /// no checkpoints), on `barrier_links` links.
     barrier_handovers: Option<usize>,
     barrier_links: usize,
+    /// Hand-overs or links that disagree with where their barriers fell.
+    barrier_problems: usize,
     sinks: Vec<String>,
     /// Nodes whose network pool was full at exit, of those that reported.
     pools_full: usize,
@@ -905,6 +920,7 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
     v.barrier_handovers = topology.checkpoints.map(|_| placement.handovers);
     v.barrier_links = placement.links;
     let barrier_problems = placement.problems;
+    v.barrier_problems = barrier_problems.len();
     let shown = barrier_problems.len().min(10);
     let more = barrier_problems.len() - shown;
     v.problems.extend(barrier_problems.into_iter().take(shown));
@@ -1175,17 +1191,30 @@ pub fn print_summary(topology: &Topology, outcome: &Outcome, v: &Verification) {
         }
     );
     if let Some(handovers) = v.barrier_handovers {
-        println!(
-            "checks: {handovers} checkpoint hand-overs on {} links agree with where their barriers fell",
-            v.barrier_links
-        );
+        if v.barrier_problems == 0 {
+            println!(
+                "checks: {handovers} checkpoint hand-overs on {} links agree with where their barriers fell",
+                v.barrier_links
+            );
+        } else {
+            println!(
+                "checks: {handovers} checkpoint hand-overs on {} links checked; {} disagree with where their barriers fell (below)",
+                v.barrier_links, v.barrier_problems
+            );
+        }
     }
     for line in &v.sinks {
         println!("sinks:  {line}");
     }
     println!(
-        "pools:  {} of {} nodes' network pools full at exit (every segment back)",
-        v.pools_full, v.pools_reported
+        "pools:  {} of {} nodes' network pools full at exit (every segment back){}",
+        v.pools_full,
+        topology.nodes,
+        if v.pools_reported < topology.nodes {
+            format!("; {} did not report", topology.nodes - v.pools_reported)
+        } else {
+            String::new()
+        }
     );
     println!(
         "run:    {} nodes ({}), {:.2} s, {:.0} records/s and {:.1} MiB/s into the sinks",
