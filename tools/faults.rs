@@ -11,7 +11,10 @@
 //!   finishes and its links match exactly, as in a run without faults;
 //! * every record a survivor received is intact, in order and not repeated; a link that ended
 //!   (EndOfPartition arrived) carried exactly what its producer sent, one cut by the failure
-//!   carried a part of it (never more);
+//!   carried a part of it (never more); with aligned checkpoints only, a survivor that did
+//!   not fail cancelled none;
+//! * a survivor writing to a killed node that finished without seeing `Released` finished
+//!   within the bound of the kill (the release met its end);
 //! * every surviving node exits on its own (within the timeout) with its network pool full.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -119,7 +122,7 @@ impl Detections {
         }
         if self.finished_first > 0 {
             text.push_str(&format!(
-                "; {} had finished before the kill reached them",
+                "; {} finished without it, within the bound of the kill",
                 self.finished_first
             ));
         }
@@ -272,6 +275,9 @@ pub fn verify(
         }
     }
 
+    let aligned_only = topology
+        .checkpoints
+        .is_some_and(|c| c.mode == crate::topology::CheckpointMode::Aligned);
     // Survivor subtasks: the error each one was expected to end with, if any.
     let mut lost_peer = Detections::default();
     let mut released = Detections::default();
@@ -291,6 +297,16 @@ pub fn verify(
         }
         for note in &report.notes {
             v.problems.push(format!("{}: {note}", name(t)));
+        }
+        // As in a run without faults: no barrier overtakes another with aligned checkpoints
+        // only, so a consumer that did not fail and still cancelled one lost a barrier.
+        if aligned_only && report.error.is_none() && !report.cancelled_checkpoints.is_empty() {
+            v.problems.push(format!(
+                "{}: cancelled checkpoint(s) {:?} though every checkpoint is aligned and it \
+                 did not fail: one of their barriers went missing",
+                name(t),
+                report.cancelled_checkpoints
+            ));
         }
         // Killed nodes this subtask reads from, and those it writes to.
         let (s, i) = t;
@@ -330,7 +346,27 @@ pub fn verify(
                     name(t)
                 ));
             } else if !downstream.is_empty() {
+                // Every kill comes while the generators emit, and so before any subtask that
+                // writes to a killed node finishes, unless the writer found nothing more to
+                // send that node: its end (or next record) then meets the release, within the
+                // bound. A later clean end means the release was never seen.
                 released.finished_first += 1;
+                let first_kill = downstream
+                    .iter()
+                    .filter_map(|n| killed.get(n))
+                    .map(|k| k.at_unix_ms)
+                    .min();
+                if let (Some(kill), Some(done)) = (first_kill, report.finished_at_unix_ms) {
+                    let after = done.saturating_sub(kill);
+                    if Duration::from_millis(after) > bound {
+                        v.problems.push(format!(
+                            "{}: finished {after} ms after the kill of a node it writes to \
+                             without seeing its partition Released (fault bound {:.1} s)",
+                            name(t),
+                            bound.as_secs_f64()
+                        ));
+                    }
+                }
             } else {
                 finished += 1;
             }

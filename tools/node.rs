@@ -299,6 +299,10 @@ pub struct SubtaskReport {
     /// The same failure, typed: what kind, the peer it names, when it was seen.
     #[serde(default)]
     pub failure: Option<FailureReport>,
+    /// Wall-clock time a subtask that did not fail finished (its partitions' ends written),
+    /// ms since the Unix epoch, on the clock of `FailureReport::at_unix_ms`.
+    #[serde(default)]
+    pub finished_at_unix_ms: Option<u64>,
     /// The first few problems found, described.
     pub notes: Vec<String>,
 }
@@ -1039,6 +1043,9 @@ impl Subtask {
                     .map_err(|e| Failed::writing(&e, format!("finishing: {e}")))
             })
         });
+        if result.is_ok() {
+            report.finished_at_unix_ms = Some(unix_millis());
+        }
         if let Err(failed) = result {
             if failed.consumer_gone {
                 wait_for_other_consumers(&mut outputs);
