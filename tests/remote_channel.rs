@@ -1658,6 +1658,11 @@ fn a_newer_unaligned_barrier_ahead_of_data_an_older_barrier_moved_ahead_persists
     assert_eq!(read_all_now(&mut gate), b"three");
     assert_eq!(sink.channel_state(6, 1), b"onetwo");
     assert_eq!(*sink.complete.lock().unwrap(), [5, 6]);
+    // Every barrier each channel delivered counts, the one moved ahead and dropped too.
+    assert_eq!(
+        (gate.barriers_received(0), gate.barriers_received(1)),
+        (2, 2)
+    );
     drop((gate, sender0, sender1));
     assert_eq!(f.leased(), 0);
 }

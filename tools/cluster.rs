@@ -558,6 +558,9 @@ pub struct Row {
 /// Where each consumer subtask was handed its checkpoints, against where its producers wrote
 /// the barriers, link by link, for links both sides reported in full (records in the same
 /// count: a link that lost or gained records is reported as such):
+/// - every barrier a producer wrote to a link came through the consumer's channel, once
+///   (counted by the consumer's barrier handler, whether its checkpoint reached the subtask
+///   or was cancelled or subsumed: a cancellation may be legitimate, a lost barrier is not);
 /// - every checkpoint a producer wrote to a link was handed to its consumer, or cancelled or
 ///   subsumed there ([`SubtaskReport::cancelled_checkpoints`](crate::node::SubtaskReport));
 /// - one handed over aligned came after exactly the records its producers wrote before its
@@ -615,6 +618,15 @@ fn check_barrier_placement(
                 );
                 placement.links += 1;
                 placement.handovers += got.barriers.len();
+                // Every barrier written came through the link's channel, once, whether or
+                // not its checkpoint reached the subtask: a cancelled or subsumed checkpoint
+                // hides no barrier lost on this link.
+                if got.barrier_count != link.barrier_count {
+                    problems.push(format!(
+                        "{what}: {} barriers written, {} arrived",
+                        link.barrier_count, got.barrier_count
+                    ));
+                }
                 let complete = link.barriers.len() < crate::node::MAX_BARRIER_MARKS
                     && got.barriers.len() < crate::node::MAX_BARRIER_MARKS
                     && consumer_report.cancelled_checkpoints.len() < crate::node::MAX_BARRIER_MARKS;

@@ -104,6 +104,10 @@ pub enum Fault {
     /// The subtask's first checkpoint is handed over after the record that follows its
     /// barrier (a test of the barrier placement check).
     LateBarrier,
+    /// The first barrier the subtask forwards is counted as written and never written: its
+    /// consumers see that checkpoint cancelled or subsumed (a test of the per-link barrier
+    /// count, which sees the barrier lost where a cancellation may be legitimate).
+    LoseBarrier,
 }
 
 /// Set by a subtask that stalled: the main loop then dumps the node's connections to stderr
@@ -203,6 +207,11 @@ pub struct LinkTally {
     /// consumer subtask.
     #[serde(default)]
     pub barriers: Vec<BarrierMark>,
+    /// Every barrier, counted: for `sent`, those written to the link; for `received`, those
+    /// its channel delivered to the consumer's barrier handler (handed to the subtask or not:
+    /// late, subsumed, moved ahead of their data). A link that ended gets all it was sent.
+    #[serde(default)]
+    pub barrier_count: u64,
     /// The running checksum at the link's prefix marks (each of its first
     /// [`PREFIX_MARK_EVERY`] records, then every [`PREFIX_MARK_EVERY`]th), the first
     /// [`MAX_PREFIX_MARKS`]: a received link's marks must be the first of its sent marks.
@@ -1066,6 +1075,7 @@ impl Subtask {
                     checksum: count.tally.checksum,
                     ended: false,
                     barriers: output.barrier_marks[i].clone(),
+                    barrier_count: output.barriers_written,
                     prefix_marks: count.prefix_marks.clone(),
                 });
             }
@@ -1167,6 +1177,8 @@ struct Output {
     tallies: Vec<LinkCount>,
     /// Per channel: where each barrier written fell in its records.
     barrier_marks: Vec<Vec<BarrierMark>>,
+    /// Barriers written (to every channel: they are broadcast).
+    barriers_written: u64,
 }
 
 impl Output {
@@ -1191,6 +1203,7 @@ impl Output {
             last,
             tallies: vec![LinkCount::default(); channels],
             barrier_marks: vec![Vec::new(); channels],
+            barriers_written: 0,
         }
     }
 
@@ -1212,6 +1225,7 @@ impl Output {
             .map_err(|e| {
                 Failed::writing(&e, format!("writing a barrier to edge {}: {e}", self.edge))
             })?;
+        self.barriers_written += 1;
         for (count, marks) in self.tallies.iter().zip(&mut self.barrier_marks) {
             BarrierMark::push_to(marks, &barrier, count.tally.records);
         }
@@ -1356,6 +1370,8 @@ struct ChannelCheck {
     ended: bool,
     /// Where each checkpoint handed over fell in this channel's records.
     barrier_marks: Vec<BarrierMark>,
+    /// Barriers the channel delivered to the barrier handler (read off the gate at the end).
+    barriers_received: u64,
 }
 
 /// The verifying state of a pass-through or sink subtask.
@@ -1399,6 +1415,7 @@ impl<'a> Consumer<'a> {
                 hash: topology.edges[channel.edge].partitioner == Partitioner::Hash,
                 ended: false,
                 barrier_marks: Vec::new(),
+                barriers_received: 0,
             })
             .collect();
         let parallelism = topology.stages[stage].parallelism;
@@ -1581,6 +1598,7 @@ impl<'a> Consumer<'a> {
                 checksum: c.count.tally.checksum,
                 ended: c.ended,
                 barriers: c.barrier_marks,
+                barrier_count: c.barriers_received,
                 prefix_marks: c.count.prefix_marks,
             })
             .collect();
@@ -1714,7 +1732,7 @@ fn consume(
                             continue;
                         }
                         Some(Fault::Hold) => return Err(hold_until_a_stall_is_reported(stall)),
-                        Some(Fault::Leak | Fault::LateBarrier) => {}
+                        Some(Fault::Leak | Fault::LateBarrier | Fault::LoseBarrier) => {}
                         Some(Fault::Corrupt) => {
                             let mut copy = record.to_vec();
                             let last = copy.len() - 1;
@@ -1755,6 +1773,14 @@ fn consume(
                     late_barrier = Some(barrier);
                     continue;
                 }
+                if fault == Some(Fault::LoseBarrier) && !barrier_delayed && !outputs.is_empty() {
+                    barrier_delayed = true;
+                    consumer.barrier(&barrier);
+                    for output in outputs.iter_mut() {
+                        output.barriers_written += 1;
+                    }
+                    continue;
+                }
                 hand_over(consumer, outputs, &barrier)?;
             }
             GateItem::Event {
@@ -1768,6 +1794,9 @@ fn consume(
             }
             GateItem::Event { .. } => {}
         }
+    }
+    for (index, channel) in consumer.channels.iter_mut().enumerate() {
+        channel.barriers_received = gate.barriers_received(index);
     }
     if let Some(channel) = consumer.channels.iter().position(|c| !c.ended) {
         return Err(Failed::from(format!(

@@ -86,6 +86,9 @@ pub struct CheckpointedInputGate<G> {
     /// Highest checkpoint completed or aborted: its late barriers are ignored.
     last_done: Option<u64>,
     barrier_seen: Vec<bool>,
+    /// Barriers each channel delivered, of any kind and checkpoint (late ones and those
+    /// moved ahead of their data included).
+    barriers_received: Vec<u64>,
     /// Channels blocked behind an aligned barrier.
     blocked: Vec<usize>,
     persist: Vec<Persist>,
@@ -145,6 +148,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             current: None,
             last_done: None,
             barrier_seen: vec![false; channels],
+            barriers_received: vec![0; channels],
             blocked: Vec::new(),
             persist: vec![Persist::Done; channels],
             unaligned: false,
@@ -175,6 +179,14 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// Channels blocked behind an aligned barrier now.
     pub fn blocked_channels(&self) -> &[usize] {
         &self.blocked
+    }
+
+    /// How many checkpoint barriers `channel` delivered so far, of any kind and checkpoint,
+    /// whether they reached the task or not (late ones, a checkpoint's second on a channel,
+    /// those moved ahead of their data): once the channel ended, as many as its producer
+    /// wrote to it. 0 for a channel the gate does not have.
+    pub fn barriers_received(&self, channel: usize) -> u64 {
+        self.barriers_received.get(channel).copied().unwrap_or(0)
     }
 
     /// When the alignment in progress stops waiting and turns unaligned (a checkpoint aligned
@@ -353,6 +365,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// `channel`'s aligned barrier of the running unaligned checkpoint went ahead of the items
     /// before it (taken ahead, persisted on the next read).
     fn on_barrier_moved_ahead(&mut self, channel: usize) {
+        self.barriers_received[channel] += 1;
         self.barrier_seen[channel] = true;
         if !self.blocked.contains(&channel) {
             self.blocked.push(channel);
@@ -416,6 +429,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 event: Event::CheckpointBarrier(barrier),
                 ..
             } => {
+                self.barriers_received[channel] += 1;
                 let id = barrier.id;
                 let aborted = self.current.filter(|&current| id > current);
                 // An aligned barrier read in order blocked its channel behind it.
