@@ -248,6 +248,8 @@ fn a_closed_gate_retries_no_partition_request() {
     for retry in 1..=3 {
         let due = now + Duration::from_secs(retry);
         assert_eq!(gate.handle_timeout(due), Err(GateError::Closed));
+        // What a blocking read woken by the close does first: it releases the channels.
+        assert!(gate.is_closed());
     }
     assert_eq!(gate.poll_next().unwrap_err(), GateError::Closed);
     let view = f.manager.create_view(pid(9), 0, Arc::new(Deaf));
@@ -256,6 +258,44 @@ fn a_closed_gate_retries_no_partition_request() {
         "the closed consumer took the subpartition's one view: {view:?}"
     );
     drop((view, gate, producer));
+    assert!(f.all_segments_back());
+}
+
+/// A union closed from another thread, or through a member's closer, while a member's local
+/// channel waits to retry its request: the retry a woken blocking read handles first says
+/// `Closed` and closes every member (their channels released on the reader), and the union
+/// stays closed.
+#[test]
+fn a_closed_union_retries_nothing_and_closes_its_members() {
+    let f = fixture();
+    for close_member in [false, true] {
+        let specs = vec![ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: pid(9),
+                subpartition: 0,
+            },
+            location: ChannelLocation::Local,
+        }];
+        let mut waiting =
+            SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
+                Backoff::new(Duration::from_millis(100), Duration::from_millis(100)),
+            );
+        waiting.setup().unwrap();
+        let now = Instant::now();
+        waiting.request_partitions(now).unwrap();
+        let other = f.gate(&[(10, 0)], ChannelLocation::Local);
+        let mut union = UnionInputGate::new(vec![other, waiting]);
+        if close_member {
+            union.gates()[1].closer().close();
+        } else {
+            union.closer().close();
+        }
+        let due = now + Duration::from_secs(1);
+        assert_eq!(union.handle_timeout(due), Err(GateError::Closed));
+        assert!(union.gates().iter().all(SingleInputGate::is_closed));
+        assert!(matches!(union.next_timeout(LONG), Err(GateError::Closed)));
+        drop(union);
+    }
     assert!(f.all_segments_back());
 }
 

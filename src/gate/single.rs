@@ -808,8 +808,13 @@ impl InputGate for SingleInputGate {
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
         // A closed gate requests nothing more: a cancelled task is not a failed request, and
-        // a partition found now would be given a view no one releases.
-        if self.closed || self.queue.is_closed() {
+        // a partition found now would be given a view no one releases. Closed from another
+        // thread: the channels are released here, on the reader, as `poll_next` does (the
+        // blocking read comes here first after the close woke it).
+        if self.queue.is_closed() {
+            self.close();
+        }
+        if self.closed {
             return Err(GateError::Closed);
         }
         for index in 0..self.channels.len() {

@@ -125,6 +125,16 @@ impl UnionInputGate {
         self.queue.close();
     }
 
+    /// Member `index` failed with `error`: a close (its own closer) closes the union, which
+    /// stays closed; any other error is named in the union's channel numbering.
+    fn member_failed(&mut self, index: usize, error: GateError) -> GateError {
+        if error == GateError::Closed {
+            self.close();
+            return error;
+        }
+        error.offset_channel(self.offsets[index])
+    }
+
     /// A handle that closes the union from another thread (task cancellation): a reader
     /// blocked in [`next`](InputGate::next) wakes with [`GateError::Closed`], and the read
     /// closes every member gate, releasing their channels. A member gate's own closer closes
@@ -148,9 +158,9 @@ impl InputGate for UnionInputGate {
         // channels all wait for their partition has nothing queued, so it would be read only
         // once the others went idle (as its own reads do, see `retry_due_requests`).
         let now = Instant::now();
-        for (gate, &offset) in self.gates.iter_mut().zip(&self.offsets) {
-            gate.retry_due_requests(now)
-                .map_err(|error| error.offset_channel(offset))?;
+        for index in 0..self.gates.len() {
+            let retried = self.gates[index].retry_due_requests(now);
+            retried.map_err(|error| self.member_failed(index, error))?;
         }
         for _ in 0..=2 * self.gates.len() {
             let Some((index, _)) = self.queue.pop() else {
@@ -263,9 +273,15 @@ impl InputGate for UnionInputGate {
     }
 
     fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
-        for (gate, &offset) in self.gates.iter_mut().zip(&self.offsets) {
-            gate.handle_timeout(now)
-                .map_err(|error| error.offset_channel(offset))?;
+        if self.queue.is_closed() {
+            // Closed from another thread (the blocking read comes here first after the close
+            // woke it): the members' channels are released here, on the reader.
+            self.close();
+            return Err(GateError::Closed);
+        }
+        for index in 0..self.gates.len() {
+            let handled = self.gates[index].handle_timeout(now);
+            handled.map_err(|error| self.member_failed(index, error))?;
         }
         Ok(())
     }
