@@ -7,8 +7,8 @@ use std::path::Path;
 use fluxgate::config::ConfigError;
 use fluxgate::NetworkConfig;
 
-/// The options of a config file as `(Flink name, value)` strings, sorted by name (their order
-/// does not matter: they are set all at once). Nested tables
+/// The options of a config file as `(Flink name, value)` strings, in the TOML table's key
+/// order, not the file's (their order does not matter: they are set all at once). Nested tables
 /// join their keys with dots, so `taskmanager.memory.segment-size = "16kb"` (a dotted key) and
 /// the quoted `"taskmanager.memory.segment-size" = "16kb"` mean the same. Values are strings,
 /// integers or booleans (`security.ssl.internal.enabled = true`).

@@ -39,7 +39,8 @@ pub const PROOF_LEN: usize = 32;
 /// Fewest secret bytes accepted (128 bits).
 pub const MIN_SECRET_LEN: usize = 16;
 
-/// A handshake nonce: fresh random bytes per connection and side.
+/// A handshake nonce: per connection and side, its environment's origin bytes, then fresh
+/// random bytes ([`Secret::fresh_nonce`]).
 pub type Nonce = [u8; NONCE_LEN];
 /// A proof of knowing the secret, bound to one connection and one direction.
 pub type Proof = [u8; PROOF_LEN];
