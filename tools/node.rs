@@ -1370,7 +1370,8 @@ struct ChannelCheck {
     ended: bool,
     /// Where each checkpoint handed over fell in this channel's records.
     barrier_marks: Vec<BarrierMark>,
-    /// Barriers the channel delivered to the barrier handler (read off the gate at the end).
+    /// Barriers the channel delivered to the barrier handler (read off the gate at a clean
+    /// end; 0 in the report of a subtask that failed).
     barriers_received: u64,
 }
 
