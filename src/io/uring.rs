@@ -74,6 +74,10 @@ const SQ_ENTRIES: u32 = 256;
 const CQ_ENTRIES: u32 = 1024;
 /// Longest the thread sleeps without a completion (it then checks timeouts).
 const MAX_PARK: Duration = Duration::from_millis(100);
+/// Longest the thread sleeps after the full submission queue refused a submission (its
+/// flush failed: completions the kernel could not post yet, or no memory): the next turn
+/// retries it, after reaping.
+const REFUSED_PARK: Duration = Duration::from_millis(1);
 /// Slices handed to one `Writev`.
 const MAX_SLICES: usize = 64;
 /// Most extra read rounds per loop turn (see `Loop::read_on`).
@@ -573,6 +577,10 @@ struct Loop {
     /// Set when a turn connected a channel: work for [`BusyPoll`], besides the completions
     /// [`Loop::reap`] counts.
     worked: bool,
+    /// This turn a submission was refused ([`Loop::push`]); the next turn retries it.
+    push_refused: bool,
+    /// Refusals since the last submission queued (the first of a streak is logged).
+    refusal_streak: u64,
 }
 
 impl Drop for Loop {
@@ -702,6 +710,8 @@ impl Loop {
             shutting_down: false,
             stats: DriverStats::default(),
             worked: false,
+            push_refused: false,
+            refusal_streak: 0,
         }
     }
 
@@ -838,6 +848,9 @@ impl Loop {
             });
             let timeout = if wait.at_once() {
                 Duration::ZERO
+            } else if std::mem::take(&mut self.push_refused) {
+                // Not the usual park: what was refused goes out on the next turn.
+                self.next_timeout(now).min(REFUSED_PARK)
             } else {
                 self.next_timeout(now)
             };
@@ -979,14 +992,27 @@ impl Loop {
         for _ in 0..2 {
             // SAFETY: forwarded to the caller.
             if unsafe { self.ring.submission().push(entry) }.is_ok() {
+                self.refusal_streak = 0;
                 return true;
             }
             if let Err(error) = self.ring.submit() {
-                tracing::warn!(%error, "io_uring: flushing a full submission queue failed");
+                self.refused(&error);
                 return false;
             }
         }
+        self.refused(&io::Error::other("the submission queue stayed full"));
         false
+    }
+
+    /// A submission could not be queued: the next turn retries it soon.
+    fn refused(&mut self, error: &io::Error) {
+        self.push_refused = true;
+        self.refusal_streak += 1;
+        if self.refusal_streak == 1 {
+            tracing::warn!(%error, "io_uring: a submission was refused; retrying every turn");
+        } else {
+            tracing::debug!(%error, streak = self.refusal_streak, "io_uring: submission refused");
+        }
     }
 
     fn arm_listener_and_wake(&mut self, now: Instant) {
