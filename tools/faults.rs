@@ -604,3 +604,114 @@ pub fn verify(
     ));
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::NodeOutcome;
+    use crate::node::{FailureReport, NodeReport, PoolAtExit};
+
+    const TWO_NODES: &str = r#"
+[cluster]
+nodes = 2
+
+[[stage]]
+name = "gen"
+kind = "generator"
+parallelism = 2
+records = 10
+record_size = 16
+
+[[stage]]
+name = "sink"
+kind = "sink"
+parallelism = 2
+
+[[edge]]
+from = "gen"
+to = "sink"
+partitioner = "rebalance"
+"#;
+
+    const KILL_MS: u64 = 1_000_000;
+
+    /// Node 1 killed at `KILL_MS`; on node 0 the sink lost its peer in time, and the
+    /// generator writing to node 1's sink finished without an error `finished_after` ms
+    /// after the kill.
+    fn verified(finished_after: u64) -> FaultVerification {
+        let topology = Topology::parse(TWO_NODES).unwrap();
+        let lost_addr = "127.0.0.1:2".to_string();
+        let subtasks = (0..topology.stages.len())
+            .flat_map(|s| (0..topology.stages[s].parallelism).map(move |i| (s, i)))
+            .filter(|&(s, i)| topology.node_of(s, i) == 0)
+            .map(|(s, i)| {
+                let mut report = SubtaskReport {
+                    stage: topology.stages[s].name.clone(),
+                    stage_index: s,
+                    subtask: i,
+                    ..SubtaskReport::default()
+                };
+                if s == 0 {
+                    report.finished_at_unix_ms = Some(KILL_MS + finished_after);
+                } else {
+                    report.error = Some("connection lost".into());
+                    report.failure = Some(FailureReport {
+                        kind: FailureKind::ConnectionLost,
+                        peer: Some(lost_addr.clone()),
+                        at_unix_ms: KILL_MS + 10,
+                    });
+                }
+                report
+            })
+            .collect();
+        let survivor = NodeOutcome {
+            report: Some(NodeReport {
+                node: 0,
+                subtasks,
+                pool_at_exit: Some(PoolAtExit { free: 8, total: 8 }),
+                ..NodeReport::default()
+            }),
+            status: None,
+            killed: None,
+            stderr_tail: String::new(),
+            addr: Some("127.0.0.1:1".into()),
+        };
+        let lost = NodeOutcome {
+            report: None,
+            status: None,
+            killed: Some("killed (SIGKILL) as planned".into()),
+            stderr_tail: String::new(),
+            addr: Some(lost_addr),
+        };
+        let planned = PlannedKill {
+            node: 1,
+            after: Duration::from_secs(1),
+        };
+        let outcome = Outcome {
+            nodes: vec![survivor, lost],
+            elapsed: Duration::from_secs(3),
+            kills: vec![KillRecord {
+                planned,
+                at: Some(Duration::from_secs(1)),
+                at_unix_ms: KILL_MS,
+            }],
+        };
+        verify(&topology, &outcome, &[planned], Duration::from_secs(2))
+    }
+
+    /// A writer to a killed node that ends cleanly well past the fault bound never saw the
+    /// release (it counted as "finished first", however late); within the bound its end met it.
+    #[test]
+    fn a_writer_to_a_killed_node_finishing_past_the_bound_fails_the_run() {
+        let late = verified(5_000);
+        assert!(
+            late.problems
+                .iter()
+                .any(|p| p.contains("gen[0]: finished 5000 ms after the kill")),
+            "{:?}",
+            late.problems
+        );
+        let in_time = verified(500);
+        assert!(in_time.problems.is_empty(), "{:?}", in_time.problems);
+    }
+}
