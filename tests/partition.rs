@@ -2657,6 +2657,50 @@ fn records_running_past_the_one_buffer_a_subpartition_may_hold_go_on_as_its_read
 
 /// An unaligned barrier (in priority) with the number of data items its reader sends after
 /// it that were queued before it.
+/// A checkpoint cancelled on the producer's side (its cancel marker sent, here as a priority
+/// event) is not turned unaligned at its timeout: its barrier stays where it was queued, among
+/// the data the marker counted as overtaken (it went ahead of the marker, unaligned, and the
+/// marker then named one item written after it).
+#[test]
+fn a_cancelled_checkpoint_s_barrier_is_not_turned_at_its_timeout() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _signal) = view(&partition, 0);
+    let five = timeoutable_barrier(5, 60_000);
+    partition.emit_record(&[1u8; 8][..], 0).unwrap();
+    partition.broadcast_event(&five, false).unwrap();
+    partition.emit_record(&[2u8; 8][..], 0).unwrap();
+    partition
+        .broadcast_event(&Event::CancelCheckpointMarker(5), true)
+        .unwrap();
+    assert_eq!(partition.aligned_barrier_timeout(5), 0, "nothing turned");
+    let marker = view.poll_next().expect("the cancel marker");
+    assert_eq!(event_of(&marker), Event::CancelCheckpointMarker(5));
+    assert_eq!(
+        marker.overtaken, 3,
+        "the two buffers and the barrier between them"
+    );
+    let mut data_lane = Vec::new();
+    for _ in 0..3 {
+        let item = view.poll_next().expect("an item the marker overtook");
+        data_lane.push(item.buffer.data_type());
+        if item.buffer.data_type().requires_announcement() {
+            // The aligned barrier blocks the subpartition until its consumer resumes.
+            view.resume_consumption();
+        }
+    }
+    assert_eq!(
+        data_lane,
+        [
+            DataType::DataBuffer,
+            DataType::TimeoutableAlignedCheckpointBarrier,
+            DataType::DataBuffer
+        ]
+    );
+    drop((marker, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 fn priority_barrier_overtaking(view: &mut SubpartitionView) -> (Event, usize) {
     let item = view.poll_next().expect("the priority barrier");
     assert_eq!(item.buffer.data_type(), DataType::PrioritizedEventBuffer);

@@ -675,16 +675,20 @@ impl ResultPartition {
             _ => None,
         };
         let timeoutable = timer.map(|timer| timer.barrier.id);
-        if let Event::CheckpointBarrier(barrier) = event {
-            // A newer checkpoint subsumes the one the pending timer is for (its consumers
-            // abort it), and the older barrier turned unaligned later would come after this
-            // newer one.
-            if self
-                .barrier_timer
-                .is_some_and(|pending| pending.barrier.id < barrier.id)
-            {
-                self.barrier_timer = None;
-            }
+        // A newer checkpoint subsumes the one the pending timer is for (its consumers abort
+        // it), and the older barrier turned unaligned later would come after this newer one;
+        // a cancelled one is not turned either (its consumers drop it, and a priority cancel
+        // marker counted the barrier among the data it overtook).
+        let ends_timer = |pending: u64| match event {
+            Event::CheckpointBarrier(barrier) => pending < barrier.id,
+            Event::CancelCheckpointMarker(cancelled) => pending <= *cancelled,
+            _ => false,
+        };
+        if self
+            .barrier_timer
+            .is_some_and(|pending| ends_timer(pending.barrier.id))
+        {
+            self.barrier_timer = None;
         }
         self.finish_unicast_builders(Sent::Yes);
         self.finish_broadcast_builder(Sent::Yes);
