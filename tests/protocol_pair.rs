@@ -1164,6 +1164,40 @@ fn a_consumer_handshake_passed_back_to_its_own_environment_gets_no_proof() {
     all_back(s);
 }
 
+/// A connection that fails before the producer wrote anything (here: one request past its
+/// channel limit, read with the handshake): the producer's handshake still goes first, so
+/// the consumer takes the ErrorResponse for the failure it is, not for a refusal before any
+/// handshake (a connection limit's, whose channels it would place again instead of failing).
+#[test]
+fn an_error_before_any_write_still_follows_the_producer_s_handshake() {
+    let mut server = ServerConnection::new(
+        ServerConfig {
+            node: 1,
+            segment_size: SEGMENT,
+            max_channels: 1,
+            ..ServerConfig::default()
+        },
+        Arc::new(PartitionManager::new()),
+    );
+    let bytes = [handshake(false, [0; 32]), request(5), request(6)].concat();
+    let (result, written) = feed_server(&mut server, &bytes, Instant::now());
+    assert!(result.is_err(), "{result:?}");
+    assert!(
+        matches!(
+            written.as_slice(),
+            [
+                Message::Handshake { .. },
+                Message::ErrorResponse {
+                    receiver: None,
+                    kind: ErrorKind::LimitExceeded,
+                    ..
+                }
+            ]
+        ),
+        "{written:?}"
+    );
+}
+
 #[test]
 fn a_proof_for_another_connection_is_refused() {
     let shared = secret("the cluster's shared secret");

@@ -485,7 +485,7 @@ pub fn decode_buffer_response(
 
 impl Message {
     /// Appends the whole frame (header and body) to `out`. A BufferResponse writes only its
-    /// 44-byte header; its payload follows separately.
+    /// header ([`BUFFER_RESPONSE_HEADER`] bytes); its payload follows separately.
     pub fn encode(&self, out: &mut Vec<u8>) {
         let start = out.len();
         out.extend_from_slice(&[0; FRAME_HEADER]);

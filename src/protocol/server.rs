@@ -198,6 +198,8 @@ pub struct ServerConnection {
     next_retry: Option<Instant>,
     reader: FrameReader,
     outbound: Outbound,
+    /// Bytes went out (or a write of them is in flight): our handshake, queued first, left.
+    began_writing: bool,
     handshake_received: bool,
     /// When the consumer's handshake (and proof) must be complete; started at the first poll.
     handshake_deadline: HandshakeDeadline,
@@ -248,15 +250,7 @@ impl ServerConnection {
             transcript: None,
         });
         let mut outbound = Outbound::default();
-        encode(
-            &mut outbound,
-            &Message::Handshake {
-                version: VERSION,
-                node: config.node,
-                authenticate: auth.is_some(),
-                nonce: if auth.is_some() { nonce } else { [0; 32] },
-            },
-        );
+        encode(&mut outbound, &handshake(&config, auth.as_ref()));
         Self {
             ready: ReadyReaders { queue: None },
             reader: FrameReader::new(config.segment_size, config.max_frame_size),
@@ -266,6 +260,7 @@ impl ServerConnection {
             held_task_event_bytes: 0,
             next_retry: None,
             outbound,
+            began_writing: false,
             handshake_received: false,
             handshake_deadline: HandshakeDeadline::new(config.handshake_timeout),
             authenticated: auth.is_none(),
@@ -396,6 +391,7 @@ impl ServerConnection {
 
     /// `n` bytes of the ranges were written; written segments go back to their pools.
     pub fn on_written(&mut self, n: usize) {
+        self.began_writing |= n > 0;
         self.outbound.on_written(n);
     }
 
@@ -404,6 +400,7 @@ impl ServerConnection {
     /// [`on_written`](Self::on_written), even if the connection fails meanwhile. Control bytes
     /// may move; copy them before submitting.
     pub(crate) fn begin_write(&mut self) {
+        self.began_writing = true;
         self.outbound.begin_write();
     }
 
@@ -1036,6 +1033,15 @@ impl ServerConnection {
         }
         self.release_all();
         self.outbound.clear_keeping_partial();
+        if !self.began_writing {
+            // Nothing went out yet, our handshake neither: it goes first still, or the
+            // consumer would take the error for a refusal before any handshake (a connection
+            // limit's, whose channels it places again instead of failing them).
+            encode(
+                &mut self.outbound,
+                &handshake(&self.config, self.auth.as_ref()),
+            );
+        }
         let message = Message::ErrorResponse {
             receiver: None,
             kind,
@@ -1043,6 +1049,16 @@ impl ServerConnection {
         };
         encode(&mut self.outbound, &message);
         self.closing = true;
+    }
+}
+
+/// The producer's handshake: its node, and its nonce when it authenticates.
+fn handshake(config: &ServerConfig, auth: Option<&ServerAuth>) -> Message {
+    Message::Handshake {
+        version: VERSION,
+        node: config.node,
+        authenticate: auth.is_some(),
+        nonce: auth.map_or([0; 32], |auth| auth.nonce),
     }
 }
 
