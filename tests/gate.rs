@@ -78,6 +78,23 @@ impl Fixture {
         gate
     }
 
+    /// A set-up gate with one local channel on `(partition, 0)`, retrying its request on
+    /// `backoff`.
+    fn gate_with_backoff(&self, partition: u64, backoff: Backoff) -> SingleInputGate {
+        let specs = vec![ChannelSpec {
+            consumed: ConsumedSubpartition {
+                partition: pid(partition),
+                subpartition: 0,
+            },
+            location: ChannelLocation::Local,
+        }];
+        let mut gate =
+            SingleInputGate::new(specs, self.manager.clone(), &self.network, &self.config)
+                .with_backoff(backoff);
+        gate.setup().unwrap();
+        gate
+    }
+
     fn all_segments_back(&self) -> bool {
         self.network.available_segments() == self.network.total_segments()
     }
@@ -133,25 +150,11 @@ fn partitions_are_requested_once_and_data_flows_by_reference() {
 #[test]
 fn a_missing_partition_is_retried_with_doubling_backoff_then_found() {
     let f = fixture();
-    let mut gate = f
-        .gate(&[(5, 0)], ChannelLocation::Local)
-        .with_backoff(Backoff::new(
-            Duration::from_millis(100),
-            Duration::from_millis(400),
-        ));
-    // `with_backoff` applies to channels made after it: rebuild through a fresh gate.
-    drop(gate);
-    let specs = vec![ChannelSpec {
-        consumed: ConsumedSubpartition {
-            partition: pid(5),
-            subpartition: 0,
-        },
-        location: ChannelLocation::Local,
-    }];
-    gate = SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
+    // `with_backoff` applies to channels made after it: before setup.
+    let mut gate = f.gate_with_backoff(
+        5,
         Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
     );
-    gate.setup().unwrap();
     let t0 = Instant::now();
     gate.request_partitions(t0).unwrap();
     assert_eq!(
@@ -189,18 +192,10 @@ fn a_missing_partition_is_retried_with_doubling_backoff_then_found() {
 #[test]
 fn an_exhausted_backoff_fails_with_partition_not_found() {
     let f = fixture();
-    let specs = vec![ChannelSpec {
-        consumed: ConsumedSubpartition {
-            partition: pid(9),
-            subpartition: 0,
-        },
-        location: ChannelLocation::Local,
-    }];
-    let mut gate =
-        SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
-            Backoff::new(Duration::from_millis(100), Duration::from_millis(200)),
-        );
-    gate.setup().unwrap();
+    let mut gate = f.gate_with_backoff(
+        9,
+        Backoff::new(Duration::from_millis(100), Duration::from_millis(200)),
+    );
     let mut now = Instant::now();
     gate.request_partitions(now).unwrap();
     let mut result = Ok(());
@@ -229,18 +224,10 @@ fn an_exhausted_backoff_fails_with_partition_not_found() {
 #[test]
 fn a_closed_gate_retries_no_partition_request() {
     let f = fixture();
-    let specs = vec![ChannelSpec {
-        consumed: ConsumedSubpartition {
-            partition: pid(9),
-            subpartition: 0,
-        },
-        location: ChannelLocation::Local,
-    }];
-    let mut gate =
-        SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
-            Backoff::new(Duration::from_millis(100), Duration::from_millis(100)),
-        );
-    gate.setup().unwrap();
+    let mut gate = f.gate_with_backoff(
+        9,
+        Backoff::new(Duration::from_millis(100), Duration::from_millis(100)),
+    );
     let now = Instant::now();
     gate.request_partitions(now).unwrap();
     gate.closer().close();
@@ -269,18 +256,10 @@ fn a_closed_gate_retries_no_partition_request() {
 fn a_closed_union_retries_nothing_and_closes_its_members() {
     let f = fixture();
     for close_member in [false, true] {
-        let specs = vec![ChannelSpec {
-            consumed: ConsumedSubpartition {
-                partition: pid(9),
-                subpartition: 0,
-            },
-            location: ChannelLocation::Local,
-        }];
-        let mut waiting =
-            SingleInputGate::new(specs, f.manager.clone(), &f.network, &f.config).with_backoff(
-                Backoff::new(Duration::from_millis(100), Duration::from_millis(100)),
-            );
-        waiting.setup().unwrap();
+        let mut waiting = f.gate_with_backoff(
+            9,
+            Backoff::new(Duration::from_millis(100), Duration::from_millis(100)),
+        );
         let now = Instant::now();
         waiting.request_partitions(now).unwrap();
         let other = f.gate(&[(10, 0)], ChannelLocation::Local);

@@ -611,35 +611,13 @@ mod tests {
     use crate::cluster::NodeOutcome;
     use crate::node::{FailureReport, NodeReport, PoolAtExit};
 
-    const TWO_NODES: &str = r#"
-[cluster]
-nodes = 2
-
-[[stage]]
-name = "gen"
-kind = "generator"
-parallelism = 2
-records = 10
-record_size = 16
-
-[[stage]]
-name = "sink"
-kind = "sink"
-parallelism = 2
-
-[[edge]]
-from = "gen"
-to = "sink"
-partitioner = "rebalance"
-"#;
-
     const KILL_MS: u64 = 1_000_000;
 
-    /// Node 1 killed at `KILL_MS`; on node 0 the sink lost its peer in time, and the
+    /// Node 1 killed at `KILL_MS`; on node 0 the sinks lost their peer in time, and the
     /// generator writing to node 1's sink finished without an error `finished_after` ms
     /// after the kill.
     fn verified(finished_after: u64) -> FaultVerification {
-        let topology = Topology::parse(TWO_NODES).unwrap();
+        let topology = Topology::parse(crate::topology::TWO_NODE_TEST_TOPOLOGY).unwrap();
         let lost_addr = "127.0.0.1:2".to_string();
         let subtasks = (0..topology.stages.len())
             .flat_map(|s| (0..topology.stages[s].parallelism).map(move |i| (s, i)))

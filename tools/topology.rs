@@ -968,11 +968,9 @@ pub fn max_parallelism(parallelism: usize) -> usize {
         .clamp(128, 32768)
 }
 
+/// A two-node topology for tests: 2 generators feeding 3 sinks by rebalance.
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const BASE: &str = r#"
+pub(crate) const TWO_NODE_TEST_TOPOLOGY: &str = r#"
 [cluster]
 nodes = 2
 
@@ -993,6 +991,12 @@ from = "gen"
 to = "sink"
 partitioner = "rebalance"
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = TWO_NODE_TEST_TOPOLOGY;
 
     #[test]
     fn base_parses() {
