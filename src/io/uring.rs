@@ -817,6 +817,8 @@ impl Loop {
         let mut busy_poll = BusyPoll::new(self.config.busy_poll);
         loop {
             self.stats.turns += 1;
+            // A refusal of the last turn is retried by this one's pumps.
+            self.push_refused = false;
             if !self.drain_commands() {
                 break;
             }
@@ -848,9 +850,12 @@ impl Loop {
             });
             let timeout = if wait.at_once() {
                 Duration::ZERO
-            } else if std::mem::take(&mut self.push_refused) {
-                // Not the usual park: what was refused goes out on the next turn.
-                self.next_timeout(now).min(REFUSED_PARK)
+            } else if self.push_refused {
+                // Not the usual park: what was refused goes out on the next turn. Nor in the
+                // kernel: an enter that cannot submit everything it holds returns at once
+                // (the shortage that refused it), and the loop would spin.
+                self.pause_after_refusal(self.next_timeout(now));
+                Duration::ZERO
             } else {
                 self.next_timeout(now)
             };
@@ -1002,6 +1007,13 @@ impl Loop {
         }
         self.refused(&io::Error::other("the submission queue stayed full"));
         false
+    }
+
+    /// Sleeps [`REFUSED_PARK`] (at most `limit`) in user space after a refused submission,
+    /// before the retry: the kernel's wait would not (see [`Loop::run`]).
+    fn pause_after_refusal(&mut self, limit: Duration) {
+        self.stats.sleeps += 1;
+        std::thread::sleep(limit.min(REFUSED_PARK));
     }
 
     /// A submission could not be queued: the next turn retries it soon.
@@ -2013,7 +2025,13 @@ impl Loop {
                 aborted = true;
                 self.abort_unnotified_sockets();
             }
-            if let Err(error) = self.enter((deadline - now).min(MAX_PARK)) {
+            let mut wait = (deadline - now).min(MAX_PARK);
+            if std::mem::take(&mut self.push_refused) {
+                // A cancellation was refused: queued again on the next round, soon.
+                self.pause_after_refusal(wait);
+                wait = Duration::ZERO;
+            }
+            if let Err(error) = self.enter(wait) {
                 tracing::error!(%error, "io_uring_enter failed during shutdown");
                 break;
             }
