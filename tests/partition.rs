@@ -2655,8 +2655,6 @@ fn records_running_past_the_one_buffer_a_subpartition_may_hold_go_on_as_its_read
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
-/// An unaligned barrier (in priority) with the number of data items its reader sends after
-/// it that were queued before it.
 /// A checkpoint cancelled on the producer's side (its cancel marker sent, here as a priority
 /// event) is not turned unaligned at its timeout: its barrier stays where it was queued, among
 /// the data the marker counted as overtaken (it went ahead of the marker, unaligned, and the
@@ -2701,6 +2699,8 @@ fn a_cancelled_checkpoint_s_barrier_is_not_turned_at_its_timeout() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// An unaligned barrier (in priority) with the number of data items its reader sends after
+/// it that were queued before it.
 fn priority_barrier_overtaking(view: &mut SubpartitionView) -> (Event, usize) {
     let item = view.poll_next().expect("the priority barrier");
     assert_eq!(item.buffer.data_type(), DataType::PrioritizedEventBuffer);

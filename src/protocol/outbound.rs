@@ -152,6 +152,11 @@ impl Outbound {
         self.write_in_flight = true;
     }
 
+    /// A write of the current slices is in flight.
+    pub(crate) fn write_in_flight(&self) -> bool {
+        self.write_in_flight
+    }
+
     /// `n` more bytes were written: frames written completely are dropped (their segments
     /// go back to their pools). Ends an in-flight write.
     pub(crate) fn on_written(&mut self, mut n: usize) {

@@ -198,8 +198,11 @@ pub struct ServerConnection {
     next_retry: Option<Instant>,
     reader: FrameReader,
     outbound: Outbound,
-    /// Bytes went out (or a write of them is in flight): our handshake, queued first, left.
+    /// Bytes went out: our handshake, queued first, left (in part at least).
     began_writing: bool,
+    /// The connection failed while the write holding our handshake, its first bytes, was in
+    /// flight: if that write sends nothing, the ErrorResponse queued would go out alone.
+    handshake_in_doubt: bool,
     handshake_received: bool,
     /// When the consumer's handshake (and proof) must be complete; started at the first poll.
     handshake_deadline: HandshakeDeadline,
@@ -261,6 +264,7 @@ impl ServerConnection {
             next_retry: None,
             outbound,
             began_writing: false,
+            handshake_in_doubt: false,
             handshake_received: false,
             handshake_deadline: HandshakeDeadline::new(config.handshake_timeout),
             authenticated: auth.is_none(),
@@ -391,8 +395,15 @@ impl ServerConnection {
 
     /// `n` bytes of the ranges were written; written segments go back to their pools.
     pub fn on_written(&mut self, n: usize) {
-        self.began_writing |= n > 0;
         self.outbound.on_written(n);
+        if n > 0 {
+            self.began_writing = true;
+            self.handshake_in_doubt = false;
+        } else if std::mem::take(&mut self.handshake_in_doubt) {
+            // Our handshake never left: an ErrorResponse alone would read as a refusal before
+            // any handshake (a connection limit's). Nothing more goes out; the close says it.
+            self.outbound.clear();
+        }
     }
 
     /// An asynchronous write of the current [`write_slices`](Self::write_slices) was
@@ -400,7 +411,6 @@ impl ServerConnection {
     /// [`on_written`](Self::on_written), even if the connection fails meanwhile. Control bytes
     /// may move; copy them before submitting.
     pub(crate) fn begin_write(&mut self) {
-        self.began_writing = true;
         self.outbound.begin_write();
     }
 
@@ -1031,16 +1041,23 @@ impl ServerConnection {
             }
             _ => tracing::warn!(%error, "closing a connection after a protocol error"),
         }
+        let write_in_flight = self.outbound.write_in_flight();
         self.release_all();
         self.outbound.clear_keeping_partial();
         if !self.began_writing {
-            // Nothing went out yet, our handshake neither: it goes first still, or the
-            // consumer would take the error for a refusal before any handshake (a connection
-            // limit's, whose channels it places again instead of failing them).
-            encode(
-                &mut self.outbound,
-                &handshake(&self.config, self.auth.as_ref()),
-            );
+            if write_in_flight {
+                // The write in flight holds our handshake: see `on_written`.
+                self.handshake_in_doubt = true;
+            } else {
+                // Nothing went out yet, our handshake neither: it goes first still, or the
+                // consumer would take the error for a refusal before any handshake (a
+                // connection limit's, whose channels it places again instead of failing
+                // them).
+                encode(
+                    &mut self.outbound,
+                    &handshake(&self.config, self.auth.as_ref()),
+                );
+            }
         }
         let message = Message::ErrorResponse {
             receiver: None,
@@ -1125,5 +1142,113 @@ impl ReadyReaders {
         self.queue
             .as_ref()
             .is_some_and(|queue| queue.register_waker(waker))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::partition::ResultPartitionId;
+    use crate::protocol::frame::{decode_header, FRAME_HEADER};
+    use crate::protocol::ReceiverId;
+
+    /// A server of one channel at most, and the consumer's handshake with two requests: the
+    /// second crosses the limit.
+    fn server_and_two_requests() -> (ServerConnection, Vec<u8>) {
+        let server = ServerConnection::new(
+            ServerConfig {
+                max_channels: 1,
+                ..ServerConfig::default()
+            },
+            Arc::new(PartitionManager::new()),
+        );
+        let mut bytes = Vec::new();
+        Message::Handshake {
+            version: VERSION,
+            node: 9,
+            authenticate: false,
+            nonce: [0; 32],
+        }
+        .encode(&mut bytes);
+        for receiver in [5, 6] {
+            Message::PartitionRequest {
+                partition: ResultPartitionId {
+                    partition: 0,
+                    producer: 1,
+                },
+                subpartition: 0,
+                receiver: ReceiverId(receiver),
+                credit: 2,
+            }
+            .encode(&mut bytes);
+        }
+        (server, bytes)
+    }
+
+    /// Feeds `bytes` to `server`; returns the result of the read that failed, if one did.
+    fn feed(server: &mut ServerConnection, bytes: &[u8]) -> Result<(), ProtocolError> {
+        let mut at = 0;
+        while at < bytes.len() {
+            let buffer = server.read_buffer();
+            let n = buffer.len().min(bytes.len() - at);
+            buffer[..n].copy_from_slice(&bytes[at..at + n]);
+            server.on_read(n, Instant::now())?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// The ids of the frames queued to go out, in order.
+    fn queued_ids(server: &ServerConnection) -> Vec<u8> {
+        let mut slices = Vec::new();
+        server.write_slices(&mut slices, 64);
+        let bytes: Vec<u8> = slices.iter().flat_map(|s| s.iter().copied()).collect();
+        let mut ids = Vec::new();
+        let mut at = 0;
+        while at + FRAME_HEADER <= bytes.len() {
+            let header: &[u8; FRAME_HEADER] = bytes[at..at + FRAME_HEADER].try_into().unwrap();
+            let frame = decode_header(header, 1 << 20).unwrap();
+            ids.push(frame.id as u8);
+            at += frame.length as usize;
+        }
+        ids
+    }
+
+    /// A write the kernel refused (io_uring: submitted, then nothing written) sent nothing:
+    /// a failure after it still puts the handshake ahead of the ErrorResponse.
+    #[test]
+    fn a_refused_write_leaves_the_handshake_to_go_first() {
+        let (mut server, bytes) = server_and_two_requests();
+        server.begin_write();
+        server.on_written(0);
+        assert!(feed(&mut server, &bytes).is_err());
+        assert_eq!(
+            queued_ids(&server),
+            [MessageId::Handshake as u8, MessageId::ErrorResponse as u8]
+        );
+    }
+
+    /// A failure while the write holding the handshake is in flight: if that write sends
+    /// nothing, the ErrorResponse does not go out alone (it would read as a refusal before any
+    /// handshake); if it sent the handshake, the ErrorResponse follows.
+    #[test]
+    fn an_error_behind_a_handshake_in_flight_goes_only_after_it() {
+        for sent in [false, true] {
+            let (mut server, bytes) = server_and_two_requests();
+            let handshake_len = {
+                let mut slices = Vec::new();
+                server.write_slices(&mut slices, 64);
+                slices.iter().map(|s| s.len()).sum::<usize>()
+            };
+            server.begin_write();
+            assert!(feed(&mut server, &bytes).is_err());
+            server.on_written(if sent { handshake_len } else { 0 });
+            let expected: &[u8] = if sent {
+                &[MessageId::ErrorResponse as u8]
+            } else {
+                &[]
+            };
+            assert_eq!(queued_ids(&server), expected, "handshake sent: {sent}");
+        }
     }
 }
