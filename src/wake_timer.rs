@@ -71,7 +71,13 @@ impl Shared {
                 let waker = state.waker.clone();
                 drop(state);
                 if let Some(waker) = waker {
-                    waker.wake();
+                    // A waker that panics must not end the thread with `running` set: no
+                    // later due time would be waited for.
+                    let woken =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
+                    if woken.is_err() {
+                        tracing::error!("a task's waker panicked; the wake timer goes on");
+                    }
                 }
                 state = self.lock();
                 continue;
