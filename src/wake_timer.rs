@@ -163,6 +163,31 @@ mod tests {
         what()
     }
 
+    struct Panics;
+
+    impl Wake for Panics {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics");
+        }
+    }
+
+    /// A task's waker that panics costs only its own wake-up: the thread goes on, and wakes
+    /// the next task when due (it ended with its running flag set, and no due time was waited
+    /// for again).
+    #[test]
+    fn a_panicking_waker_leaves_the_timer_working() {
+        let timer = WakeTimer::default();
+        timer.wake_at(Instant::now(), &Waker::from(Arc::new(Panics)));
+        let shared = (timer.0).0.clone();
+        assert!(until(|| !shared.lock().running), "the due time passed");
+        let count = Arc::new(Count::default());
+        timer.wake_at(Instant::now(), &Waker::from(count.clone()));
+        assert!(
+            until(|| count.0.load(Ordering::SeqCst) == 1),
+            "woken when due"
+        );
+    }
+
     /// Earlier due times, each asked for while a later one waits (a peer's barriers can set
     /// deadlines centuries ahead): one thread waits for them all, and it ends with its owner
     /// (a thread was started for each, and slept to its own due time, the owner long gone).
