@@ -201,8 +201,9 @@ pub struct ServerConnection {
     /// Bytes went out: our handshake, queued first, left (in part at least).
     began_writing: bool,
     /// The connection failed while the write holding our handshake, its first bytes, was in
-    /// flight: if that write sends nothing, the ErrorResponse queued would go out alone.
-    handshake_in_doubt: bool,
+    /// flight, with this ErrorResponse: if that write sends nothing, the handshake goes again
+    /// ahead of it (alone it would read as a refusal before any handshake).
+    error_behind_handshake: Option<Message>,
     handshake_received: bool,
     /// When the consumer's handshake (and proof) must be complete; started at the first poll.
     handshake_deadline: HandshakeDeadline,
@@ -264,7 +265,7 @@ impl ServerConnection {
             next_retry: None,
             outbound,
             began_writing: false,
-            handshake_in_doubt: false,
+            error_behind_handshake: None,
             handshake_received: false,
             handshake_deadline: HandshakeDeadline::new(config.handshake_timeout),
             authenticated: auth.is_none(),
@@ -398,11 +399,17 @@ impl ServerConnection {
         self.outbound.on_written(n);
         if n > 0 {
             self.began_writing = true;
-            self.handshake_in_doubt = false;
-        } else if std::mem::take(&mut self.handshake_in_doubt) {
-            // Our handshake never left: an ErrorResponse alone would read as a refusal before
-            // any handshake (a connection limit's). Nothing more goes out; the close says it.
+            self.error_behind_handshake = None;
+        } else if let Some(error) = self.error_behind_handshake.take() {
+            // Our handshake never left, and the stream is at its start: the handshake, then
+            // the error (alone it would read as a refusal before any handshake, a connection
+            // limit's).
             self.outbound.clear();
+            encode(
+                &mut self.outbound,
+                &handshake(&self.config, self.auth.as_ref()),
+            );
+            encode(&mut self.outbound, &error);
         }
     }
 
@@ -1044,10 +1051,15 @@ impl ServerConnection {
         let write_in_flight = self.outbound.write_in_flight();
         self.release_all();
         self.outbound.clear_keeping_partial();
+        let message = Message::ErrorResponse {
+            receiver: None,
+            kind,
+            message: error.to_string(),
+        };
         if !self.began_writing {
             if write_in_flight {
                 // The write in flight holds our handshake: see `on_written`.
-                self.handshake_in_doubt = true;
+                self.error_behind_handshake = Some(message.clone());
             } else {
                 // Nothing went out yet, our handshake neither: it goes first still, or the
                 // consumer would take the error for a refusal before any handshake (a
@@ -1059,11 +1071,6 @@ impl ServerConnection {
                 );
             }
         }
-        let message = Message::ErrorResponse {
-            receiver: None,
-            kind,
-            message: error.to_string(),
-        };
         encode(&mut self.outbound, &message);
         self.closing = true;
     }
@@ -1229,8 +1236,8 @@ mod tests {
     }
 
     /// A failure while the write holding the handshake is in flight: if that write sends
-    /// nothing, the ErrorResponse does not go out alone (it would read as a refusal before any
-    /// handshake); if it sent the handshake, the ErrorResponse follows.
+    /// nothing, the handshake goes again ahead of the ErrorResponse (alone it would read as a
+    /// refusal before any handshake); if it sent the handshake, the ErrorResponse follows.
     #[test]
     fn an_error_behind_a_handshake_in_flight_goes_only_after_it() {
         for sent in [false, true] {
@@ -1246,7 +1253,7 @@ mod tests {
             let expected: &[u8] = if sent {
                 &[MessageId::ErrorResponse as u8]
             } else {
-                &[]
+                &[MessageId::Handshake as u8, MessageId::ErrorResponse as u8]
             };
             assert_eq!(queued_ids(&server), expected, "handshake sent: {sent}");
         }
