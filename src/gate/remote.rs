@@ -21,7 +21,9 @@ use super::{ChannelRead, ConsumedSubpartition, GateError};
 use crate::buffer::segment_internals::{FreeList, SegmentMemory};
 use crate::buffer::{Buffer, BufferListener, LocalBufferPool, PooledSegment, Recycler, Segment};
 use crate::event::Event;
-use crate::sync::{ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{
+    fence, ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering,
+};
 
 /// Told when a channel has something for the transport to send: credit to announce, a
 /// resume-consumption request, or a release.
@@ -739,7 +741,7 @@ impl RemoteChannelShared {
 
     /// True when task events wait for the transport.
     pub fn has_task_events(&self) -> bool {
-        self.task_events_queued.load(Ordering::Acquire)
+        self.task_events_queued.load(Ordering::SeqCst)
     }
 
     /// How often the transport tried again for this channel: partition requests re-sent after
@@ -1044,9 +1046,10 @@ impl RemoteInputChannel {
             }
             pending.push_back(bytes);
         }
-        self.shared
-            .task_events_queued
-            .store(true, Ordering::Release);
+        self.shared.task_events_queued.store(true, Ordering::SeqCst);
+        // Pairs with the fence of the transport's attach (`ClientConnection::add_channel`):
+        // either it sees the flag, or this sees its listener.
+        fence(Ordering::SeqCst);
         if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
             slot.0.on_channel_ready(self.shared.channel);
         }
@@ -1069,6 +1072,8 @@ impl RemoteInputChannel {
         while shared.received.pop().is_some() {}
         while shared.received_priority.pop().is_some() {}
         shared.buffers.release();
+        // As for task events: either the attach sees the release, or this sees its listener.
+        fence(Ordering::SeqCst);
         if let Some(slot) = shared.buffers.listener.load().as_ref() {
             slot.0.on_channel_ready(shared.channel);
         }

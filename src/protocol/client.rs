@@ -280,7 +280,9 @@ impl ClientConnection {
         // A channel released before the listener was attached told no one: its slot is
         // queued now, and the next `poll_transmit` cancels the request. (Released after the
         // attach, the release queues it itself.) Task events sent before it had a connection
-        // go out the same way, after the request.
+        // go out the same way, after the request. The fence pairs with the gate's after its
+        // flag (a Dekker pair; the listener's store alone does not promise it).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if self.channels[slot]
             .as_ref()
             .is_some_and(|c| c.shared.is_released() || c.shared.has_task_events())
