@@ -518,14 +518,9 @@ impl ResultPartition {
             if self.barrier_timer.is_some() {
                 self.fire_barrier_timer();
             }
-            let open = self.open_builder(target);
-            let buffers = self.buffers_for(record, open);
-            if buffers == 0 {
-                // It fits the open buffer (and so does not cross it), as in the sync wait.
+            let Some((room, crosses)) = self.needs_before_record(record, target) else {
                 return Ok(());
-            }
-            let crosses = self.crosses(record, open);
-            let room = Queued::Buffers(buffers);
+            };
             let mut timed = self.barrier_timed();
             let readers = target.readers(timed.subpartitions);
             // Room in the queues first: the write would block the thread for it.
@@ -606,6 +601,19 @@ impl ResultPartition {
             .min(self.max_overdraft_for_records.saturating_add(1))
     }
 
+    /// What `record` needs at hand before its first byte, written for `target`: room for its
+    /// buffers in the target's queues, and whether it runs past the started open buffer (a
+    /// segment then); `None` when it fits the open buffer.
+    fn needs_before_record<R: Record + ?Sized>(
+        &self,
+        record: &R,
+        target: Target,
+    ) -> Option<(Queued, bool)> {
+        let open = self.open_builder(target);
+        let buffers = self.buffers_for(record, open);
+        (buffers > 0).then(|| (Queued::Buffers(buffers), self.crosses(record, open)))
+    }
+
     /// Before a record's first byte: waits until the buffers it runs into can be had without
     /// a wait inside it (as far as the queue's size allows: see `Queued::Buffers`), room for
     /// them in the target's queues (every queue, for a broadcast; a queue fills before the
@@ -619,14 +627,9 @@ impl ResultPartition {
         record: &R,
         target: Target,
     ) -> Result<(), PartitionError> {
-        let open = self.open_builder(target);
-        let buffers = self.buffers_for(record, open);
-        if buffers == 0 {
-            // It fits the open buffer (and so does not cross it).
+        let Some((room, crosses)) = self.needs_before_record(record, target) else {
             return Ok(());
-        }
-        let crosses = self.crosses(record, open);
-        let room = Queued::Buffers(buffers);
+        };
         let (pool, subpartitions) = (&self.pool, &self.handle.shared.subpartitions[..]);
         let readers = target.readers(subpartitions);
         if !readers.iter().all(|s| s.has_room(room)) {
