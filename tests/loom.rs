@@ -135,6 +135,25 @@ fn buffer_clones_dropped_on_two_threads() {
     });
 }
 
+/// A local pool of `min`..=`max` segments for one subpartition that may hold them all, one
+/// listener, and `overdraft` segments beyond it.
+fn one_channel_pool(
+    pool: &NetworkBufferPool,
+    min: usize,
+    max: usize,
+    overdraft: usize,
+) -> LocalBufferPool {
+    pool.create_local_pool(LocalPoolSpec {
+        min_segments: min,
+        max_segments: max,
+        subpartitions: 1,
+        max_segments_per_channel: max,
+        max_listeners: 1,
+        max_overdraft_segments: overdraft,
+    })
+    .unwrap()
+}
+
 /// (b, local) As (b), with the segment from a local pool and three leases (the buffer, a
 /// clone, a slice) split over two threads: it goes back to the local pool's free list exactly
 /// once and its subpartition count drops to zero.
@@ -142,16 +161,7 @@ fn buffer_clones_dropped_on_two_threads() {
 fn local_buffer_leases_dropped_on_two_threads() {
     loom::model(|| {
         let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 2,
-                max_segments: 2,
-                subpartitions: 1,
-                max_segments_per_channel: 2,
-                max_listeners: 1,
-                max_overdraft_segments: usize::MAX,
-            })
-            .unwrap();
+        let local = one_channel_pool(&pool, 2, 2, usize::MAX);
         let mut builder = local.request_buffer_builder(0).unwrap();
         let mut consumer = builder.create_consumer_from_beginning();
         builder.append_and_commit(b"xyz");
@@ -188,16 +198,7 @@ fn local_buffer_leases_dropped_on_two_threads() {
 fn local_pool_recycle_races_request() {
     loom::model(|| {
         let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 2,
-                max_segments: 4,
-                subpartitions: 1,
-                max_segments_per_channel: 4,
-                max_listeners: 1,
-                max_overdraft_segments: usize::MAX,
-            })
-            .unwrap();
+        let local = one_channel_pool(&pool, 2, 4, usize::MAX);
         let first = local.request_buffer_builder(0).unwrap();
         let second = local.request_buffer_builder(0).unwrap();
         assert_eq!(pool.available_segments(), 0);
@@ -687,16 +688,7 @@ fn local_pool_waiter_races_io_thread_give_back() {
 fn waiter_races_give_back(on_io_thread: bool) {
     bounded_model(move || {
         let pool = network(2);
-        let local = pool
-            .create_local_pool(LocalPoolSpec {
-                min_segments: 1,
-                max_segments: 2,
-                subpartitions: 1,
-                max_segments_per_channel: 2,
-                max_listeners: 1,
-                max_overdraft_segments: usize::MAX,
-            })
-            .unwrap();
+        let local = one_channel_pool(&pool, 1, 2, usize::MAX);
         let held = local.request_buffer_builder(0).unwrap();
         let elsewhere = pool.request_segment().unwrap();
         assert_eq!(pool.available_segments(), 0);
@@ -765,16 +757,7 @@ fn a_full_pool_and_none_elsewhere() -> (
     PooledSegment,
 ) {
     let pool = network(2);
-    let local = pool
-        .create_local_pool(LocalPoolSpec {
-            min_segments: 1,
-            max_segments: 1,
-            subpartitions: 1,
-            max_segments_per_channel: 1,
-            max_listeners: 1,
-            max_overdraft_segments: 1,
-        })
-        .unwrap();
+    let local = one_channel_pool(&pool, 1, 1, 1);
     let held = local.request_buffer_builder(0).unwrap();
     let elsewhere = pool.request_segment().unwrap();
     assert_eq!(pool.available_segments(), 0);
