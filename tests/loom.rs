@@ -1,12 +1,12 @@
 //! loom model checks of the lock-free protocols (run with `RUSTFLAGS="--cfg loom"`, as
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
-//! wake-ups, a remote channel's floating-buffer registration, the channels-with-data /
-//! ready-reader queue with its enqueued flags, the I/O thread's parked flag, a
-//! subpartition's backlog count and read order against a priority event queued mid-read and
-//! its barrier turned unaligned by a timeout against its reader, a priority event's
-//! notification against the reader's park after it, and a remote channel's read
-//! order against a priority item arriving mid-read and its floating credit against a
-//! blocking barrier read at once.
+//! wake-ups (a blocked thread's and a pending future's), a remote channel's floating-buffer
+//! registration, the channels-with-data / ready-reader queue with its enqueued flags, the I/O
+//! thread's parked flag, a subpartition's backlog count and read order against a priority event
+//! queued mid-read and its barrier turned unaligned by a timeout against its reader, a priority
+//! event's notification against the reader's park after it, and a remote channel's read order
+//! against a priority item arriving mid-read and its floating credit against a blocking barrier
+//! read at once.
 //!
 //! Under `--cfg loom` the crate's atomics (segment lease counts and markers, pool counters,
 //! queue flags, the parked flag) are loom's, so loom explores their interleavings and the
@@ -251,6 +251,8 @@ fn local_pool_recycle_races_request() {
 // the file runs in seconds.
 // ---------------------------------------------------------------------------------------------
 
+use std::any::Any;
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Wake, Waker};
 use std::time::Duration;
@@ -745,6 +747,70 @@ fn two_waiters_on_one_pool_are_both_woken() {
         drop((got, local));
         assert_eq!(pool.available_segments(), pool.total_segments());
     });
+}
+
+/// (p2e) The async form of (p2): a writer's `request_builder` future finds its pool at its
+/// maximum and goes Pending while another thread gives a segment back, either by dropping one
+/// of the pool's own builders (`from_the_pool`) or by returning a global segment the starved
+/// pool may then grow by. Either the first poll got the segment, or the give-back woke the
+/// future's waker and the next poll gets it. Loom sees the waker's registration, the
+/// `notified` flag and the fences of `AsyncWait::poll` against `wake_waiters`; a wake-up lost
+/// between the future's two looks leaves `woken` at zero.
+fn async_waiter_races_give_back(from_the_pool: bool) {
+    bounded_model(move || {
+        let pool = network(2);
+        let local = one_channel_pool(&pool, 1, if from_the_pool { 1 } else { 2 }, usize::MAX);
+        let held = local.request_buffer_builder(0).unwrap();
+        let held_index = held.segment_index();
+        let elsewhere = pool.request_segment().unwrap();
+        assert_eq!(pool.available_segments(), 0);
+        let (given, kept): (Box<dyn Any + Send>, Box<dyn Any + Send>) = if from_the_pool {
+            (Box::new(held), Box::new(elsewhere))
+        } else {
+            (Box::new(elsewhere), Box::new(held))
+        };
+
+        let giver = loom::thread::spawn(move || drop(given));
+        let counting = Arc::new(CountingWaker::default());
+        let waker = Waker::from(counting.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
+        let got = {
+            let mut request = std::pin::pin!(local.request_builder(0));
+            let first = request.as_mut().poll(&mut cx);
+            giver.join().unwrap();
+            match first {
+                std::task::Poll::Ready(got) => got.expect("a builder"),
+                std::task::Poll::Pending => {
+                    assert!(
+                        counting.woken() > 0,
+                        "the give-back did not wake the future"
+                    );
+                    match request.as_mut().poll(&mut cx) {
+                        std::task::Poll::Ready(got) => got.expect("a builder"),
+                        std::task::Poll::Pending => panic!("woken, yet nothing at hand"),
+                    }
+                }
+            }
+        };
+        if from_the_pool {
+            assert_eq!(got.segment_index(), held_index);
+        } else {
+            assert_ne!(got.segment_index(), held_index);
+        }
+        drop((got, kept));
+        drop(local);
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
+}
+
+#[test]
+fn an_async_request_pending_on_a_full_pool_is_woken_by_its_recycle() {
+    async_waiter_races_give_back(true);
+}
+
+#[test]
+fn an_async_request_pending_on_a_starved_pool_is_woken_by_a_global_give_back() {
+    async_waiter_races_give_back(false);
 }
 
 /// A pool at its maximum of one segment (held, the builder), allowed one overdraft segment,
