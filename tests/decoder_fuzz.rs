@@ -60,7 +60,7 @@ use fluxgate::protocol::auth::{Nonce, Proof, Transcript, PROOF_LEN};
 use fluxgate::protocol::frame::{
     decode_buffer_response, decode_header, encode_header, BufferResponseHeader, FrameHeader,
     BUFFER_RESPONSE_BODY, BUFFER_RESPONSE_HEADER, FRAME_HEADER, HANDSHAKE_BODY, MAGIC,
-    MAX_CONTROL_FRAME, MAX_ERROR_MESSAGE, MAX_OVERTAKEN, VERSION,
+    MAX_CONTROL_FRAME, MAX_ERROR_MESSAGE, MAX_OVERTAKEN, TASK_EVENT_REQUEST_HEADER, VERSION,
 };
 use fluxgate::protocol::{
     ClientConfig, ClientConnection, DecodeError, ErrorKind, Message, MessageId, ProtocolError,
@@ -772,10 +772,14 @@ fn corpus_entries() -> Vec<CorpusEntry> {
     let mut encoded_task = Vec::new();
     Event::Task(vec![1, 2, 3]).encode(&mut encoded_task);
     // The longest task event the frame limit admits: 52 + segment bytes after the header.
+    // An encoded task event of a segment (an `Event::Task` encodes 5 bytes of its own), and
+    // one byte more. The header once allowed 16 more (a 52-byte fixed body, not 36).
     let mut longest_task = Vec::new();
-    Event::Task(vec![0xAB; SEGMENT + 52 - 36 - 5]).encode(&mut longest_task);
+    Event::Task(vec![0xAB; SEGMENT - 5]).encode(&mut longest_task);
     let mut too_long_task = Vec::new();
-    Event::Task(vec![0xAB; SEGMENT + 52 - 36 - 4]).encode(&mut too_long_task);
+    Event::Task(vec![0xAB; SEGMENT - 4]).encode(&mut too_long_task);
+    let mut once_longest_task = Vec::new();
+    Event::Task(vec![0xAB; SEGMENT + 16 - 5]).encode(&mut once_longest_task);
     let mut bad_flags = data(0, 4);
     bad_flags[39] = 0b100;
     let mut type_none = data(0, 4);
@@ -833,7 +837,7 @@ fn corpus_entries() -> Vec<CorpusEntry> {
         .collect();
     let mut error_frame_limit = error(Some(ReceiverId(5)), ErrorKind::Other, "");
     // The longest control frame: a message that fills it to MAX_CONTROL_FRAME, past the 512
-    // bytes an encoder sends.
+    // bytes an encoder sends (refused for its message length, not the frame's).
     let fill = MAX_CONTROL_FRAME - error_frame_limit.len();
     error_frame_limit.extend(std::iter::repeat_n(b'e', fill));
     error_frame_limit[28..30].copy_from_slice(&(fill as u16).to_be_bytes());
@@ -1094,6 +1098,12 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "Decode::BadLength",
         ),
         entry(
+            "task_event_16_past_a_segment",
+            cat(&[&h, &task_event(once_longest_task)]),
+            "Decode::BadLength",
+            "Decode::BadLength",
+        ),
+        entry(
             "error_response_for_channel",
             cat(&[
                 &h,
@@ -1133,8 +1143,8 @@ fn corpus_entries() -> Vec<CorpusEntry> {
         entry(
             "error_response_frame_limit",
             cat(&[&h, &error_frame_limit]),
-            "ok",
-            "ok",
+            "Decode::InvalidField",
+            "Decode::InvalidField",
         ),
         entry(
             "error_response_frame_over_limit",
@@ -2347,8 +2357,9 @@ fn a_channel_released_before_it_was_registered_is_cancelled() {
 
 /// A producer that streams empty BufferResponses for receivers the consumer does not know,
 /// and never reads: each is answered with a cancellation, and the consumer's queue of them
-/// would grow without bound. Past `MAX_QUEUED_CONTROL` the connection fails with a typed
-/// error instead, and the queue is dropped.
+/// would grow without bound. Past `MAX_QUEUED_CONTROL` (and the room the consumer keeps for
+/// its own task events) the connection fails with a typed error instead, and the queue is
+/// dropped.
 #[test]
 fn a_flood_of_frames_answered_with_cancellations_fails_at_the_control_limit() {
     let nets = Networks::new();
@@ -2358,7 +2369,7 @@ fn a_flood_of_frames_answered_with_cancellations_fails_at_the_control_limit() {
     let cancel = frame(&Message::CancelPartitionRequest {
         receiver: ReceiverId(999),
     });
-    let frames = fluxgate::protocol::MAX_QUEUED_CONTROL / cancel.len() + 2;
+    let frames = 2 * fluxgate::protocol::MAX_QUEUED_CONTROL / cancel.len();
     let mut input = handshake();
     for _ in 0..frames {
         input.extend_from_slice(&unknown);
@@ -2660,5 +2671,48 @@ fn a_buffer_response_overtaking_more_than_a_queue_holds_is_refused() {
             accepted,
             "overtaken {overtaken}: {decoded:?}"
         );
+    }
+}
+
+/// A task event may be as long as a segment, no longer: the frame header's limit was 16
+/// bytes above it (the body's fixed fields counted as 52 bytes, not 36).
+#[test]
+fn a_task_event_longer_than_a_segment_is_refused_by_its_header() {
+    for (len, accepted) in [(SEGMENT, true), (SEGMENT + 1, false), (SEGMENT + 16, false)] {
+        let bytes = frame(&Message::TaskEventRequest {
+            partition: ResultPartitionId {
+                partition: 1,
+                producer: 2,
+            },
+            receiver: RECEIVER,
+            event: vec![0; len],
+        });
+        assert_eq!(bytes.len(), TASK_EVENT_REQUEST_HEADER + len);
+        let header = decode_header(bytes[..FRAME_HEADER].try_into().unwrap(), SEGMENT);
+        assert_eq!(header.is_ok(), accepted, "{len} bytes: {header:?}");
+    }
+}
+
+/// An error message longer than the encoder ever writes (it cuts at `MAX_ERROR_MESSAGE`
+/// bytes) is refused, not shown.
+#[test]
+fn an_error_message_longer_than_any_encoder_writes_is_refused() {
+    for (len, accepted) in [(MAX_ERROR_MESSAGE, true), (MAX_ERROR_MESSAGE + 1, false)] {
+        let text = "e".repeat(len);
+        let mut body = vec![0u8];
+        body.extend_from_slice(&0u128.to_be_bytes());
+        body.push(ErrorKind::Other as u8);
+        body.extend_from_slice(&(len as u16).to_be_bytes());
+        body.extend_from_slice(text.as_bytes());
+        let mut bytes = vec![0u8; FRAME_HEADER];
+        encode_header(
+            &mut bytes,
+            FRAME_HEADER + body.len(),
+            MessageId::ErrorResponse,
+        );
+        bytes.extend_from_slice(&body);
+        let header = decode_header(bytes[..FRAME_HEADER].try_into().unwrap(), SEGMENT).unwrap();
+        let decoded = Message::decode(&header, &bytes[FRAME_HEADER..]);
+        assert_eq!(decoded.is_ok(), accepted, "{len} bytes: {decoded:?}");
     }
 }

@@ -10,7 +10,7 @@
 //!   9  u8   message id
 //! then the message body:
 //!   0 Handshake            u8 version, u128 node id, u8 flags (bit 0: authenticate),
-//!                          32-byte nonce (zero when not authenticating)
+//!                          32-byte nonce (zero when not authenticating; not read then)
 //!   1 PartitionRequest     u64 partition, u64 producer, u32 subpartition, u128 receiver,
 //!                          u32 initial credit
 //!   2 BufferResponse       u128 receiver, u64 sequence number, u32 backlog, u8 data type,
@@ -24,7 +24,8 @@
 //!   6 CancelPartitionRequest u128 receiver
 //!   7 CloseRequest         (empty)
 //!   8 BacklogAnnouncement  u128 receiver, u32 backlog (> 0)
-//!   9 ErrorResponse        u8 has receiver, u128 receiver, u8 error kind, u16 length, UTF-8
+//!   9 ErrorResponse        u8 has receiver, u128 receiver, u8 error kind, u16 length (at most
+//!                          512), UTF-8 text (a byte that is not is read as U+FFFD)
 //!  10 AuthProof            32-byte HMAC-SHA256 proof (see [`super::auth`])
 //! ```
 //!
@@ -49,6 +50,10 @@ pub const VERSION: u8 = 2;
 pub const BUFFER_RESPONSE_HEADER: usize = FRAME_HEADER + BUFFER_RESPONSE_BODY;
 /// Bytes of a BufferResponse's fixed body header.
 pub const BUFFER_RESPONSE_BODY: usize = 38;
+/// Bytes of a TaskEventRequest before its event (frame header included).
+pub const TASK_EVENT_REQUEST_HEADER: usize = FRAME_HEADER + TASK_EVENT_REQUEST_BODY;
+/// Bytes of a TaskEventRequest's fixed body: partition, producer, receiver, event length.
+const TASK_EVENT_REQUEST_BODY: usize = 8 + 8 + 16 + 4;
 /// Longest control frame (everything but a BufferResponse's payload and a task event).
 pub const MAX_CONTROL_FRAME: usize = 1024;
 /// Longest error message carried.
@@ -344,7 +349,7 @@ pub fn decode_header_within(
     let id = MessageId::from_u8(bytes[9]).ok_or(DecodeError::UnknownMessage(bytes[9]))?;
     let limit = match id {
         MessageId::BufferResponse => BUFFER_RESPONSE_HEADER + max_payload,
-        MessageId::TaskEventRequest => FRAME_HEADER + 52 + max_payload,
+        MessageId::TaskEventRequest => TASK_EVENT_REQUEST_HEADER + max_payload,
         _ => MAX_CONTROL_FRAME,
     }
     .min(max_frame);
@@ -394,7 +399,8 @@ pub fn encode_header(out: &mut [u8], length: usize, id: MessageId) {
     out[9] = id as u8;
 }
 
-/// Writes a BufferResponse's frame header and fixed header (44 bytes) into `out`.
+/// Writes a BufferResponse's frame header and fixed header (`BUFFER_RESPONSE_HEADER`, 48
+/// bytes) into `out`.
 pub fn encode_buffer_response(
     out: &mut [u8; BUFFER_RESPONSE_HEADER],
     header: &BufferResponseHeader,
@@ -643,7 +649,7 @@ impl Message {
                 }
             }
             MessageId::TaskEventRequest => {
-                r.need(36)?;
+                r.need(TASK_EVENT_REQUEST_BODY)?;
                 let partition = r.partition();
                 let receiver = ReceiverId(r.u128());
                 let len = r.u32() as usize;
@@ -690,6 +696,13 @@ impl Message {
                     field: "error kind",
                     value: kind_byte.into(),
                 })?;
+                // The encoder cuts its text there; a longer one is no message of ours.
+                if len > MAX_ERROR_MESSAGE {
+                    return Err(DecodeError::InvalidField {
+                        field: "error message length",
+                        value: len as u64,
+                    });
+                }
                 r.need(len)?;
                 let message = printable(&String::from_utf8_lossy(r.take(len)));
                 Message::ErrorResponse {
