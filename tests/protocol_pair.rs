@@ -193,6 +193,26 @@ fn setup_with(
     client_secret: Option<Arc<Secret>>,
     server_secret: Option<Arc<Secret>>,
 ) -> Setup {
+    setup_reading(
+        channels,
+        seed,
+        max_piece,
+        client_secret,
+        server_secret,
+        SEGMENT,
+    )
+}
+
+/// As [`setup_with`], the client reading payloads of up to `client_segment` bytes (the
+/// segment size its `ClientConfig` says; the gate's pool has `SEGMENT`-byte segments).
+fn setup_reading(
+    channels: usize,
+    seed: u64,
+    max_piece: usize,
+    client_secret: Option<Arc<Secret>>,
+    server_secret: Option<Arc<Secret>>,
+    client_segment: usize,
+) -> Setup {
     let config = config();
     let producer_network = NetworkBufferPool::new(&config).unwrap();
     let consumer_network = NetworkBufferPool::new(&config).unwrap();
@@ -231,7 +251,7 @@ fn setup_with(
     let mut client = ClientConnection::with_config(
         ClientConfig {
             secret: client_secret,
-            ..ClientConfig::new(2, 64, SEGMENT)
+            ..ClientConfig::new(2, 64, client_segment)
         },
         CLIENT_NONCE,
     );
@@ -707,6 +727,56 @@ fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer() {
     all_back(s);
 }
 
+/// A burst of task events from the consumer's own task (64 events of almost a segment on
+/// each of 8 channels, 2 MiB) is no sign of a producer that does not read: the connection
+/// reads on, the events reach every producer in order, the last ones ahead of the channels'
+/// cancels when the gate closes right after. Moved into the outbound queue all at once, they
+/// made the next read fail the connection with `ControlBacklog`.
+#[test]
+fn a_burst_of_task_events_keeps_the_connection_and_every_event() {
+    const CHANNELS: usize = 8;
+    const EVENTS: usize = 64;
+    let mut s = setup(CHANNELS, 13, 1 << 16);
+    let heard: Vec<_> = (0..CHANNELS)
+        .map(|i| {
+            let heard = Arc::new(HeardTaskEvents::default());
+            s.manager
+                .subscribe_task_events(s.producers[i].handle().id(), heard.clone());
+            heard
+        })
+        .collect();
+    settle(&mut s.pair);
+    let event = |i: usize| Event::Task(vec![i as u8; SEGMENT - 64]);
+    for i in 0..EVENTS {
+        s.gate.send_task_event(&event(i)).unwrap();
+    }
+    // The consumer's connection queues what it sends before the producer's next frame
+    // arrives; nothing of it has been written yet.
+    s.pair.client.transmit(s.pair.now);
+    s.producers[0].emit_record(&b"data"[..], 0).unwrap();
+    s.producers[0].flush_all();
+    s.pair.server.transmit(s.pair.now);
+    assert!(drain_into(&mut s.pair.to_client, &mut s.pair.server));
+    deliver(
+        &mut s.pair.to_client,
+        usize::MAX,
+        &mut s.pair.client,
+        s.pair.now,
+    )
+    .expect("the consumer's own task events are no control backlog");
+    s.gate.close();
+    settle(&mut s.pair);
+    let expected: Vec<_> = (0..EVENTS).map(event).collect();
+    for (i, heard) in heard.iter().enumerate() {
+        assert!(
+            *heard.0.lock().unwrap() == expected,
+            "producer {i} heard {} events, not the {EVENTS} sent in order",
+            heard.0.lock().unwrap().len()
+        );
+    }
+    all_back(s);
+}
+
 /// The same, when data for the channel arrives before the connection's next transmit: the
 /// read finds the channel released and sends the cancel, and the task event still goes out
 /// ahead of it (it was dropped with the channel).
@@ -846,6 +916,34 @@ fn oversized_lengths_and_unknown_ids_are_decode_errors() {
         result,
         Err(ProtocolError::Decode(DecodeError::BadLength { .. }))
     ));
+    all_back(s);
+}
+
+/// A client configured for larger payloads than its gate's segments (a `ClientConfig` that
+/// does not match the pool's memory) refuses a payload its segment cannot hold with a typed
+/// error; it panicked slicing the segment past its end.
+#[test]
+fn a_payload_longer_than_the_channel_s_segment_is_refused() {
+    let mut s = setup_reading(1, 7, 1, None, None, 2 * SEGMENT);
+    let mut bytes = Vec::new();
+    Message::Handshake {
+        version: fluxgate::protocol::frame::VERSION,
+        node: 1,
+        authenticate: false,
+        nonce: [0; 32],
+    }
+    .encode(&mut bytes);
+    // The one channel's receiver id, as `forge` knows it.
+    data_frame(&mut bytes, ReceiverId(1 << 64), 0, &[7; SEGMENT + 1]);
+    let mut wire: VecDeque<u8> = bytes.into_iter().collect();
+    let result = deliver(&mut wire, usize::MAX, &mut s.pair.client, s.pair.now);
+    assert!(
+        matches!(
+            result,
+            Err(ProtocolError::Decode(DecodeError::BadLength { limit, .. })) if limit == SEGMENT as u64
+        ),
+        "{result:?}"
+    );
     all_back(s);
 }
 

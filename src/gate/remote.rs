@@ -732,11 +732,36 @@ impl RemoteChannelShared {
     /// The task events waiting for the transport, oldest first (each once); the transport
     /// sends them as TaskEventRequests once the channel's partition request stands.
     pub fn take_task_events(&self) -> std::collections::VecDeque<Vec<u8>> {
+        self.take_task_events_within(usize::MAX).0
+    }
+
+    /// As [`take_task_events`](Self::take_task_events), but only while fewer than `bytes`
+    /// bytes of events were taken (the last may pass it); with whether none is left. The rest
+    /// stay queued, flagged, for a later take.
+    pub fn take_task_events_within(
+        &self,
+        bytes: usize,
+    ) -> (std::collections::VecDeque<Vec<u8>>, bool) {
         // A push that lands after the swap sets the flag again (and tells the transport).
         if !self.task_events_queued.swap(false, Ordering::Acquire) {
-            return std::collections::VecDeque::new();
+            return (std::collections::VecDeque::new(), true);
         }
-        std::mem::take(&mut *self.task_events.lock().expect("not poisoned"))
+        let mut queued = self.task_events.lock().expect("not poisoned");
+        let mut taken_bytes = 0;
+        let mut split = 0;
+        while split < queued.len() && taken_bytes < bytes {
+            taken_bytes += queued[split].len();
+            split += 1;
+        }
+        let left = queued.split_off(split);
+        let taken = std::mem::replace(&mut *queued, left);
+        let all = queued.is_empty();
+        if !all {
+            // Still queued: the next look takes them (the connection looks again once it has
+            // room; a push meanwhile tells it anyway).
+            self.task_events_queued.store(true, Ordering::SeqCst);
+        }
+        (taken, all)
     }
 
     /// True when task events wait for the transport.

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::auth::{Nonce, Proof, Secret, Transcript};
 use super::frame::{
-    decode_buffer_response, BufferResponseHeader, ErrorKind, FrameHeader, Message, MessageId,
-    ReceiverId, BUFFER_RESPONSE_BODY, VERSION,
+    decode_buffer_response, BufferResponseHeader, DecodeError, ErrorKind, FrameHeader, Message,
+    MessageId, ReceiverId, BUFFER_RESPONSE_BODY, VERSION,
 };
 use super::inbound::{FrameReader, Step};
 use super::outbound::Outbound;
@@ -19,6 +19,12 @@ use crate::gate::{
     Backoff, ChannelQueueHandle, CreditListener, GateError, RemoteChannelShared, UNCREDITED_EVENTS,
 };
 use crate::partition::{PartitionError, ResultPartitionId};
+
+/// Task events move from their channels into the outbound queue only while it holds fewer
+/// bytes than this. A gate may queue 1024 events of up to a segment on each channel; moved all
+/// at once they would sit in the queue as if the producer did not read
+/// ([`ProtocolError::ControlBacklog`]), and fail the connection for this side's own burst.
+const TASK_EVENT_QUEUE_BYTES: usize = 256 << 10;
 
 /// Bytes of discarded payload read per step (payloads for channels already gone).
 const DISCARD_CHUNK: usize = 4096;
@@ -144,6 +150,12 @@ pub struct ClientConnection {
     /// The producer refused the connection before its handshake for its `max-connections`:
     /// the channels are kept, to connect again ([`Self::take_unanswered_channels`]).
     refused_at_limit: bool,
+    /// A channel kept task events back for a full outbound queue: the channels holding
+    /// events are looked at again once writes drain it below [`TASK_EVENT_QUEUE_BYTES`].
+    task_events_held: bool,
+    /// Bytes queued for the producer beyond which it is taken not to read: the control
+    /// limit, plus what this side's own task events may take (their share and one more).
+    max_queued_bytes: usize,
 }
 
 impl fmt::Debug for ClientConnection {
@@ -214,6 +226,11 @@ impl ClientConnection {
             channel_left: false,
             peer: None,
             refused_at_limit: false,
+            task_events_held: false,
+            max_queued_bytes: super::MAX_QUEUED_CONTROL
+                + TASK_EVENT_QUEUE_BYTES
+                + super::frame::TASK_EVENT_REQUEST_HEADER
+                + config.segment_size,
         }
     }
 
@@ -438,7 +455,7 @@ impl ClientConnection {
         }
         let result = self.advance(n).and_then(|()| {
             let bytes = self.outbound.queued_bytes();
-            if bytes > super::MAX_QUEUED_CONTROL {
+            if bytes > self.max_queued_bytes {
                 return Err(ProtocolError::ControlBacklog { bytes });
             }
             Ok(())
@@ -518,7 +535,13 @@ impl ClientConnection {
             }
             // Task events go out on a released channel too, ahead of its cancel, as Flink
             // writes them at once: the producer may be waiting for one.
-            send_task_events(&mut self.outbound, channel);
+            let room = TASK_EVENT_QUEUE_BYTES.saturating_sub(self.outbound.queued_bytes());
+            if !send_task_events_within(&mut self.outbound, channel, room) {
+                // The rest follow as writes drain the queue; a released channel's cancel and
+                // its leaving wait for them.
+                self.task_events_held = true;
+                continue;
+            }
             if released {
                 encode(
                     &mut self.outbound,
@@ -537,6 +560,15 @@ impl ClientConnection {
     /// `n` bytes of the ranges were written.
     pub fn on_written(&mut self, n: usize) {
         self.outbound.on_written(n);
+        if self.task_events_held && self.outbound.queued_bytes() < TASK_EVENT_QUEUE_BYTES {
+            self.task_events_held = false;
+            // Bounded by the channel count; only after a burst of task events.
+            for (slot, channel) in self.channels.iter().enumerate() {
+                if channel.as_ref().is_some_and(|c| c.shared.has_task_events()) {
+                    self.ready.enqueue(slot as u32);
+                }
+            }
+        }
     }
 
     /// An asynchronous write of the current [`write_slices`](Self::write_slices) was
@@ -764,6 +796,15 @@ impl ClientConnection {
                     channel.shared.buffers().event_segment(header.size as usize)
                 };
                 match segment {
+                    // A gate whose segments are smaller than this connection reads (a
+                    // `ClientConfig` not matching the pool's memory) cannot take the payload.
+                    Some(segment) if segment.capacity() < header.size as usize => {
+                        return Err(ProtocolError::Decode(DecodeError::BadLength {
+                            id: MessageId::BufferResponse as u8,
+                            length: header.size.into(),
+                            limit: segment.capacity() as u64,
+                        }));
+                    }
                     Some(segment) => Some(segment.into_builder(header.data_type)),
                     None if header.data_type.is_buffer() && !channel.shared.is_released() => {
                         return Err(ProtocolError::CreditExceeded(header.receiver));
@@ -1125,7 +1166,14 @@ impl Drop for ClientConnection {
 
 /// Writes the task events queued on `channel` as TaskEventRequests.
 fn send_task_events(outbound: &mut Outbound, channel: &ClientChannel) {
-    for event in channel.shared.take_task_events() {
+    send_task_events_within(outbound, channel, usize::MAX);
+}
+
+/// Writes task events queued on `channel`, oldest first, while fewer than `room` bytes of
+/// them were written (the last may pass it by one event). Returns whether none is left.
+fn send_task_events_within(outbound: &mut Outbound, channel: &ClientChannel, room: usize) -> bool {
+    let (events, all) = channel.shared.take_task_events_within(room);
+    for event in events {
         encode(
             outbound,
             &Message::TaskEventRequest {
@@ -1135,6 +1183,7 @@ fn send_task_events(outbound: &mut Outbound, channel: &ClientChannel) {
             },
         );
     }
+    all
 }
 
 /// Appends one control frame to the outbound queue.

@@ -100,7 +100,8 @@ pub enum ProtocolError {
 /// Most bytes of control messages one side queues for a peer that does not read: a stream of
 /// frames each answered with a message (a BufferResponse for an unknown receiver answered
 /// with a cancellation, a bad partition request with an error response) would otherwise
-/// grow the queue without bound.
+/// grow the queue without bound. Each side allows for what it queues of its own beyond this:
+/// the producer its data frames, the consumer its task events.
 pub const MAX_QUEUED_CONTROL: usize = 1 << 20;
 
 impl ProtocolError {
