@@ -519,6 +519,99 @@ impl ShuffleEnvironment {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{mpsc, Mutex};
+
+    /// A producer's task-event listener that blocks the I/O thread calling it until told.
+    struct BlockingListener {
+        entered: Mutex<mpsc::Sender<()>>,
+        release: Mutex<mpsc::Receiver<()>>,
+    }
+
+    impl crate::partition::TaskEventListener for BlockingListener {
+        fn on_task_event(&self, _event: &crate::event::Event) {
+            let _ = self.entered.lock().unwrap().send(());
+            let _ = self
+                .release
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30));
+        }
+    }
+
+    /// An environment dropped while its I/O thread is stuck (in a producer's task-event
+    /// listener) and its command queue full cannot queue the shutdown and does not wait; the
+    /// thread still ends, closing its listener, once the listener returns. It ran on for good
+    /// (the address kept accepting connections).
+    #[test]
+    fn a_stuck_io_thread_ends_when_it_comes_back_after_the_environment_was_dropped() {
+        stuck_io_thread_ends_after_the_drop(Transport::Epoll);
+        stuck_io_thread_ends_after_the_drop(Transport::Uring);
+    }
+
+    fn stuck_io_thread_ends_after_the_drop(transport: Transport) {
+        let env = match ShuffleEnvironment::start(EnvConfig {
+            transport,
+            ..EnvConfig::default()
+        }) {
+            Ok(env) => env,
+            Err(error) if transport == Transport::Uring => {
+                eprintln!("SKIPPED on io_uring: the kernel refuses it here ({error})");
+                return;
+            }
+            Err(error) => panic!("{error}"),
+        };
+        let addr = env.local_addr();
+        let id = ResultPartitionId {
+            partition: 1,
+            producer: 1,
+        };
+        let partition = env.create_partition(id, 1).unwrap();
+        let (entered_tx, entered) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        env.manager.subscribe_task_events(
+            id,
+            Arc::new(BlockingListener {
+                entered: Mutex::new(entered_tx),
+                release: Mutex::new(release_rx),
+            }),
+        );
+        let mut gate = env
+            .create_gate(&[ChannelDescriptor {
+                consumed: crate::gate::ConsumedSubpartition {
+                    partition: id,
+                    subpartition: 0,
+                },
+                location: ProducerLocation::Remote(addr),
+            }])
+            .unwrap();
+        gate.send_task_event(&crate::event::Event::Task(b"block".to_vec()))
+            .unwrap();
+        entered
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the I/O thread calls the listener");
+        let handle = env.driver.handle();
+        let waker = handle.waker.clone();
+        let commands = handle.commands.clone();
+        // Bounded by the queue's capacity.
+        while commands.push(Command::Dump(mpsc::channel().0)).is_ok() {}
+        drop(env);
+        assert!(!waker.is_stopped(), "the thread is still in the listener");
+        release.send(()).unwrap();
+        // Bounded wait for the loop's end (it stops when it comes back to its loop).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !waker.is_stopped() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            waker.is_stopped(),
+            "{transport:?}: the I/O thread ran on after the drop"
+        );
+        assert!(
+            std::net::TcpStream::connect(addr).is_err(),
+            "{transport:?}: the dropped environment's address still accepts connections"
+        );
+        drop((gate, partition));
+    }
 
     #[test]
     fn an_environment_whose_io_thread_stopped_refuses_what_it_could_not_serve() {

@@ -392,6 +392,9 @@ impl Loop {
 
     /// Returns false on shutdown.
     fn drain_commands(&mut self) -> bool {
+        if self.waker.is_shutdown_requested() {
+            return false;
+        }
         while let Some(command) = self.commands.pop() {
             match command {
                 Command::Shutdown => return false,

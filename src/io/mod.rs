@@ -326,7 +326,8 @@ pub struct DriverStats {
 pub(crate) type WakeFn = Box<dyn Fn() + Send + Sync>;
 
 /// What task threads hold of a running I/O thread (either driver): its command queue, its
-/// waker and the thread. Dropping it shuts the thread down and waits for it.
+/// waker and the thread. Dropping it shuts the thread down and waits for it (a thread stuck
+/// with a full command queue is told to end at its next turn, not waited for).
 pub(crate) struct DriverHandle {
     pub(crate) commands: Arc<ArrayQueue<Command>>,
     pub(crate) waker: Arc<IoWaker<WakeFn>>,
@@ -373,12 +374,17 @@ impl DriverHandle {
             return;
         }
         let queued = self.submit(Command::Shutdown);
+        if !queued && !self.waker.is_stopped() {
+            // A stuck thread that never took the shutdown is left behind, not waited for; it
+            // ends (closing its listener and connections) once it comes back to its loop.
+            tracing::error!("the I/O thread did not take its shutdown; it ends when it can");
+            self.waker.request_shutdown();
+        }
         if let Some(thread) = self
             .thread
             .take()
             .filter(|_| queued || self.waker.is_stopped())
         {
-            // A stuck thread that never took the shutdown is left behind, not waited for.
             let _ = thread.join();
         }
     }

@@ -30,6 +30,9 @@ pub struct IoWaker<W: Fn() + Send + Sync> {
     /// full gives up at once rather than waiting its patience out again (creating a gate
     /// with many remote channels would wait that long per channel).
     stuck: AtomicBool,
+    /// The thread is to end at its next turn: set when not even the shutdown command found
+    /// room in its queue (a stuck thread), so it still ends once it comes back to its loop.
+    shutdown_requested: AtomicBool,
     wake: W,
 }
 
@@ -48,6 +51,7 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
             parked: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             stuck: AtomicBool::new(false),
+            shutdown_requested: AtomicBool::new(false),
             wake,
         }
     }
@@ -188,6 +192,18 @@ impl<W: Fn() + Send + Sync> IoWaker<W> {
         while let Some(command) = queue.pop() {
             refuse(command);
         }
+    }
+
+    /// Asks the I/O thread to end at its next turn without a command (its queue has no room
+    /// for one), and wakes it if it sleeps.
+    pub fn request_shutdown(&self) {
+        self.shutdown_requested.store(true, Ordering::SeqCst);
+        self.wake_if_parked();
+    }
+
+    /// Whether [`request_shutdown`](Self::request_shutdown) was called: the loop ends.
+    pub fn is_shutdown_requested(&self) -> bool {
+        self.shutdown_requested.load(Ordering::SeqCst)
     }
 
     /// Whether the I/O thread has [stopped](Self::stop).
