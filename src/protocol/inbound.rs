@@ -101,12 +101,12 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::frame::{encode_header, DecodeError, MessageId, BUFFER_RESPONSE_HEADER};
+    use crate::protocol::frame::{encode_header, DecodeError, MessageId};
 
     #[test]
     fn a_frame_over_the_configured_limit_is_refused_before_its_body_is_reserved() {
         let segment = 4096;
-        let max_frame = segment + BUFFER_RESPONSE_HEADER;
+        let max_frame = segment + FRAME_HEADER;
         let mut reader = FrameReader::new(segment, max_frame);
         // A task event one byte longer than the configured frame limit (its own limit is
         // larger: the configured one decides).
