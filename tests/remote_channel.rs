@@ -11,7 +11,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use fluxgate::buffer::{Buffer, DataType, NetworkBufferPool, PooledSegment};
+use fluxgate::buffer::{Buffer, DataType, LocalPoolSpec, NetworkBufferPool, PooledSegment};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, BufferOrEvent, ChannelLocation, ChannelSpec, CheckpointedInputGate,
@@ -296,8 +296,8 @@ fn exclusive_credit_is_announced_once_per_zero_to_positive_transition() {
     assert_eq!(buffers.unannounced_credit(), 0);
     assert_eq!(
         f.leased(),
-        EXCLUSIVE,
-        "only the exclusive segments are taken"
+        EXCLUSIVE + 1,
+        "the exclusive segments and the gate's one floating segment are taken"
     );
     assert_eq!(shared.channel(), 0);
     assert_eq!(shared.expected_sequence(), 0);
@@ -361,7 +361,12 @@ fn exclusive_credit_is_announced_once_per_zero_to_positive_transition() {
     assert_eq!(announcements.count(), 2);
     assert_eq!(announcements.channels(), vec![0, 0]);
     sender.assert_balanced();
-    assert_eq!(f.leased(), EXCLUSIVE, "no floating segment was needed");
+    assert_eq!(
+        f.leased(),
+        EXCLUSIVE + 1,
+        "no floating segment was needed beyond the gate's one"
+    );
+    assert_eq!(gate.pool().unwrap().available_segments(), 1);
 
     gate.close();
     drop(gate);
@@ -976,6 +981,46 @@ fn a_blocked_channel_without_exclusive_segments_gives_its_floating_ones_back() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// A gate holds one floating segment from its setup on (Flink's `reserveSegments(1)`,
+/// FLINK-24035): its channel without exclusive segments gets credit for a backlog although
+/// another pool of the process took every free segment of the network meanwhile. Without it,
+/// the channel waited for that pool to give one back (for good, when that pool's consumer
+/// waits for this gate).
+#[test]
+fn a_gate_keeps_one_floating_segment_from_its_setup_on() {
+    let f = fixture_with_exclusive(0);
+    let mut gate = f.remote_gate(1);
+    let (shared, announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let total = f.network.total_segments();
+    let other = f
+        .network
+        .create_local_pool(LocalPoolSpec {
+            min_segments: 1,
+            max_segments: total,
+            subpartitions: 1,
+            max_segments_per_channel: total,
+            max_listeners: 1,
+            max_overdraft_segments: 0,
+        })
+        .unwrap();
+    let taken: Vec<_> = (0..total)
+        .map_while(|_| other.request_buffer_builder(0))
+        .collect();
+    assert_eq!(f.network.available_segments(), 0);
+    buffers.on_sender_backlog(1);
+    assert_eq!(
+        buffers.unannounced_credit(),
+        1,
+        "the gate's floating segment is the channel's credit"
+    );
+    assert_eq!(announcements.count(), 1);
+    drop((taken, other));
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 #[test]
 fn a_sequence_gap_fails_the_channel_and_recycles_the_buffer() {
     let f = fixture();
@@ -1051,8 +1096,8 @@ fn data_cannot_exceed_credit_and_a_flood_of_events_fails_the_channel() {
     assert_eq!(buffers.unannounced_credit(), 0);
     assert_eq!(
         f.leased(),
-        bound,
-        "2 exclusive + one overdraft segment per event"
+        bound + 1,
+        "2 exclusive + one overdraft segment per event, and the gate's floating segment"
     );
     let leased = f.leased();
     let segment = buffers.event_segment(64).unwrap();

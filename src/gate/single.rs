@@ -130,7 +130,7 @@ impl SingleInputGate {
     /// Creates the gate's pool (exclusive buffers for every channel that is or may become
     /// remote, plus the floating ones) and the channels, and takes the exclusive segments of
     /// every channel that is or may become remote (a channel not located yet keeps them until
-    /// it is). Blocks while the global pool has no segments for them, up to
+    /// it is) and one floating segment the pool keeps for the gate. Blocks while the global pool has no segments for them, up to
     /// `exclusive-buffers-request-timeout-ms` per channel (as Flink's setup does), or until
     /// the gate is closed through a [`closer`](Self::closer) (`GateError::Closed`).
     pub fn setup(&mut self) -> Result<(), GateError> {
@@ -172,6 +172,21 @@ impl SingleInputGate {
                 send_event(&mut channel, event);
             }
             self.channels.push(channel);
+        }
+        if let Some(pool) = &self.pool {
+            // Flink's `reserveSegments(1)` (FLINK-24035): one floating segment is the gate's
+            // from setup on. Taken and dropped, it stays in the pool, which keeps free
+            // segments while it holds no more than its minimum (the exclusive ones plus this
+            // one). Else a channel without exclusive segments (`buffers-per-channel = 0`)
+            // could wait, for good, for a pool that took every other segment to give one
+            // back.
+            let queue = &self.queue;
+            drop(BufferManager::take_exclusive(
+                pool,
+                1,
+                self.config.buffer_request_timeout,
+                &|| queue.is_closed(),
+            )?);
         }
         if !self
             .channels
