@@ -284,6 +284,171 @@ fn cluster_reports_a_port_in_use() {
     let _ = std::fs::remove_file(path);
 }
 
+/// A `fluxgate node` run in the background, its output going to files; killed and reaped
+/// when dropped, so a failing test leaves none running.
+struct BackgroundNode {
+    child: std::process::Child,
+    stdout: PathBuf,
+    stderr: PathBuf,
+}
+
+impl BackgroundNode {
+    /// Starts `fluxgate node args`, its output in temp files named after `name`.
+    fn start(args: &[&str], name: &str) -> Self {
+        let stdout =
+            std::env::temp_dir().join(format!("fluxgate-cli-{}-{name}.stdout", std::process::id()));
+        let stderr = stdout.with_extension("stderr");
+        let child = Command::new(env!("CARGO_BIN_EXE_fluxgate"))
+            .arg("node")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env_remove("RUST_BACKTRACE")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&stdout).expect("stdout file created"))
+            .stderr(std::fs::File::create(&stderr).expect("stderr file created"))
+            .spawn()
+            .expect("the fluxgate binary starts");
+        BackgroundNode {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Its exit status once it exited, looking until `limit` has passed (None: still running).
+    fn exited_within(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        // Bounded by `deadline`.
+        loop {
+            if let Some(status) = self.child.try_wait().expect("waiting for fluxgate") {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn output(&self) -> String {
+        let read = |path: &PathBuf| std::fs::read_to_string(path).unwrap_or_default();
+        format!(
+            "--- stdout\n{}--- stderr\n{}",
+            read(&self.stdout),
+            read(&self.stderr)
+        )
+    }
+}
+
+impl Drop for BackgroundNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.stdout);
+        let _ = std::fs::remove_file(&self.stderr);
+    }
+}
+
+/// With `--peers`, a node waits only for the nodes it exchanges data with: one linked to
+/// none of them may finish and exit before the last host starts. Node 0 runs a generator and
+/// a sink joined by a local channel; node 1's generator feeds node 2's sink. Nodes 0 and 1
+/// start first; node 2 starts only once node 0 has exited, and every node succeeds.
+#[test]
+fn with_peers_a_node_waits_only_for_the_nodes_it_exchanges_data_with() {
+    let _turn = HEAVY
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let topology = temp_file(
+        "unlinked.toml",
+        r#"
+[cluster]
+nodes = 3
+
+# Subtask i of a stage runs on node (first id of the stage + i) % 3.
+[[stage]]
+name = "local-source"   # id 0: node 0
+kind = "generator"
+parallelism = 1
+records = 1000
+record_size = 64
+
+[[stage]]
+name = "source"         # id 1: node 1
+kind = "generator"
+parallelism = 1
+records = 1000
+record_size = 64
+
+[[stage]]
+name = "sink"           # id 2: node 2
+kind = "sink"
+parallelism = 1
+
+[[stage]]
+name = "local-sink"     # id 3: node 0
+kind = "sink"
+parallelism = 1
+
+[[edge]]
+from = "local-source"
+to = "local-sink"
+partitioner = "forward"
+
+[[edge]]
+from = "source"
+to = "sink"
+partitioner = "forward"
+"#,
+    );
+    // Three distinct free ports: the listeners are held until all three are taken.
+    let listeners: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    let peers_text: String = listeners
+        .iter()
+        .map(|l| format!("{}\n", l.local_addr().expect("bound")))
+        .collect();
+    drop(listeners);
+    let peers = temp_file("unlinked.peers", &peers_text);
+    let node_args = |index: &'static str| {
+        vec![
+            "--topology",
+            topology.to_str().expect("a UTF-8 temp path"),
+            "--index",
+            index,
+            "--peers",
+            peers.to_str().expect("a UTF-8 temp path"),
+            "--timeout",
+            "60",
+        ]
+    };
+    let mut unlinked = BackgroundNode::start(&node_args("0"), "unlinked-node-0");
+    let mut source = BackgroundNode::start(&node_args("1"), "unlinked-node-1");
+    let unlinked_status = unlinked.exited_within(LIMIT);
+    let mut sink = BackgroundNode::start(&node_args("2"), "unlinked-node-2");
+    let source_status = source.exited_within(LIMIT);
+    let sink_status = sink.exited_within(LIMIT);
+    let _ = std::fs::remove_file(&topology);
+    let _ = std::fs::remove_file(&peers);
+    let all = format!(
+        "node 0 {unlinked_status:?}\n{}node 1 {source_status:?}\n{}node 2 {sink_status:?}\n{}",
+        unlinked.output(),
+        source.output(),
+        sink.output()
+    );
+    for status in [unlinked_status, source_status, sink_status] {
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "every node exits 0\n{all}"
+        );
+    }
+    assert!(
+        unlinked.output().contains(r#""sinks":{"local-sink":1000}"#),
+        "{all}"
+    );
+    assert!(sink.output().contains(r#""sinks":{"sink":1000}"#), "{all}");
+}
+
 /// A stall names both ends of its connections: the stalled consumer's node dumps its side,
 /// and the node its producer runs on dumps the readers that feed it. The relay (node 1) stops
 /// reading at the 100th record of its first channel (`--inject hold`), so the sink (node 0)

@@ -73,7 +73,8 @@ pub struct NodeArgs {
     /// Seconds the node may take in all; then it reports what is stuck and exits.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
-    /// Seconds to wait for the other nodes (their addresses, or with --peers until they listen).
+    /// Seconds to wait for the other nodes (their addresses; with --peers, until those it
+    /// exchanges data with listen).
     #[arg(long, default_value_t = 30.0)]
     pub rendezvous_timeout: f64,
     /// Seconds a consuming subtask may receive nothing before it reports a stall.
@@ -613,8 +614,12 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
         (_, Some(peers)) => {
             // The library retries a refused connection only within its request back-off
             // (`taskmanager.network.request-backoff.max`, about 20 s in all by default); hosts
-            // started further apart are waited for here, up to the rendezvous timeout.
-            wait_for_peers(&peers, index, rendezvous_timeout)?;
+            // started further apart are waited for here, up to the rendezvous timeout. Only
+            // the nodes this one exchanges data with: a node with no link to it may have
+            // finished and exited before this one started, while a linked one cannot have (a
+            // producer stays up until its consumers read everything, a consumer until its
+            // producers sent everything).
+            wait_for_peers(&peers, &topology.linked_nodes(index), rendezvous_timeout)?;
             peers
         }
         (Some(dir), None) => rendezvous(dir, index, topology.nodes, local, rendezvous_timeout)?,
@@ -899,12 +904,12 @@ fn read_peers(path: &Path, nodes: usize) -> Result<Vec<SocketAddr>, String> {
     Ok(peers)
 }
 
-fn wait_for_peers(peers: &[SocketAddr], index: usize, timeout: Duration) -> Result<(), String> {
+/// Waits until every node of `linked` accepts connections at its `peers` address.
+fn wait_for_peers(peers: &[SocketAddr], linked: &[usize], timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
-    for (i, peer) in peers.iter().enumerate() {
-        if i == index {
-            continue;
-        }
+    for &i in linked {
+        let peer = &peers[i];
+        // Bounded by `deadline`.
         loop {
             let now = Instant::now();
             if now >= deadline {

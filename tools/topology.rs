@@ -33,7 +33,7 @@
 //! payload repeats an 8-byte word derived from (producer, sequence), so a sink can check every
 //! byte. Subtask `i` of a stage whose first id is `o` runs on node `(o + i) % nodes`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::Path;
 use std::time::Duration;
 
@@ -598,6 +598,33 @@ impl Topology {
         channels
     }
 
+    /// The other nodes node `node` exchanges data with (ascending): those holding a subtask
+    /// that produces to, or consumes from, one of its subtasks. A node with no subtask, or
+    /// whose subtasks are linked only among themselves, has none.
+    pub fn linked_nodes(&self, node: usize) -> Vec<usize> {
+        let mut linked = BTreeSet::new();
+        for (s, stage) in self.stages.iter().enumerate() {
+            for subtask in 0..stage.parallelism {
+                if self.node_of(s, subtask) != node {
+                    continue;
+                }
+                for &edge in &stage.outputs {
+                    let to = self.edges[edge].to;
+                    let consumers = self.targets(edge, subtask);
+                    linked.extend(consumers.into_iter().map(|c| self.node_of(to, c)));
+                }
+                let channels = self.input_channels(s, subtask);
+                linked.extend(
+                    channels
+                        .iter()
+                        .map(|c| self.node_of(self.edges[c.edge].from, c.producer)),
+                );
+            }
+        }
+        linked.remove(&node);
+        linked.into_iter().collect()
+    }
+
     /// The buffer timeout of producer `producer` on `edge`.
     pub fn buffer_timeout(&self, edge: usize, producer: usize) -> BufferTimeout {
         let list = &self.edges[edge].buffer_timeouts;
@@ -1069,6 +1096,55 @@ partitioner = "rebalance"
         assert!(payload_intact(&buf, 1, 7));
         buf[13] ^= 1;
         assert!(!payload_intact(&buf, 1, 7));
+    }
+
+    #[test]
+    fn linked_nodes_are_those_holding_a_producer_or_consumer_of_the_nodes_subtasks() {
+        // Subtasks by offset: near-gen 0, far-gen 1, far-sink 2 and 3, near-sink 4.
+        let text = r#"
+[cluster]
+nodes = 4
+[[stage]]
+name = "near-gen"
+kind = "generator"
+parallelism = 1
+records = 1
+record_size = 12
+[[stage]]
+name = "far-gen"
+kind = "generator"
+parallelism = 1
+records = 1
+record_size = 12
+[[stage]]
+name = "far-sink"
+kind = "sink"
+parallelism = 2
+[[stage]]
+name = "near-sink"
+kind = "sink"
+parallelism = 1
+[[edge]]
+from = "near-gen"
+to = "near-sink"
+partitioner = "forward"
+[[edge]]
+from = "far-gen"
+to = "far-sink"
+partitioner = "rebalance"
+"#;
+        // On four nodes near-gen and near-sink share node 0: it is linked to no other node.
+        let t = Topology::parse(text).unwrap();
+        assert_eq!(t.node_of(3, 0), 0);
+        assert_eq!(t.linked_nodes(0), Vec::<usize>::new());
+        assert_eq!(t.linked_nodes(1), vec![2, 3]);
+        assert_eq!(t.linked_nodes(2), vec![1]);
+        assert_eq!(t.linked_nodes(3), vec![1]);
+        // On six, near-sink runs on node 4, and node 5 holds no subtask.
+        let t = Topology::parse(&text.replace("nodes = 4", "nodes = 6")).unwrap();
+        assert_eq!(t.linked_nodes(0), vec![4]);
+        assert_eq!(t.linked_nodes(4), vec![0]);
+        assert_eq!(t.linked_nodes(5), Vec::<usize>::new());
     }
 
     #[test]
