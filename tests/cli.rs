@@ -449,6 +449,97 @@ partitioner = "forward"
     assert!(sink.output().contains(r#""sinks":{"sink":1000}"#), "{all}");
 }
 
+/// `--timeout` bounds the wait for the other nodes too: a node whose peers never come fails
+/// when its own timeout runs out, not at the later `--rendezvous-timeout` (30 s by default).
+#[test]
+fn a_node_waits_for_its_peers_no_longer_than_its_timeout() {
+    let topology = temp_file(
+        "alone.toml",
+        r#"
+[cluster]
+nodes = 2
+
+[[stage]]
+name = "source"
+kind = "generator"
+parallelism = 2
+records = 10
+record_size = 16
+
+[[stage]]
+name = "sink"
+kind = "sink"
+parallelism = 2
+
+[[edge]]
+from = "source"
+to = "sink"
+partitioner = "rebalance"
+"#,
+    );
+    let rendezvous = std::env::temp_dir().join(format!(
+        "fluxgate-cli-{}-alone-rendezvous",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&rendezvous).expect("rendezvous directory created");
+    // Node 1's port is free and stays unused: nobody listens there.
+    let nobody = TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let peers = temp_file(
+        "alone.peers",
+        &format!("127.0.0.1:0\n{}\n", nobody.local_addr().expect("bound")),
+    );
+    drop(nobody);
+    let topology_arg = topology.to_str().expect("a UTF-8 temp path");
+    // Well under the 30 s rendezvous timeout: a run that reaches it has ignored --timeout.
+    let does_not_hang = Duration::from_secs(20);
+    let by_rendezvous = fluxgate(
+        &[
+            "node",
+            "--topology",
+            topology_arg,
+            "--index",
+            "0",
+            "--rendezvous",
+            rendezvous.to_str().expect("a UTF-8 temp path"),
+            "--timeout",
+            "2",
+        ],
+        does_not_hang,
+    );
+    let by_peers = fluxgate(
+        &[
+            "node",
+            "--topology",
+            topology_arg,
+            "--index",
+            "0",
+            "--peers",
+            peers.to_str().expect("a UTF-8 temp path"),
+            "--timeout",
+            "2",
+        ],
+        does_not_hang,
+    );
+    let _ = std::fs::remove_dir_all(&rendezvous);
+    let _ = std::fs::remove_file(&topology);
+    let _ = std::fs::remove_file(&peers);
+    assert_clean_failure(
+        &by_rendezvous,
+        &[
+            "rendezvous: node(s) 1 did not report an address",
+            "--timeout (2 s)",
+        ],
+    );
+    assert_clean_failure(
+        &by_peers,
+        &[
+            "node 1 at 127.0.0.1:",
+            "did not accept connections",
+            "--timeout (2 s)",
+        ],
+    );
+}
+
 /// A stall names both ends of its connections: the stalled consumer's node dumps its side,
 /// and the node its producer runs on dumps the readers that feed it. The relay (node 1) stops
 /// reading at the 100th record of its first channel (`--inject hold`), so the sink (node 0)

@@ -74,7 +74,7 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
     /// Seconds to wait for the other nodes (their addresses; with --peers, until those it
-    /// exchanges data with listen).
+    /// exchanges data with listen), at most until --timeout runs out.
     #[arg(long, default_value_t = 30.0)]
     pub rendezvous_timeout: f64,
     /// Seconds a consuming subtask may receive nothing before it reports a stall.
@@ -610,6 +610,7 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
     .map_err(|e| format!("cannot start the network on {bind}: {e}"))?;
     let local = env.local_addr();
 
+    let wait = PeerWait::new(args, rendezvous_timeout, deadline);
     let addresses = match (&args.rendezvous, peers) {
         (_, Some(peers)) => {
             // The library retries a refused connection only within its request back-off
@@ -619,10 +620,10 @@ fn run_node(args: &NodeArgs, started: Instant) -> Result<NodeReport, String> {
             // finished and exited before this one started, while a linked one cannot have (a
             // producer stays up until its consumers read everything, a consumer until its
             // producers sent everything).
-            wait_for_peers(&peers, &topology.linked_nodes(index), rendezvous_timeout)?;
+            wait_for_peers(&peers, &topology.linked_nodes(index), &wait)?;
             peers
         }
-        (Some(dir), None) => rendezvous(dir, index, topology.nodes, local, rendezvous_timeout)?,
+        (Some(dir), None) => rendezvous(dir, index, topology.nodes, local, &wait)?,
         (None, None) if topology.nodes == 1 => vec![local],
         (None, None) => {
             return Err(format!(
@@ -904,21 +905,48 @@ fn read_peers(path: &Path, nodes: usize) -> Result<Vec<SocketAddr>, String> {
     Ok(peers)
 }
 
+/// Until when a node waits for the other nodes: `--rendezvous-timeout` from the start of the
+/// wait, or the node's `--timeout` deadline if that comes first (it bounds the node in all).
+struct PeerWait {
+    until: Instant,
+    /// Which limit `until` is, for the error: "within --rendezvous-timeout (30 s)".
+    limit: String,
+}
+
+impl PeerWait {
+    fn new(args: &NodeArgs, rendezvous_timeout: Duration, deadline: Instant) -> Self {
+        let rendezvous_until = Instant::now() + rendezvous_timeout;
+        if deadline < rendezvous_until {
+            PeerWait {
+                until: deadline,
+                limit: format!("before the node's --timeout ({} s) ran out", args.timeout),
+            }
+        } else {
+            PeerWait {
+                until: rendezvous_until,
+                limit: format!(
+                    "within --rendezvous-timeout ({} s)",
+                    args.rendezvous_timeout
+                ),
+            }
+        }
+    }
+}
+
 /// Waits until every node of `linked` accepts connections at its `peers` address.
-fn wait_for_peers(peers: &[SocketAddr], linked: &[usize], timeout: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + timeout;
+fn wait_for_peers(peers: &[SocketAddr], linked: &[usize], wait: &PeerWait) -> Result<(), String> {
     for &i in linked {
         let peer = &peers[i];
-        // Bounded by `deadline`.
+        // Bounded by `wait.until`.
         loop {
             let now = Instant::now();
-            if now >= deadline {
+            if now >= wait.until {
                 return Err(format!(
-                    "node {i} at {peer} did not accept connections within {:.0} s",
-                    timeout.as_secs_f64()
+                    "node {i} at {peer} did not accept connections {}",
+                    wait.limit
                 ));
             }
-            let left = (deadline - now).min(Duration::from_secs(1));
+            let left = (wait.until - now).min(Duration::from_secs(1));
             if TcpStream::connect_timeout(peer, left).is_ok() {
                 break;
             }
@@ -933,12 +961,11 @@ fn rendezvous(
     index: usize,
     nodes: usize,
     local: SocketAddr,
-    timeout: Duration,
+    wait: &PeerWait,
 ) -> Result<Vec<SocketAddr>, String> {
     let mine = node_file(dir, index, "addr");
     write_atomically(&mine, &local.to_string())
         .map_err(|e| format!("rendezvous: cannot write `{}`: {e}", mine.display()))?;
-    let deadline = Instant::now() + timeout;
     let mut addresses: Vec<Option<SocketAddr>> = vec![None; nodes];
     loop {
         for (i, slot) in addresses.iter_mut().enumerate() {
@@ -962,7 +989,7 @@ fn rendezvous(
         if addresses.iter().all(Option::is_some) {
             return Ok(addresses.into_iter().flatten().collect());
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= wait.until {
             let missing: Vec<String> = addresses
                 .iter()
                 .enumerate()
@@ -970,9 +997,9 @@ fn rendezvous(
                 .map(|(i, _)| i.to_string())
                 .collect();
             return Err(format!(
-                "rendezvous: node(s) {} did not report an address within {:.0} s",
+                "rendezvous: node(s) {} did not report an address {}",
                 missing.join(", "),
-                timeout.as_secs_f64()
+                wait.limit
             ));
         }
         thread::sleep(Duration::from_millis(10));
