@@ -166,8 +166,11 @@ pub fn preflight() -> Result<Tools, String> {
 }
 
 /// Runs `program args` within [`COMMAND_LIMIT`]; its stdout, or an error naming the command
-/// and the first line of its stderr.
+/// and the first line of its stderr. The command runs in a process group of its own: a
+/// terminal's Ctrl-C sends SIGINT to the whole foreground group, and the `ip netns del` of a
+/// teardown that signal started must not die with it (leaving its namespace behind).
 fn run(program: &Path, args: &[&str]) -> Result<String, String> {
+    use std::os::unix::process::CommandExt as _;
     let shown = || {
         let name = program.file_name().map_or_else(
             || program.display().to_string(),
@@ -177,6 +180,7 @@ fn run(program: &Path, args: &[&str]) -> Result<String, String> {
     };
     let mut child = Command::new(program)
         .args(args)
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -860,6 +864,30 @@ fn loss_filter_args(filter: LossFilter) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// (pid, ppid, pgrp) from a /proc/PID/stat line: `pid (comm) state ppid pgrp ...`, the
+    /// fields counted after the command name, which may hold spaces and parentheses.
+    fn pid_ppid_pgrp(stat: &str) -> (u32, u32, u32) {
+        let (pid, rest) = stat.split_once(" (").expect("pid (comm)");
+        let (_, after_comm) = rest.rsplit_once(") ").expect("(comm) state");
+        let fields: Vec<&str> = after_comm.split_whitespace().collect();
+        let number = |text: &str| text.trim().parse::<u32>().expect("a number");
+        (number(pid), number(fields[1]), number(fields[2]))
+    }
+
+    /// A command `run` starts leads a process group of its own, so a Ctrl-C to this
+    /// process's group (the terminal's foreground group) does not reach it.
+    #[test]
+    fn commands_run_in_a_process_group_of_their_own() {
+        let cat = find_program("cat").expect("cat on PATH");
+        let child = run(&cat, &["/proc/self/stat"]).expect("cat runs");
+        let (child_pid, child_parent, child_group) = pid_ppid_pgrp(&child);
+        let ours = std::fs::read_to_string("/proc/self/stat").expect("our own stat");
+        let (our_pid, _, our_group) = pid_ppid_pgrp(&ours);
+        assert_eq!(child_parent, our_pid, "cat is run's own child: {child}");
+        assert_eq!(child_group, child_pid, "it leads its group: {child}");
+        assert_ne!(child_group, our_group, "not in ours: {child} / {ours}");
+    }
 
     #[test]
     fn subnets_parse() {
