@@ -40,8 +40,7 @@ enum Command {
   fluxgate cluster my-job.toml --timeout 120 --keep")]
     Cluster(cluster::ClusterArgs),
     /// Run one node of a cluster (what `cluster` starts; or one per host with --peers).
-    #[command(after_help = "Example (one per host, same topology file everywhere):
-  fluxgate node --topology job.toml --index 0 --peers hosts.txt")]
+    // Its examples are `NodeArgs`'s after_help: one set here would hide them.
     Node(node::NodeArgs),
     /// A bounded soak: many channels, random record sizes and buffer timeouts, barriers.
     #[command(after_help = "Examples:

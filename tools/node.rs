@@ -45,9 +45,14 @@ use crate::topology::{
   # what `fluxgate cluster` runs for node 1 of a loopback cluster
   fluxgate node --topology job.toml --index 1 --rendezvous /tmp/fluxgate-cluster-1234
 
-  # across machines: every host gets the same topology and peers file
-  # (peers.txt: one `host:port` per node, in index order)
-  fluxgate node --topology job.toml --index 0 --peers peers.txt --bind 0.0.0.0:7000")]
+  # across machines: every host gets the same topology, peers file and cluster secret
+  # (peers.txt: one `host:port` per node, in index order). A node listening on a
+  # non-loopback address authenticates its connections (fluxgate.security.auth = auto), so
+  # it needs the secret (16 bytes or more, e.g. from `openssl rand -hex 32`): in
+  # FLUXGATE_SECRET, or in a file named by \"fluxgate.security.secret-file\" in the
+  # topology's [network]; without one it fails at start
+  FLUXGATE_SECRET=\"$(cat cluster.secret)\" \\
+    fluxgate node --topology job.toml --index 0 --peers peers.txt --bind 0.0.0.0:7000")]
 pub struct NodeArgs {
     /// The topology file (the same on every node).
     #[arg(long, value_name = "FILE")]
