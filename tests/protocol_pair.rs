@@ -947,6 +947,44 @@ fn a_payload_longer_than_the_channel_s_segment_is_refused() {
     all_back(s);
 }
 
+/// After PartitionNotFound no request of the channel stands until it asks again: a data
+/// frame or backlog for the answered request (forged, or from a broken producer) reaches the
+/// channel no more than one for a channel gone. It was taken: it used a credited segment and
+/// moved the expected sequence number, and the re-request then failed the channel.
+#[test]
+fn frames_for_a_request_answered_not_found_do_not_reach_the_channel() {
+    let (mut s, result) = forge(|receiver, out| {
+        Message::ErrorResponse {
+            receiver: Some(receiver),
+            kind: ErrorKind::PartitionNotFound,
+            message: "not yet".into(),
+        }
+        .encode(out);
+        Message::BacklogAnnouncement {
+            receiver,
+            backlog: 5,
+        }
+        .encode(out);
+        data_frame(out, receiver, 0, b"forged");
+    });
+    assert_eq!(result, Ok(()));
+    let shared = s.gate.remote_channel(0).unwrap().shared().clone();
+    assert_eq!(shared.expected_sequence(), 0, "no frame was taken");
+    assert_eq!(
+        shared.buffers().unannounced_credit(),
+        0,
+        "no floating segment was taken for the stale backlog"
+    );
+    assert!(s.gate.poll_next().unwrap().is_none(), "nothing to read");
+    assert_eq!(
+        s.pair.client.channel_count(),
+        1,
+        "the channel waits to ask again"
+    );
+    drop(shared);
+    all_back(s);
+}
+
 /// Frames whose fields contradict each other are refused, as no sender of this protocol
 /// writes them: a priority flag that disagrees with the data type, a compressed event, a
 /// non-priority item that says it overtook data, an error without a receiver that names one.

@@ -697,6 +697,14 @@ impl ClientConnection {
         self.channel(receiver).map(|_| slot)
     }
 
+    /// The slot of the channel whose partition request `receiver` stands: a channel that
+    /// waits to ask again after PartitionNotFound has none, so what the producer sends for
+    /// that request (it has no view for it) is a stale or forged frame, as for a channel gone.
+    fn requested_slot(&self, receiver: ReceiverId) -> Option<usize> {
+        self.slot_of(receiver)
+            .filter(|&slot| matches!(&self.channels[slot], Some(c) if c.retry == Retry::No))
+    }
+
     fn advance(&mut self, n: usize) -> Result<(), ProtocolError> {
         match &mut self.stage {
             ReadStage::Frames => match self.reader.advance(n)? {
@@ -756,7 +764,7 @@ impl ClientConnection {
     /// Names the payload's destination before any payload byte is read: a segment the
     /// channel reserved when it granted credit (data), or an overdraft segment (events).
     fn begin_payload(&mut self, header: BufferResponseHeader) -> Result<(), ProtocolError> {
-        let mut slot = self.slot_of(header.receiver);
+        let mut slot = self.requested_slot(header.receiver);
         // A channel whose gate was released may still receive what was in flight: it leaves
         // now, and the payload is discarded like one for a channel already gone, without
         // failing the connection's other channels.
@@ -971,8 +979,10 @@ impl ClientConnection {
                 )))
             }
             Message::BacklogAnnouncement { receiver, backlog } => {
-                if let Some(channel) = self.channel(receiver) {
-                    channel.shared.buffers().on_sender_backlog(backlog as usize);
+                if let Some(slot) = self.requested_slot(receiver) {
+                    if let Some(channel) = &self.channels[slot] {
+                        channel.shared.buffers().on_sender_backlog(backlog as usize);
+                    }
                 }
             }
             Message::ErrorResponse {
@@ -986,7 +996,7 @@ impl ClientConnection {
                 // An error for a channel that is gone (cancelled meanwhile) is no news: only a
                 // live channel's is a warning, and the peer's text goes out escaped (`?`), so
                 // a producer flooding errors for unknown receivers cannot fill or forge the log.
-                let Some(slot) = self.slot_of(receiver) else {
+                let Some(slot) = self.requested_slot(receiver) else {
                     tracing::debug!(?receiver, ?kind, ?message, "error for an unknown receiver");
                     return Ok(());
                 };
