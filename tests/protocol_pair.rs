@@ -734,10 +734,23 @@ fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer() {
 /// made the next read fail the connection with `ControlBacklog`.
 #[test]
 fn a_burst_of_task_events_keeps_the_connection_and_every_event() {
-    const CHANNELS: usize = 8;
-    const EVENTS: usize = 64;
-    let mut s = setup(CHANNELS, 13, 1 << 16);
-    let heard: Vec<_> = (0..CHANNELS)
+    burst_of_task_events(8, 64, false);
+}
+
+/// The same when the gate closes while data is in flight to it: the read finds the channel
+/// released, and its events still held go out before its cancel, as the queue drains (all
+/// of them at once from the read failed the connection).
+#[test]
+fn a_burst_of_task_events_then_a_close_under_data_keeps_every_event() {
+    burst_of_task_events(1, 400, true);
+}
+
+/// Sends `events` events of almost a segment on each of `channels` channels before a data
+/// buffer of the first channel reaches the consumer; the gate closes after that read, or
+/// before it (`close_under_data`).
+fn burst_of_task_events(channels: usize, events: usize, close_under_data: bool) {
+    let mut s = setup(channels, 13, 1 << 16);
+    let heard: Vec<_> = (0..channels)
         .map(|i| {
             let heard = Arc::new(HeardTaskEvents::default());
             s.manager
@@ -747,7 +760,7 @@ fn a_burst_of_task_events_keeps_the_connection_and_every_event() {
         .collect();
     settle(&mut s.pair);
     let event = |i: usize| Event::Task(vec![i as u8; SEGMENT - 64]);
-    for i in 0..EVENTS {
+    for i in 0..events {
         s.gate.send_task_event(&event(i)).unwrap();
     }
     // The consumer's connection queues what it sends before the producer's next frame
@@ -757,6 +770,9 @@ fn a_burst_of_task_events_keeps_the_connection_and_every_event() {
     s.producers[0].flush_all();
     s.pair.server.transmit(s.pair.now);
     assert!(drain_into(&mut s.pair.to_client, &mut s.pair.server));
+    if close_under_data {
+        s.gate.close();
+    }
     deliver(
         &mut s.pair.to_client,
         usize::MAX,
@@ -766,14 +782,15 @@ fn a_burst_of_task_events_keeps_the_connection_and_every_event() {
     .expect("the consumer's own task events are no control backlog");
     s.gate.close();
     settle(&mut s.pair);
-    let expected: Vec<_> = (0..EVENTS).map(event).collect();
+    let expected: Vec<_> = (0..events).map(event).collect();
     for (i, heard) in heard.iter().enumerate() {
         assert!(
             *heard.0.lock().unwrap() == expected,
-            "producer {i} heard {} events, not the {EVENTS} sent in order",
+            "producer {i} heard {} events, not the {events} sent in order",
             heard.0.lock().unwrap().len()
         );
     }
+    assert_eq!(s.pair.client.channel_count(), 0, "every channel left");
     all_back(s);
 }
 

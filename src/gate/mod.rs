@@ -155,9 +155,10 @@ pub enum GateError {
         /// The checkpoint.
         checkpoint: u64,
     },
-    /// A task event was to be sent while 1024 wait already for a producer not reached yet:
-    /// on `channel` (its partition not found, or its connection not up), or, without one, in
-    /// the gate for channels not located yet. Nothing of it was sent.
+    /// A task event was to be sent while 1024 wait already for a producer not reached yet or
+    /// not keeping up: on `channel` (its partition not found, its connection not up, or a
+    /// quarter MiB of task events already queued on it for the producer to read), or, without
+    /// one, in the gate for channels not located yet. Nothing of it was sent.
     #[error(
         "task events wait for their producer already (channel {channel:?}); one more is refused"
     )]

@@ -335,7 +335,8 @@ impl SingleInputGate {
     /// Sends a task event to every producer; channels not located yet get it on update, and
     /// channels that ended drop it. Fails with [`GateError::Closed`] once the gate is closed.
     /// Fails with [`GateError::TaskEventBacklog`], sending nothing, while a channel (or the
-    /// gate, for channels not located yet) holds 1024 events for a producer not reached yet.
+    /// gate, for channels not located yet) holds 1024 events for a producer not reached yet,
+    /// or not reading as fast as they come (a connection queues a quarter MiB of them at most).
     /// Fails with [`GateError::TaskEventTooLarge`], sending nothing, when its encoding is
     /// longer than a segment (`taskmanager.memory.segment-size`): a producer refuses a larger
     /// TaskEventRequest frame as malformed and closes the connection, failing every channel on

@@ -768,27 +768,38 @@ impl ClientConnection {
         // A channel whose gate was released may still receive what was in flight: it leaves
         // now, and the payload is discarded like one for a channel already gone, without
         // failing the connection's other channels.
+        let mut cancel = true;
         if let Some(released) = slot.filter(|&s| {
             self.channels[s]
                 .as_ref()
                 .is_some_and(|c| c.shared.is_released())
         }) {
             // Its task events still go out, ahead of the cancel below, as they would have
-            // had the transmit come before this read.
-            if let Some(channel) = self.remove_channel(released) {
-                send_task_events(&mut self.outbound, &channel);
+            // had the transmit come before this read. Those the outbound queue has no room
+            // for yet keep the channel: `transmit_channels` sends them, then the cancel.
+            let room = TASK_EVENT_QUEUE_BYTES.saturating_sub(self.outbound.queued_bytes());
+            let all = self.channels[released]
+                .as_ref()
+                .is_none_or(|channel| send_task_events_within(&mut self.outbound, channel, room));
+            if all {
+                self.remove_channel(released);
+            } else {
+                self.task_events_held = true;
+                cancel = false;
             }
             slot = None;
         }
         let builder = match slot.and_then(|s| self.channels[s].as_ref()) {
             None => {
                 // A channel already gone: discard the payload, tell the producer to stop.
-                encode(
-                    &mut self.outbound,
-                    &Message::CancelPartitionRequest {
-                        receiver: header.receiver,
-                    },
-                );
+                if cancel {
+                    encode(
+                        &mut self.outbound,
+                        &Message::CancelPartitionRequest {
+                            receiver: header.receiver,
+                        },
+                    );
+                }
                 None
             }
             Some(channel) => {
@@ -845,7 +856,16 @@ impl ClientConnection {
                                 reason: "no memory for an incoming event".to_owned(),
                             });
                         }
-                        send_task_events(&mut self.outbound, &channel);
+                        // A failed channel's task is failing: what its events would take
+                        // beyond the queue's room for them is dropped, not queued.
+                        let room =
+                            TASK_EVENT_QUEUE_BYTES.saturating_sub(self.outbound.queued_bytes());
+                        if !send_task_events_within(&mut self.outbound, &channel, room) {
+                            tracing::warn!(
+                                ?receiver,
+                                "task events of a channel that failed or closed were dropped"
+                            );
+                        }
                         encode(
                             &mut self.outbound,
                             &Message::CancelPartitionRequest { receiver },
@@ -1174,13 +1194,9 @@ impl Drop for ClientConnection {
     }
 }
 
-/// Writes the task events queued on `channel` as TaskEventRequests.
-fn send_task_events(outbound: &mut Outbound, channel: &ClientChannel) {
-    send_task_events_within(outbound, channel, usize::MAX);
-}
-
-/// Writes task events queued on `channel`, oldest first, while fewer than `room` bytes of
-/// them were written (the last may pass it by one event). Returns whether none is left.
+/// Writes task events queued on `channel` as TaskEventRequests, oldest first, while fewer
+/// than `room` bytes of them were written (the last may pass it by one event). Returns
+/// whether none is left.
 fn send_task_events_within(outbound: &mut Outbound, channel: &ClientChannel, room: usize) -> bool {
     let (events, all) = channel.shared.take_task_events_within(room);
     for event in events {
