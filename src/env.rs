@@ -597,9 +597,11 @@ mod tests {
         drop(env);
         assert!(!waker.is_stopped(), "the thread is still in the listener");
         release.send(()).unwrap();
-        // Bounded wait for the loop's end (it stops when it comes back to its loop).
+        // Bounded wait for the loop's end (it stops when it comes back to its loop) and for
+        // its listener to close (as the loop's state drops, after it stopped).
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !waker.is_stopped() && Instant::now() < deadline {
+        let ended = || waker.is_stopped() && std::net::TcpStream::connect(addr).is_err();
+        while !ended() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(
@@ -607,7 +609,7 @@ mod tests {
             "{transport:?}: the I/O thread ran on after the drop"
         );
         assert!(
-            std::net::TcpStream::connect(addr).is_err(),
+            ended(),
             "{transport:?}: the dropped environment's address still accepts connections"
         );
         drop((gate, partition));

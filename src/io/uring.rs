@@ -835,7 +835,8 @@ impl Loop {
             // woken for), or park: announce it, then look once more for work that raced the
             // announcement.
             let wait = self.waker.prepare_wait(&mut busy_poll, now, || {
-                let mut busy = !self.commands.is_empty();
+                // A shutdown asked for without a command (`request_shutdown`) is work too.
+                let mut busy = !self.commands.is_empty() || self.waker.is_shutdown_requested();
                 for conn in self.conns.iter().flatten() {
                     if conn.closing.is_none() {
                         // Registered for the wake-up; work only what the next turn can send
