@@ -155,6 +155,21 @@ impl SingleInputGate {
             self.queue.wake_on_close(pool.waiters());
             self.pool = Some(pool);
         }
+        // Flink's `reserveSegments(1)` (FLINK-24035), before the channels as there: one
+        // floating segment is the gate's from setup on. Dropped once the channels took their
+        // exclusive segments, it stays in the pool, which keeps free segments while it holds
+        // no more than its minimum (the exclusive ones plus this one). Else a channel without
+        // exclusive segments (`buffers-per-channel = 0`) could wait, for good, for a pool
+        // that took every other segment to give one back.
+        let floating = match &self.pool {
+            Some(pool) => {
+                let queue = &self.queue;
+                BufferManager::take_exclusive(pool, 1, self.config.buffer_request_timeout, &|| {
+                    queue.is_closed()
+                })?
+            }
+            None => Vec::new(),
+        };
         for index in 0..self.specs.len() {
             if self.specs[index].location == ChannelLocation::Unknown {
                 let pool = self.pool.clone().ok_or(GateError::UnknownChannel(index))?;
@@ -173,21 +188,8 @@ impl SingleInputGate {
             }
             self.channels.push(channel);
         }
-        if let Some(pool) = &self.pool {
-            // Flink's `reserveSegments(1)` (FLINK-24035): one floating segment is the gate's
-            // from setup on. Taken and dropped, it stays in the pool, which keeps free
-            // segments while it holds no more than its minimum (the exclusive ones plus this
-            // one). Else a channel without exclusive segments (`buffers-per-channel = 0`)
-            // could wait, for good, for a pool that took every other segment to give one
-            // back.
-            let queue = &self.queue;
-            drop(BufferManager::take_exclusive(
-                pool,
-                1,
-                self.config.buffer_request_timeout,
-                &|| queue.is_closed(),
-            )?);
-        }
+        // Taken before the channels' exclusive segments, kept by the pool from now on.
+        drop(floating);
         if !self
             .channels
             .iter()
