@@ -482,35 +482,38 @@ fn blocking_request_wakes_when_another_pool_frees_global_segments() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
-struct ThreadWaker(thread::Thread);
+/// A waker that counts its wake-ups.
+#[derive(Default)]
+struct CountingWaker(AtomicUsize);
 
-impl Wake for ThreadWaker {
+impl Wake for CountingWaker {
     fn wake(self: Arc<Self>) {
-        self.0.unpark();
+        self.0.fetch_add(1, Ordering::SeqCst);
     }
 }
 
+/// A pending `request_builder` future is woken by the recycle of a segment on another thread
+/// and then resolves. (The loom model p2e checks the race of the two; this runs it on real
+/// threads.) The wake-up itself is awaited: a lost one fails the wait.
 #[test]
 fn async_request_resolves_when_a_segment_is_recycled() {
     let (network, _) = network(2);
     let pool = network.create_local_pool(spec(1, 1)).unwrap();
     let held = pool.request_buffer_builder(1).unwrap();
-    let waker = Waker::from(Arc::new(ThreadWaker(thread::current())));
+    let woken = Arc::new(CountingWaker::default());
+    let waker = Waker::from(woken.clone());
     let mut cx = Context::from_waker(&waker);
     let mut request = Box::pin(pool.request_builder(1));
     assert!(request.as_mut().poll(&mut cx).is_pending());
-    thread::scope(|s| {
-        s.spawn(move || drop(held));
-        // Park until woken; spurious unparks just poll again. Bounded by the count.
-        for _ in 0..10_000 {
-            if let Poll::Ready(result) = request.as_mut().poll(&mut cx) {
-                assert!(result.is_ok());
-                return;
-            }
-            thread::park_timeout(LONG);
-        }
-        panic!("the request never resolved");
-    });
+    thread::spawn(move || drop(held)).join().unwrap();
+    assert!(
+        common::wait_until(LONG, || woken.0.load(Ordering::SeqCst) > 0),
+        "the recycle did not wake the pending request"
+    );
+    match request.as_mut().poll(&mut cx) {
+        Poll::Ready(result) => assert!(result.is_ok()),
+        Poll::Pending => panic!("woken, yet the request found no segment"),
+    }
     drop(request);
     drop(pool);
     assert_eq!(network.available_segments(), network.total_segments());

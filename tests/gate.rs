@@ -665,8 +665,11 @@ fn a_union_gate_is_closed_from_another_thread_by_its_closer_or_a_member_s() {
         } else {
             union.closer()
         };
+        let idle = union.metrics().idle.clone();
         let read = thread::scope(|s| {
             let reader = s.spawn(|| union.next_timeout(LONG));
+            // The reader blocks first (its idle time grows): the close must wake it.
+            assert!(common::wait_until(LONG, || idle.total() > Duration::ZERO));
             closer.close();
             reader.join().unwrap()
         });
@@ -1061,15 +1064,19 @@ fn the_async_read_resolves_when_a_producer_thread_flushes() {
             send(&mut producer, b"async");
             producer
         });
-        for _ in 0..10_000 {
+        // Bounded by LONG in all: each park ends at a wake-up or at the give-up time.
+        let give_up = Instant::now() + LONG;
+        loop {
             if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
                 let item = result.unwrap().unwrap();
                 assert_eq!(data(&item.item), common::framed_record(b"async"));
                 return;
             }
-            thread::park_timeout(LONG);
+            let Some(left) = give_up.checked_duration_since(Instant::now()) else {
+                panic!("the async read never resolved");
+            };
+            thread::park_timeout(left);
         }
-        panic!("the async read never resolved");
     });
     assert!(waker_state.1.load(Ordering::SeqCst) >= 1);
     drop(read);
@@ -1719,8 +1726,9 @@ fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
             send(&mut b, b"union-async");
             b
         });
-        // Bounded: each park ends at a wake-up or after LONG.
-        for _ in 0..100 {
+        // Bounded by LONG in all: each park ends at a wake-up or at the give-up time.
+        let give_up = Instant::now() + LONG;
+        loop {
             if let Poll::Ready(result) = read.as_mut().poll(&mut cx) {
                 let item = result.unwrap().unwrap();
                 assert_eq!(
@@ -1729,9 +1737,11 @@ fn an_async_union_read_resolves_when_a_member_s_producer_flushes() {
                 );
                 return;
             }
-            thread::park_timeout(LONG);
+            let Some(left) = give_up.checked_duration_since(Instant::now()) else {
+                panic!("the async union read never resolved");
+            };
+            thread::park_timeout(left);
         }
-        panic!("the async union read never resolved");
     });
     assert!(
         waker_state.1.load(Ordering::SeqCst) >= 1,
@@ -2026,11 +2036,12 @@ fn assert_close_ends_the_wait_for_exclusive_segments<G: Send + 'static>(
         let result = set_up(&mut gate);
         (gate, result)
     });
-    // One segment back: the setup takes it as the channel's first and waits for the next.
+    // One segment back: the setup takes it (as the gate's floating segment) and waits for
+    // the next.
     drop(held.pop());
     assert!(
         common::wait_until(LONG, || f.network.available_segments() == 0),
-        "the setup never took its first exclusive segment"
+        "the setup never took the segment given back"
     );
     closer.close();
     let (gate, result) = setup.join().unwrap();

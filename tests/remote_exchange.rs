@@ -484,28 +484,36 @@ fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
     let max = partition.pool().spec().max_segments;
     let gate = remote_gate(&consumer_env, producer_env.local_addr());
     let records = 3_000u64;
+    let peak = std::sync::atomic::AtomicUsize::new(0);
     thread::scope(|s| {
+        let peak = &peak;
         let producer = s.spawn(move || {
             let mut writer = RecordWriter::new(
                 partition,
                 RoundRobinSelector::default(),
                 BufferTimeout::Never,
             );
-            let mut peak = 0;
-            for seq in 0..records {
+            for _ in 0..records {
                 writer.emit(&[7u8; 1000][..]).unwrap();
-                peak = peak.max(writer.partition().pool().in_use_segments());
-                let _ = seq;
+                let in_use = writer.partition().pool().in_use_segments();
+                peak.fetch_max(in_use, std::sync::atomic::Ordering::Relaxed);
             }
             writer.finish().unwrap();
-            peak
+            writer.partition().pool().blocked_nanos()
         });
+        // The consumer reads nothing until the producer ran into its pool's limit (the
+        // consumer's credit is taken by then): back pressure, not a race, holds it back.
+        assert!(
+            common::wait_until(LONG, || {
+                peak.load(std::sync::atomic::Ordering::Relaxed) == max
+            }),
+            "the producer never filled its pool"
+        );
         let mut reader = RecordReader::new(gate, 1 << 20);
         let mut count = 0;
         let mut peak_gate = 0.0f64;
+        // Bounded: each read waits at most LONG, and the stream ends.
         loop {
-            // The consumer is slow: it yields between records so the producer runs ahead.
-            thread::yield_now();
             match reader.next_timeout(LONG).unwrap() {
                 Some(ReaderItem::Record { .. }) => count += 1,
                 Some(ReaderItem::Event { .. }) => {}
@@ -514,7 +522,9 @@ fn a_slow_consumer_keeps_the_producer_within_its_pool(transport: Transport) {
             peak_gate = peak_gate.max(reader.gate().pool_usage());
         }
         assert_eq!(count, records);
-        let peak = producer.join().unwrap();
+        let blocked = producer.join().unwrap();
+        assert!(blocked > 0, "the producer was never held back");
+        let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
         assert!(peak <= max, "producer used {peak} segments, pool max {max}");
         assert!(peak_gate <= 1.0);
     });
