@@ -775,18 +775,8 @@ impl ClientConnection {
                 .is_some_and(|c| c.shared.is_released())
         }) {
             // Its task events still go out, ahead of the cancel below, as they would have
-            // had the transmit come before this read. Those the outbound queue has no room
-            // for yet keep the channel: `transmit_channels` sends them, then the cancel.
-            let room = TASK_EVENT_QUEUE_BYTES.saturating_sub(self.outbound.queued_bytes());
-            let all = self.channels[released]
-                .as_ref()
-                .is_none_or(|channel| send_task_events_within(&mut self.outbound, channel, room));
-            if all {
-                self.remove_channel(released);
-            } else {
-                self.task_events_held = true;
-                cancel = false;
-            }
+            // had the transmit come before this read.
+            cancel = self.leave_after_task_events(released);
             slot = None;
         }
         let builder = match slot.and_then(|s| self.channels[s].as_ref()) {
@@ -832,6 +822,17 @@ impl ClientConnection {
                     // the channel's segments), or the process could not map an event's few
                     // bytes: this channel leaves and the payload is discarded, as for a channel
                     // gone. Neither is the connection's fault, so its other channels go on.
+                    None if !flooded && channel.shared.is_released() => {
+                        let receiver = channel.receiver;
+                        let released = slot.take().expect("a channel was found in it");
+                        if self.leave_after_task_events(released) {
+                            encode(
+                                &mut self.outbound,
+                                &Message::CancelPartitionRequest { receiver },
+                            );
+                        }
+                        None
+                    }
                     None => {
                         let receiver = channel.receiver;
                         let channel = slot
@@ -846,7 +847,7 @@ impl ClientConnection {
                             channel
                                 .shared
                                 .fail(GateError::CreditExceeded(channel.shared.channel()));
-                        } else if !channel.shared.is_released() {
+                        } else {
                             tracing::warn!(
                                 ?receiver,
                                 "no memory for an incoming event; failing its channel"
@@ -863,7 +864,7 @@ impl ClientConnection {
                         if !send_task_events_within(&mut self.outbound, &channel, room) {
                             tracing::warn!(
                                 ?receiver,
-                                "task events of a channel that failed or closed were dropped"
+                                "task events of a channel that failed were dropped"
                             );
                         }
                         encode(
@@ -1065,6 +1066,23 @@ impl ClientConnection {
         channel.retry = Retry::Due;
         self.retrying += 1;
         true
+    }
+
+    /// A released channel's task events go out ahead of its cancel, those the outbound queue
+    /// has room for now. If that was all, the channel leaves and this returns true (the
+    /// caller queues the cancel); else it stays, and once writes drain the queue
+    /// `transmit_channels` sends the rest, then the cancel.
+    fn leave_after_task_events(&mut self, slot: usize) -> bool {
+        let room = TASK_EVENT_QUEUE_BYTES.saturating_sub(self.outbound.queued_bytes());
+        let all = self.channels[slot]
+            .as_ref()
+            .is_none_or(|channel| send_task_events_within(&mut self.outbound, channel, room));
+        if all {
+            self.remove_channel(slot);
+        } else {
+            self.task_events_held = true;
+        }
+        all
     }
 
     /// Takes the channel in `slot` out, keeping the count of retrying channels exact.
