@@ -2017,9 +2017,10 @@ fn a_gate_closed_before_its_setup_takes_no_segments() {
     assert!(f.all_segments_back());
 }
 
-/// Runs `set_up` (a gate's setup, which takes the exclusive segments of a channel that is or
-/// may become remote) on a thread while other pools hold every segment but one, closes
-/// through `closer` once the setup took that one and so waits for the next, and checks that
+/// Runs `set_up` (a gate's setup, which takes its floating segment and the exclusive segments
+/// of a channel that is or may become remote) on a thread while other pools hold every
+/// segment but two, closes through `closer` once the setup took those and so waits for the
+/// channel's second, and checks that
 /// the wait ended as closed, with every segment back in the end.
 fn assert_close_ends_the_wait_for_exclusive_segments<G: Send + 'static>(
     f: &Fixture,
@@ -2036,12 +2037,12 @@ fn assert_close_ends_the_wait_for_exclusive_segments<G: Send + 'static>(
         let result = set_up(&mut gate);
         (gate, result)
     });
-    // One segment back: the setup takes it (as the gate's floating segment) and waits for
-    // the next.
-    drop(held.pop());
+    // Two segments back: the setup takes them (the gate's floating segment and the
+    // channel's first exclusive one) and waits for the next, holding one of the channel's.
+    drop((held.pop(), held.pop()));
     assert!(
         common::wait_until(LONG, || f.network.available_segments() == 0),
-        "the setup never took the segment given back"
+        "the setup never took the segments given back"
     );
     closer.close();
     let (gate, result) = setup.join().unwrap();
