@@ -649,7 +649,15 @@ fn tampered_bytes_give_a_typed_error_and_release_every_segment() {
 
 /// Feeds forged bytes to a fresh client with one registered channel.
 fn forge(frames: impl FnOnce(ReceiverId, &mut Vec<u8>)) -> (Setup, Result<(), ProtocolError>) {
-    let mut s = setup(1, 7, 1);
+    forge_into(setup(1, 7, 1), frames)
+}
+
+/// Feeds the producer's handshake and forged `frames` to the client of `s`, whose one
+/// channel is registered (as receiver `1 << 64`).
+fn forge_into(
+    mut s: Setup,
+    frames: impl FnOnce(ReceiverId, &mut Vec<u8>),
+) -> (Setup, Result<(), ProtocolError>) {
     let receiver = ReceiverId(1 << 64);
     let mut bytes = Vec::new();
     Message::Handshake {
@@ -941,19 +949,10 @@ fn oversized_lengths_and_unknown_ids_are_decode_errors() {
 /// error; it panicked slicing the segment past its end.
 #[test]
 fn a_payload_longer_than_the_channel_s_segment_is_refused() {
-    let mut s = setup_reading(1, 7, 1, None, None, 2 * SEGMENT);
-    let mut bytes = Vec::new();
-    Message::Handshake {
-        version: fluxgate::protocol::frame::VERSION,
-        node: 1,
-        authenticate: false,
-        nonce: [0; 32],
-    }
-    .encode(&mut bytes);
-    // The one channel's receiver id, as `forge` knows it.
-    data_frame(&mut bytes, ReceiverId(1 << 64), 0, &[7; SEGMENT + 1]);
-    let mut wire: VecDeque<u8> = bytes.into_iter().collect();
-    let result = deliver(&mut wire, usize::MAX, &mut s.pair.client, s.pair.now);
+    let (s, result) = forge_into(
+        setup_reading(1, 7, 1, None, None, 2 * SEGMENT),
+        |receiver, out| data_frame(out, receiver, 0, &[7; SEGMENT + 1]),
+    );
     assert!(
         matches!(
             result,
