@@ -81,9 +81,12 @@ impl Progress {
                 thread::spawn(move || {
                     // Ends when the Progress is dropped.
                     while !stop.load(Ordering::Relaxed) {
-                        let now = *running.lock().expect("not poisoned");
+                        // Under the lock: a position from the phase before cannot land after
+                        // `phase` set the new one.
+                        let now = running.lock().expect("not poisoned");
                         let within = now.started.elapsed().min(now.length);
                         bar.set_position((now.offset + within).as_millis() as u64);
+                        drop(now);
                         thread::sleep(TICK);
                     }
                 })
@@ -116,13 +119,15 @@ impl Progress {
             .map(|p| p.1)
             .sum();
         let length = index.map_or(Duration::ZERO, |i| self.phases[i].1);
-        *shown.running.lock().expect("not poisoned") = Running {
+        let mut running = shown.running.lock().expect("not poisoned");
+        *running = Running {
             started: Instant::now(),
             offset,
             length,
         };
         shown.bar.set_message(name.to_string());
         shown.bar.set_position(offset.as_millis() as u64);
+        drop(running);
     }
 
     /// Runs `f` (which prints to the terminal) with the bar hidden, then redraws it.
