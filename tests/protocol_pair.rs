@@ -687,6 +687,15 @@ fn data_frame(out: &mut Vec<u8>, receiver: ReceiverId, sequence_number: u64, pay
     out.extend_from_slice(payload);
 }
 
+/// Producer 0 writes `record` and flushes it; its server sends the buffer onto the wire
+/// towards the consumer, which has not read it yet.
+fn buffer_in_flight(s: &mut Setup, record: &[u8]) {
+    s.producers[0].emit_record(record, 0).unwrap();
+    s.producers[0].flush_all();
+    s.pair.server.transmit(s.pair.now);
+    assert!(drain_into(&mut s.pair.to_client, &mut s.pair.server));
+}
+
 fn all_back(s: Setup) {
     drop(s.pair);
     // The registered partitions' handles keep what their subpartitions still queue.
@@ -774,10 +783,7 @@ fn burst_of_task_events(channels: usize, events: usize, close_under_data: bool) 
     // The consumer's connection queues what it sends before the producer's next frame
     // arrives; nothing of it has been written yet.
     s.pair.client.transmit(s.pair.now);
-    s.producers[0].emit_record(&b"data"[..], 0).unwrap();
-    s.producers[0].flush_all();
-    s.pair.server.transmit(s.pair.now);
-    assert!(drain_into(&mut s.pair.to_client, &mut s.pair.server));
+    buffer_in_flight(&mut s, b"data");
     if close_under_data {
         s.gate.close();
     }
@@ -813,10 +819,7 @@ fn a_task_event_sent_just_before_the_gate_closed_reaches_the_producer_under_data
         .subscribe_task_events(s.producers[0].handle().id(), heard.clone());
     settle(&mut s.pair);
     // A buffer in flight towards the consumer.
-    s.producers[0].emit_record(&b"in flight"[..], 0).unwrap();
-    s.producers[0].flush_all();
-    s.pair.server.transmit(s.pair.now);
-    assert!(drain_into(&mut s.pair.to_client, &mut s.pair.server));
+    buffer_in_flight(&mut s, b"in flight");
     s.gate
         .send_task_event(&Event::Task(b"last word".to_vec()))
         .unwrap();
