@@ -500,9 +500,15 @@ impl ShuffleEnvironment {
     /// The I/O thread's operation counts (diagnostics and tests: sleeps, zero-copy sends,
     /// registered files); `None` when the I/O thread did not answer within a second.
     pub fn driver_stats(&self) -> Option<crate::io::DriverStats> {
+        self.driver_stats_within(Duration::from_secs(1))
+    }
+
+    /// [`driver_stats`](Self::driver_stats) waiting up to `timeout` for the I/O thread: a
+    /// loaded machine may keep a live thread from answering within a second.
+    pub fn driver_stats_within(&self, timeout: Duration) -> Option<crate::io::DriverStats> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.driver.submit(Command::Stats(tx));
-        rx.recv_timeout(Duration::from_secs(1)).ok()
+        rx.recv_timeout(timeout).ok()
     }
 
     fn connect(&self, gate: &SingleInputGate, index: usize, peer: SocketAddr) {

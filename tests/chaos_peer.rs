@@ -823,7 +823,10 @@ fn a_consumer_refused_at_the_connection_limit_for_good_fails_once_the_back_off_r
         ),
         "{read:?}"
     );
-    let refused = producer.driver_stats().unwrap().refused_connections;
+    let refused = producer
+        .driver_stats_within(LONG)
+        .unwrap()
+        .refused_connections;
     assert!(
         refused >= 2,
         "connected again after a refusal: {refused} refused"
@@ -910,7 +913,7 @@ fn a_shutdown_with_zero_copy_sends_stuck_at_a_silent_peer_leaks_no_segment() {
     }
     let always = [("fluxgate.network.zero-copy-send", "always")];
     let (producer, writer, peer) = stuck_server(Transport::Uring, &always);
-    let stats = producer.driver_stats().unwrap();
+    let stats = producer.driver_stats_within(LONG).unwrap();
     if !stats.zc_available {
         eprintln!("SKIPPED: {test}: the kernel has no zero-copy send (logged)");
         return;
@@ -922,7 +925,7 @@ fn a_shutdown_with_zero_copy_sends_stuck_at_a_silent_peer_leaks_no_segment() {
         common::wait_until(LONG, || partition.is_back_pressured()),
         "the writer never waited"
     );
-    let stats = producer.driver_stats().unwrap();
+    let stats = producer.driver_stats_within(LONG).unwrap();
     assert!(
         stats.zc_sends > stats.zc_notifications,
         "no zero-copy send waits for its notification: {stats:?}"

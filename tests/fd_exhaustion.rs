@@ -92,7 +92,7 @@ fn queued_connections_are_accepted_once_descriptors_are_free(transport: Transpor
     // at the start of a turn, so the turn between two answers polled and handled what was
     // pending. A readiness still pending would accept them all without any retry.
     let tried = common::wait_until(LONG, || failed_accepts(&env) > 0);
-    let _ = (env.driver_stats(), env.driver_stats());
+    let _ = (env.driver_stats_within(LONG), env.driver_stats_within(LONG));
     // Restored before any assertion, so that a failure leaves the process usable.
     drop(fillers);
     set_descriptor_limit(original);

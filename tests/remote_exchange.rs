@@ -173,7 +173,11 @@ fn sleeps_in_a_ping_pong(transport: Transport, options: &[(&str, &str)], records
     let sleeps = || {
         [&producer_env, &consumer_env]
             .iter()
-            .map(|env| env.driver_stats().expect("the I/O thread answers").sleeps)
+            .map(|env| {
+                env.driver_stats_within(LONG)
+                    .expect("the I/O thread answers")
+                    .sleeps
+            })
             .sum::<u64>()
     };
     let (read, wait_read) = std::sync::mpsc::sync_channel::<()>(1);
@@ -1080,7 +1084,7 @@ fn a_listener_that_failed_for_good_is_given_up(transport: Transport) {
     while let Some(item) = reader.next_timeout(LONG).unwrap() {
         assert!(matches!(item, ReaderItem::Event { .. }), "{item:?}");
     }
-    let stats = producer_env.driver_stats().unwrap();
+    let stats = producer_env.driver_stats_within(LONG).unwrap();
     assert_eq!(
         stats.failed_accepts, 1,
         "the failed listener is not retried"

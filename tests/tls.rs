@@ -573,7 +573,7 @@ fn an_i_o_thread_sleeps_through_a_stalled_tls_handshake_with_a_task_event_waitin
         .unwrap();
     let turns = || {
         consumer
-            .driver_stats()
+            .driver_stats_within(LONG)
             .expect("the I/O thread answers")
             .turns
     };

@@ -79,7 +79,8 @@ fn record(seq: u64) -> Vec<u8> {
 }
 
 fn stats(env: &ShuffleEnvironment) -> DriverStats {
-    env.driver_stats().expect("the I/O thread answers")
+    env.driver_stats_within(LONG)
+        .expect("the I/O thread answers")
 }
 
 fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
