@@ -548,3 +548,113 @@ fn a_record_writing_more_than_it_declared_is_refused_with_its_own_counts() {
     drop(pool);
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+/// A sink whose `writable` fails once, on its `fail_at`-th call (counting from 1), after
+/// publishing the full builder as a sink waiting in vain for its next segment would: what a
+/// pool timing out looks like to the record layer. It can neither take bytes back nor end its
+/// stream, so the records after a failed one stay readable only if that one is framed whole.
+struct FlakySink<'a> {
+    inner: QueueSink<'a>,
+    calls: usize,
+    fail_at: usize,
+}
+
+impl SegmentSink for FlakySink<'_> {
+    fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError> {
+        self.calls += 1;
+        if self.calls == self.fail_at {
+            if self
+                .inner
+                .current
+                .as_ref()
+                .is_some_and(|(b, _)| b.is_full())
+            {
+                self.inner.finish();
+            }
+            return Err(RecordError::Pool(fluxgate::buffer::PoolError::Timeout(
+                std::time::Duration::from_millis(1),
+            )));
+        }
+        self.inner.writable()
+    }
+
+    fn commit(&mut self) {
+        self.inner.commit();
+    }
+}
+
+/// Serializes `first`, then `failing` through a sink that fails on `fail_at`, then "after";
+/// returns what `failing`'s serialize said and what a reader took from the stream.
+fn around_a_failing_sink(
+    first: &[u8],
+    failing: &[u8],
+    fail_at: usize,
+) -> (Result<(), RecordError>, Vec<Vec<u8>>) {
+    let (network, config) = network();
+    let pool = network
+        .create_local_pool(LocalPoolSpec::for_partition(1, &config))
+        .unwrap();
+    let mut sink = FlakySink {
+        inner: QueueSink::new(&pool),
+        calls: 0,
+        fail_at: usize::MAX,
+    };
+    record::serialize(first, &mut sink, 1 << 20).unwrap();
+    sink.calls = 0;
+    sink.fail_at = fail_at;
+    let failed = record::serialize(failing, &mut sink, 1 << 20);
+    record::serialize("after", &mut sink, 1 << 20).unwrap();
+    sink.inner.finish();
+    let mut reader = RecordDeserializer::new(1 << 20);
+    let mut got = Vec::new();
+    drain(&mut sink.inner, &mut reader, &mut got);
+    reader.finish().expect("the stream ends on a record's end");
+    drop((reader, sink));
+    drop(pool);
+    assert_eq!(network.available_segments(), network.total_segments());
+    (failed, got)
+}
+
+/// A sink failing to give the next segment in the middle of a record's bytes: the record was
+/// counted as written in full before its bytes were in a segment, so it was padded too little
+/// (here not at all), and "after" was read as the failed record's missing bytes.
+#[test]
+fn a_sink_failing_inside_a_record_leaves_the_stream_framed() {
+    // 4093 of the 5000 bytes fill the first segment (after the empty record's 1-byte prefix
+    // and the 2-byte prefix); the sink fails to give the second (its third call: the prefix,
+    // the first segment's part, the next segment).
+    let (failed, got) = around_a_failing_sink(b"", &[7; 5000], 3);
+    assert!(matches!(failed, Err(RecordError::Pool(_))), "{failed:?}");
+    assert_eq!(
+        got.len(),
+        3,
+        "{:?}",
+        got.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    assert_eq!(got[0], b"");
+    // The failed record, framed whole: what it wrote, padded (the sink can take nothing
+    // back, and the part in the first segment went out).
+    assert_eq!(got[1].len(), 5000);
+    assert!(got[1][..4093].iter().all(|&b| b == 7));
+    assert!(got[1][4093..].iter().all(|&b| b == 0));
+    assert_eq!(got[2], b"after");
+}
+
+/// The same between the two bytes of a length prefix: the prefix's failure returned before
+/// the record was framed, leaving half a prefix in the stream for "after" to complete.
+#[test]
+fn a_sink_failing_inside_a_length_prefix_leaves_the_stream_framed() {
+    // 2 + 4093 bytes leave one byte of the segment free: the 200-byte record's 2-byte prefix
+    // is split, and the sink fails to give the segment for its second byte.
+    let (failed, got) = around_a_failing_sink(&[1; 4093], &[2; 200], 2);
+    assert!(matches!(failed, Err(RecordError::Pool(_))), "{failed:?}");
+    assert_eq!(
+        got.len(),
+        3,
+        "{:?}",
+        got.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    assert_eq!(got[0], [1; 4093]);
+    assert_eq!(got[1], [0; 200], "the failed record, framed and padded");
+    assert_eq!(got[2], b"after");
+}

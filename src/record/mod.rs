@@ -148,6 +148,13 @@ pub enum RecordError {
 pub trait SegmentSink {
     /// A builder with room for at least one byte: the current one, or a fresh one (finishing
     /// and publishing the full one) when the current is full or missing.
+    ///
+    /// An error ends the record being written as an `encode` failing would: it is taken back
+    /// ([`discard_uncommitted`](Self::discard_uncommitted)), or its stream is ended
+    /// ([`abandon`](Self::abandon)) once part of it was published, or else it is framed to
+    /// its declared length (the rest of its length prefix, then zeros), which asks this
+    /// method again; a sink that fails then too leaves its stream misframed, so a sink whose
+    /// `writable` can fail should implement `abandon`.
     fn writable(&mut self) -> Result<&mut BufferBuilder, RecordError>;
 
     /// The record is complete: publish it to consumers.
@@ -225,6 +232,10 @@ pub struct RecordOutput<'a, S> {
     filled: bool,
     /// A builder holding part of this record was published: it can no longer be taken back.
     crossed: bool,
+    /// What the sink's `writable` failed with: every later write of this record fails with it
+    /// without asking the sink again, so an `encode` that goes on past an error cannot leave a
+    /// gap in the record's bytes.
+    sink_error: Option<RecordError>,
 }
 
 impl<S: SegmentSink> RecordOutput<'_, S> {
@@ -238,13 +249,24 @@ impl<S: SegmentSink> RecordOutput<'_, S> {
                 written: (self.declared - self.remaining) + bytes.len(),
             });
         }
-        self.remaining -= bytes.len();
+        if let Some(error) = &self.sink_error {
+            return Err(error.clone());
+        }
         while !bytes.is_empty() {
             // A full builder is finished (published, uncommitted bytes and all) by this
             // `writable`.
             self.crossed |= self.filled;
-            let builder = self.sink.writable()?;
+            let builder = match self.sink.writable() {
+                Ok(builder) => builder,
+                Err(error) => {
+                    self.sink_error = Some(error.clone());
+                    return Err(error);
+                }
+            };
             let n = builder.append(bytes);
+            // Counted as written only once in a segment: after a failed `writable` what is
+            // left to write is what the record lacks, and its end is framed from that.
+            self.remaining -= n;
             bytes = &bytes[n..];
             self.filled = builder.remaining() == 0;
         }
@@ -299,18 +321,29 @@ where
         remaining: prefix_bytes + len,
         filled: false,
         crossed: false,
+        sink_error: None,
     };
-    out.write(&prefix[..prefix_bytes])?;
     // `encode` is the caller's code. If it panics (and the caller catches the unwind and
     // writes on), the record is ended as a failed one is, before the panic goes on: taken
     // back, or its stream abandoned (padded, for a sink that cannot) once part of it was
     // published, so the bytes it left are not published with the next record. (Costs
-    // nothing unless it panics.)
-    let (encoded, panic) =
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record.encode(&mut out))) {
-            Ok(encoded) => (encoded, None),
-            Err(panic) => (Ok(()), Some(panic)),
-        };
+    // nothing unless it panics.) A prefix the sink failed to take is such a record too:
+    // part of it may have been published with a full segment.
+    let (encoded, panic) = match out.write(&prefix[..prefix_bytes]) {
+        Err(error) => (Err(error), None),
+        Ok(()) => {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record.encode(&mut out)))
+            {
+                Ok(encoded) => (encoded, None),
+                Err(panic) => (Ok(()), Some(panic)),
+            }
+        }
+    };
+    // The sink's own failure is the record's error, also when `encode` swallowed it.
+    let encoded = match out.sink_error.take() {
+        Some(error) => Err(error),
+        None => encoded,
+    };
     let resume = |panic: Option<Box<dyn std::any::Any + Send>>| {
         if let Some(panic) = panic {
             std::panic::resume_unwind(panic);
@@ -337,14 +370,19 @@ where
         });
     }
     if short > 0 {
-        // Keep the framing intact for the records after this one.
+        // Keep the framing intact for the records after this one: the rest of a prefix the
+        // sink failed inside, then zeros for the record's missing bytes. A sink failing again
+        // here leaves its stream misframed (one that can fail implements `abandon`).
         const ZEROS: [u8; 256] = [0; 256];
-        while out.remaining > 0 {
+        let prefix_left = out.remaining.saturating_sub(len);
+        let mut padded = out.write(&prefix[prefix_bytes - prefix_left..prefix_bytes]);
+        while padded.is_ok() && out.remaining > 0 {
             let n = out.remaining.min(ZEROS.len());
-            if let Err(error) = out.write(&ZEROS[..n]) {
-                resume(panic);
-                return Err(error);
-            }
+            padded = out.write(&ZEROS[..n]);
+        }
+        if let Err(error) = padded {
+            resume(panic);
+            return Err(encoded.err().unwrap_or(error));
         }
     }
     sink.commit();
