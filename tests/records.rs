@@ -230,8 +230,32 @@ fn a_refused_length_split_across_buffers_stays_refused() {
             reader.next_record().unwrap_err(),
             RecordError::TooLarge { len: 200, max: 64 }
         );
+        // The refused stream's buffer went back at once, not when the reader goes: it held
+        // a segment (a channel's credit) it would never read.
+        assert_eq!(network.available_segments(), network.total_segments());
     }
-    reader.clear();
+    // A later buffer of the refused stream is not read either, and not kept.
+    assert_eq!(
+        reader
+            .set_next_buffer(one_buffer(&network, &[1, b'y']))
+            .unwrap_err(),
+        RecordError::TooLarge { len: 200, max: 64 }
+    );
+    assert_eq!(network.available_segments(), network.total_segments());
+    assert_eq!(
+        reader.next_record().unwrap_err(),
+        RecordError::TooLarge { len: 200, max: 64 }
+    );
+    // Its end reports the refusal, and leaves the reader fit for a new stream.
+    assert_eq!(
+        reader.finish().unwrap_err(),
+        RecordError::TooLarge { len: 200, max: 64 }
+    );
+    reader
+        .set_next_buffer(one_buffer(&network, &[1, b'n']))
+        .unwrap();
+    assert_eq!(reader.next_record().unwrap(), Some(&b"n"[..]));
+    assert_eq!(reader.next_record().unwrap(), None);
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
@@ -250,7 +274,11 @@ fn a_length_no_u32_is_written_as_is_malformed() {
             RecordError::MalformedLength,
             "{bytes:x?}"
         );
-        reader.clear();
+        assert_eq!(network.available_segments(), network.total_segments());
+        assert_eq!(
+            reader.next_record().unwrap_err(),
+            RecordError::MalformedLength
+        );
     }
     assert_eq!(network.available_segments(), network.total_segments());
 }

@@ -109,6 +109,10 @@ pub struct RecordDeserializer {
     /// Where the record found by the last successful `advance` lies.
     current: Option<Location>,
     max_record_bytes: usize,
+    /// The stream's framing was refused (a malformed or too long length): every later read
+    /// fails with this, holding no buffer. The bytes after a refused length cannot be told
+    /// apart from a record's, so nothing after it is read.
+    failed: Option<RecordError>,
 }
 
 /// Where a complete record lies.
@@ -133,6 +137,7 @@ impl RecordDeserializer {
             budget: None,
             charged: 0,
             clean_buffers: 0,
+            failed: None,
             current: None,
             max_record_bytes,
         }
@@ -212,6 +217,11 @@ impl RecordDeserializer {
     /// Hands over the channel's next data buffer. The previous one must have been read to its
     /// end ([`next_record`](Self::next_record) returned `Ok(None)`).
     pub fn set_next_buffer(&mut self, buffer: Buffer) -> Result<(), RecordError> {
+        if let Some(error) = &self.failed {
+            // Dropped here: its segment goes back to its pool at once.
+            drop(buffer);
+            return Err(error.clone());
+        }
         if self.buffer.is_some() {
             return Err(RecordError::BufferNotConsumed);
         }
@@ -284,6 +294,25 @@ impl RecordDeserializer {
     /// a caller loop over channels without holding a borrow across iterations.
     pub fn advance(&mut self) -> Result<bool, RecordError> {
         self.current = None;
+        if let Some(error) = &self.failed {
+            return Err(error.clone());
+        }
+        let advanced = self.advance_framed();
+        if let Err(error @ (RecordError::MalformedLength | RecordError::TooLarge { .. })) =
+            &advanced
+        {
+            // The buffer and any partial record go now, not when the reader is dropped: a
+            // pooled segment held by a stream that will never be read is credit (or a
+            // producer's segment) gone for good.
+            let error = error.clone();
+            self.clear();
+            self.failed = Some(error);
+        }
+        advanced
+    }
+
+    /// [`advance`](Self::advance) over a stream whose framing holds so far.
+    fn advance_framed(&mut self) -> Result<bool, RecordError> {
         loop {
             let Some(buffer) = self.buffer.as_ref() else {
                 return Ok(false);
@@ -411,10 +440,15 @@ impl RecordDeserializer {
         out.len() > start
     }
 
-    /// Ends the stream: fails with [`RecordError::Truncated`] if bytes of it have not come out
-    /// as records ([`Self::has_partial_record`]): a record begun and never finished, or a
-    /// buffer not read to its end, whose records are dropped with it.
+    /// Ends the stream: fails with the error that refused its framing, if one did, or with
+    /// [`RecordError::Truncated`] if bytes of it have not come out as records
+    /// ([`Self::has_partial_record`]): a record begun and never finished, or a buffer not
+    /// read to its end, whose records are dropped with it.
     pub fn finish(&mut self) -> Result<(), RecordError> {
+        if let Some(error) = self.failed.take() {
+            self.clear();
+            return Err(error);
+        }
         let partial = self.has_partial_record();
         self.clear();
         if partial {
@@ -423,8 +457,10 @@ impl RecordDeserializer {
         Ok(())
     }
 
-    /// Drops the current buffer and any partial record (channel released).
+    /// Drops the current buffer and any partial record (channel released); a refused stream's
+    /// error too, so the deserializer can read a new stream.
     pub fn clear(&mut self) {
+        self.failed = None;
         self.current = None;
         self.buffer = None;
         self.position = 0;
