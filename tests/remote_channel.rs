@@ -1836,3 +1836,113 @@ fn a_barrier_arriving_after_its_alignment_timed_out_goes_ahead_of_the_data_befor
     drop((first, one, two, gate, sender0, sender1));
     assert_eq!(f.leased(), 0);
 }
+
+#[test]
+fn an_alignment_times_out_at_a_barrier_received_behind_data_the_task_has_not_read() {
+    // Flink's barrier announcement: a timeoutable barrier received behind data starts the
+    // alignment's timer when it arrives, not when the task reads as far as it. Here the
+    // checkpoint started past its timeout, and no barrier has been read: the first read is
+    // its barrier, unaligned, and the data before it is in the checkpoint at once. Before,
+    // the task read every buffer queued before the barrier first, however long that took.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send(b"zero", DataType::DataBuffer, 0).unwrap();
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+
+    let first = unaligned_barrier_first(&mut gate, 5);
+    assert_eq!(first.channel, 0);
+    // Channel 0's data before its barrier goes to the checkpoint at the next read, taken
+    // ahead of its turn (read next); channel 1's as it is read, until its barrier.
+    let mut read = Vec::new();
+    for _ in 0..4 {
+        let Some(item) = gate.poll_next().unwrap() else {
+            break;
+        };
+        if read.is_empty() {
+            assert_eq!(
+                persisted(&sink),
+                [(5, 0, b"zero".to_vec())],
+                "in the checkpoint before the task read it"
+            );
+        }
+        read.push((item.channel, data(&item.item)));
+    }
+    read.sort();
+    assert_eq!(read, [(0, b"zero".to_vec()), (1, b"one".to_vec())]);
+    assert_eq!(
+        persisted(&sink),
+        [(5, 0, b"zero".to_vec()), (5, 1, b"one".to_vec())]
+    );
+    assert_eq!(gate.gate().metrics_snapshot().num_buffers_in, 3);
+    assert!(
+        sink.complete.lock().unwrap().is_empty(),
+        "channel 1's barrier is missing"
+    );
+    sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "its barrier went ahead, not read"
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    assert_eq!(gate.pending_checkpoint(), None);
+    drop((first, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn a_barrier_received_behind_unread_data_starts_the_alignment_timer() {
+    // Within its timeout: the data comes first, in order, but the gate names the deadline
+    // (a polling task's next poll, a blocking read's wake-up) before any barrier was read.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(6, 3_600_000, 0);
+    sender0.send(b"zero", DataType::DataBuffer, 0).unwrap();
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let zero = gate.poll_next().unwrap().expect("channel 0's data");
+    assert_eq!((zero.channel, data(&zero.item)), (0, b"zero".to_vec()));
+    assert_eq!(gate.pending_checkpoint(), None, "no barrier read yet");
+    let deadline = gate.alignment_deadline().expect("the timer runs");
+    assert!(deadline > Instant::now() + Duration::from_secs(3_000));
+    assert!(persisted(&sink).is_empty());
+    drop((zero, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn a_union_times_out_at_a_barrier_a_member_s_channel_received_behind_unread_data() {
+    // The announcement comes from the second member's only channel: union channel 2.
+    let f = fixture();
+    let first_member = f.remote_gate(2);
+    let second_member = f.remote_gate(1);
+    let mut senders: Vec<Sender> = [(&first_member, 0), (&first_member, 1), (&second_member, 0)]
+        .into_iter()
+        .map(|(gate, i)| Sender::new(&attach(gate, i).0))
+        .collect();
+    let sink = Arc::new(common::RecordingSink::default());
+    let mut gate = CheckpointedInputGate::new(
+        UnionInputGate::new(vec![first_member, second_member]),
+        AlignmentMode::Unaligned,
+        Some(sink.clone()),
+    );
+    let barrier = common::timeoutable_barrier(7, 10, 60_000);
+    senders[2].send(b"two", DataType::DataBuffer, 0).unwrap();
+    senders[2].send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let first = gate.poll_next().unwrap().expect("the barrier");
+    assert!(
+        matches!(
+            first.item,
+            GateItem::Event { event: Event::CheckpointBarrier(b), .. }
+                if b.id == 7 && b.alignment == Alignment::Unaligned
+        ),
+        "{first:?}"
+    );
+    assert_eq!(first.channel, 2);
+    let two = gate.poll_next().unwrap().expect("the data taken ahead");
+    assert_eq!((two.channel, data(&two.item)), (2, b"two".to_vec()));
+    assert_eq!(persisted(&sink), [(7, 2, b"two".to_vec())]);
+    assert_eq!(gate.blocked_channels(), &[2]);
+    drop((first, two, gate, senders));
+    assert_eq!(f.leased(), 0);
+}

@@ -101,8 +101,13 @@ pub struct CheckpointedInputGate<G> {
     /// An item read from the gate that goes to the task after a barrier surfaced ahead of it.
     deferred: Option<BufferOrEvent>,
     /// When the alignment in progress turns unaligned: set by the first barrier of a
-    /// checkpoint aligned with a timeout, in unaligned mode.
+    /// checkpoint aligned with a timeout, in unaligned mode, read or only announced.
     alignment_deadline: Option<Instant>,
+    /// The oldest aligned barrier with a timeout that a channel received and the task has not
+    /// read yet, of a checkpoint not done (Flink's `EventAnnouncement`): its timeout runs from
+    /// the checkpoint's start whether or not the task reads as far as the barrier, and at the
+    /// timeout it moves ahead of the data before it.
+    announced: Option<(usize, CheckpointBarrier)>,
     /// Channels whose upstream finished sending recovered channel state (EndOfChannelState
     /// blocks each until every channel got there: Flink's `UpstreamRecoveryTracker`).
     recovered: Vec<bool>,
@@ -155,6 +160,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             held_barrier: None,
             deferred: None,
             alignment_deadline: None,
+            announced: None,
             recovered: vec![false; channels],
             taken_ahead: Vec::with_capacity(channels),
             timer: super::WakeTimer::default(),
@@ -203,6 +209,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return Ok(Some(item));
         }
         self.persist_taken_ahead()?;
+        self.note_announced_barriers();
         if let Some(item) = self.time_out_alignment_if_due() {
             return Ok(Some(item));
         }
@@ -249,6 +256,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
         loop {
             self.persist_taken_ahead()?;
+            self.note_announced_barriers();
             if let Some(item) = self.time_out_alignment_if_due() {
                 return Ok(Some(item));
             }
@@ -278,10 +286,43 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// Retries due partition requests of the wrapped gate, and turns an alignment whose
     /// timeout passed unaligned (its barrier is the next item read).
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), GateError> {
+        self.note_announced_barriers();
         if self.deferred.is_none() {
             self.deferred = self.time_out_alignment(now);
         }
         self.gate.handle_timeout(now)
+    }
+
+    /// Starts the alignment's timer at the barriers channels received before the task read
+    /// them (Flink's `processBarrierAnnouncement`): a task reading a backlog of data queued
+    /// before a barrier would otherwise start it only once it read as far as the barrier,
+    /// past its deadline already, and the alignment could last far longer than its timeout.
+    /// An announcement of a newer checkpoint than the one aligning waits for that one to end.
+    /// One load per read while nothing is announced; unaligned mode only.
+    fn note_announced_barriers(&mut self) {
+        if self.mode != AlignmentMode::Unaligned {
+            return;
+        }
+        let last_done = self.last_done;
+        let done = |barrier: &CheckpointBarrier| last_done.is_some_and(|d| barrier.id <= d);
+        let mut oldest = self.announced.filter(|(_, barrier)| !done(barrier));
+        self.gate
+            .for_each_new_announcement(&mut |channel, barrier| {
+                if !done(&barrier) && oldest.is_none_or(|(_, o)| barrier.id < o.id) {
+                    oldest = Some((channel, barrier));
+                }
+            });
+        self.announced = oldest;
+        let Some((_, barrier)) = oldest else {
+            return;
+        };
+        if self.unaligned
+            || self.alignment_deadline.is_some()
+            || self.current.is_some_and(|current| current != barrier.id)
+        {
+            return;
+        }
+        self.alignment_deadline = barrier.alignment_deadline(Instant::now());
     }
 
     /// [`time_out_alignment`](Self::time_out_alignment) now, reading the clock only while an
@@ -302,7 +343,18 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return None;
         }
         self.alignment_deadline = None;
-        let (channel, barrier) = self.held_barrier?;
+        let (channel, barrier) = match self.held_barrier {
+            Some(held) => held,
+            None => {
+                // Only announced: the checkpoint starts now, turned unaligned at once, and
+                // the announced barriers go ahead of their data below.
+                let announced = self.announced?;
+                if self.current.is_none() {
+                    self.start(announced.1.id);
+                }
+                announced
+            }
+        };
         if self.unaligned || self.current != Some(barrier.id) {
             return None;
         }

@@ -148,6 +148,15 @@ impl InputChannel {
         }
     }
 
+    /// See [`RemoteInputChannel::announced_barrier`]; a local channel announces nothing (its
+    /// producer's own timer turns its barrier).
+    pub(crate) fn announced_barrier(&self) -> Option<crate::event::CheckpointBarrier> {
+        match self {
+            InputChannel::Remote(c) => c.announced_barrier(),
+            _ => None,
+        }
+    }
+
     /// See [`RemoteInputChannel::for_each_taken_ahead`].
     pub(crate) fn for_each_taken_ahead(&self, f: &mut dyn FnMut(&crate::buffer::Buffer)) {
         if let InputChannel::Remote(c) = self {

@@ -42,7 +42,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::buffer::{Buffer, PoolError};
-use crate::event::{Event, EventError};
+use crate::event::{CheckpointBarrier, Event, EventError};
 use crate::metrics::{WaitSpan, WaitTime};
 use crate::partition::{PartitionError, ResultPartitionId};
 
@@ -280,6 +280,11 @@ pub trait InputGate {
     }
     /// The data buffers `channel` took ahead of their turn and has not returned yet, in order.
     fn for_each_taken_ahead(&self, _channel: usize, _f: &mut dyn FnMut(&Buffer)) {}
+    /// Calls `f` with each channel's aligned barrier with a timeout received and not read
+    /// yet, when a channel announced one since the last call (Flink's `EventAnnouncement`): a
+    /// barrier handler starts the alignment's timer at it, not when the task reads as far as
+    /// the barrier. Costs one load when nothing was announced.
+    fn for_each_new_announcement(&mut self, _f: &mut dyn FnMut(usize, CheckpointBarrier)) {}
 }
 
 impl GateError {

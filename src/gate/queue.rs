@@ -27,6 +27,10 @@ pub struct ChannelQueue {
     waker: AtomicWaker,
     /// A union gate's queue, told (with this gate's index) whenever a channel is queued here.
     parent: OnceLock<(Arc<ChannelQueue>, u32)>,
+    /// A channel received an aligned barrier with a timeout (Flink's `EventAnnouncement`)
+    /// that the gate's barrier handler has not looked at yet: the read looks at the channels
+    /// only when this is set.
+    announced: AtomicBool,
     /// The gate's pool, whose waiters (a setup waiting for exclusive segments) a close wakes.
     /// A lock, not a `OnceLock`: a close that finds it empty has set `closed` before the
     /// setup's store here, so the setup's wait sees `closed` when it looks.
@@ -56,8 +60,20 @@ impl ChannelQueue {
             cond: Condvar::new(),
             waker: AtomicWaker::new(),
             parent: OnceLock::new(),
+            announced: AtomicBool::new(false),
             pool_waiters: Mutex::new(None),
         })
+    }
+
+    /// A channel of this gate received an aligned barrier with a timeout (called before the
+    /// channel is queued, so the read it wakes sees this).
+    pub fn announce(&self) {
+        self.announced.store(true, Ordering::Release);
+    }
+
+    /// Whether a channel announced a barrier since the last call.
+    pub fn take_announced(&self) -> bool {
+        self.announced.load(Ordering::Relaxed) && self.announced.swap(false, Ordering::AcqRel)
     }
 
     /// Puts `channel` at the tail of a lane unless it is already in it, and wakes a waiting

@@ -20,7 +20,7 @@ use super::queue::ChannelQueue;
 use super::{ChannelRead, ConsumedSubpartition, GateError};
 use crate::buffer::segment_internals::{FreeList, SegmentMemory};
 use crate::buffer::{Buffer, BufferListener, LocalBufferPool, PooledSegment, Recycler, Segment};
-use crate::event::Event;
+use crate::event::{CheckpointBarrier, Event};
 use crate::sync::{
     fence, ArrayQueue, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering,
 };
@@ -541,6 +541,9 @@ struct Announced {
     /// Its index among the data-lane items the channel received.
     position: u64,
     checkpoint: u64,
+    /// The barrier, for the gate's alignment timer: its timeout counts from the checkpoint's
+    /// start, whether or not the task has read as far as the barrier.
+    barrier: CheckpointBarrier,
 }
 
 const NO_ANNOUNCEMENT: u64 = u64::MAX;
@@ -628,8 +631,8 @@ impl RemoteChannelShared {
         }
         let event = item.buffer.data_type().is_event();
         let announced = item.buffer.data_type().requires_announcement();
-        let announced_checkpoint = match announced.then(|| Event::decode(item.buffer.as_slice())) {
-            Some(Ok(Event::CheckpointBarrier(barrier))) => Some(barrier.id),
+        let announced_barrier = match announced.then(|| Event::decode(item.buffer.as_slice())) {
+            Some(Ok(Event::CheckpointBarrier(barrier))) => Some(barrier),
             // Not a barrier after all: the gate's read of it reports the error.
             _ => None,
         };
@@ -649,14 +652,17 @@ impl RemoteChannelShared {
             while self.received_priority.pop().is_some() {}
             return Ok(());
         }
-        if let Some(checkpoint) = announced_checkpoint {
+        if let Some(barrier) = announced_barrier {
             // After the push: a gate that sees the announcement finds the barrier queued.
             *self.announced.lock().expect("not poisoned") = Some(Announced {
                 position: data_before,
-                checkpoint,
+                checkpoint: barrier.id,
+                barrier,
             });
             self.announced_checkpoint
-                .store(checkpoint, Ordering::Release);
+                .store(barrier.id, Ordering::Release);
+            // Before the enqueue below wakes the reader.
+            self.queue.announce();
         }
         // Every response, a backlog of 0 too, as Flink's `onBuffer`: a channel keeps wanting
         // floating segments only while its sender has buffers for them. A sender stopped
@@ -946,6 +952,18 @@ impl RemoteInputChannel {
         self.take_ahead(wanted.saturating_sub(self.pending.len()));
         self.listed_ahead = wanted.min(self.pending.len());
         self.listed_ahead
+    }
+
+    /// The aligned barrier with a timeout this channel received and nobody read yet, if any
+    /// (Flink's `EventAnnouncement`, which its gate handles as it arrives).
+    pub(crate) fn announced_barrier(&self) -> Option<CheckpointBarrier> {
+        if self.shared.announced_checkpoint.load(Ordering::Acquire) == NO_ANNOUNCEMENT {
+            return None;
+        }
+        let announced = *self.shared.announced.lock().expect("not poisoned");
+        announced
+            .filter(|a| a.position >= self.data_taken)
+            .map(|a| a.barrier)
     }
 
     /// Flink's `convertToPriorityEvent`: the aligned barrier of `checkpoint`, received and not

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError};
 use crate::config::NetworkConfig;
-use crate::event::Event;
+use crate::event::{CheckpointBarrier, Event};
 use crate::metrics::{InputMetricsSnapshot, WaitTime};
 use crate::partition::PartitionManager;
 
@@ -788,6 +788,20 @@ impl InputGate for SingleInputGate {
         self.channels
             .get_mut(channel)
             .map_or(0, InputChannel::take_unread_before_priority)
+    }
+
+    fn for_each_new_announcement(&mut self, f: &mut dyn FnMut(usize, CheckpointBarrier)) {
+        if !self.queue.take_announced() {
+            return;
+        }
+        for (index, channel) in self.channels.iter().enumerate() {
+            if self.finished.get(index).copied().unwrap_or(true) {
+                continue;
+            }
+            if let Some(barrier) = channel.announced_barrier() {
+                f(index, barrier);
+            }
+        }
     }
 
     fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> bool {

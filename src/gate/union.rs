@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::queue::ChannelQueue;
 use super::single::{GateCloser, GateMetrics, SingleInputGate};
 use super::{BufferOrEvent, GateError, InputGate};
+use crate::event::CheckpointBarrier;
 use crate::metrics::{InputMetricsSnapshot, WaitTime};
 
 /// Gates behind one reader: gate 0's channels are `0..n0`, gate 1's `n0..n0+n1`, and so on.
@@ -237,6 +238,12 @@ impl InputGate for UnionInputGate {
         self.locate(channel).map_or(0, |(gate, local)| {
             self.gates[gate].take_unread_before_priority(local)
         })
+    }
+
+    fn for_each_new_announcement(&mut self, f: &mut dyn FnMut(usize, CheckpointBarrier)) {
+        for (gate, offset) in self.gates.iter_mut().zip(&self.offsets) {
+            gate.for_each_new_announcement(&mut |channel, barrier| f(offset + channel, barrier));
+        }
     }
 
     fn convert_barrier_to_priority(&mut self, channel: usize, checkpoint: u64) -> bool {
