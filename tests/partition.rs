@@ -921,6 +921,41 @@ fn a_barrier_taken_before_its_timeout_stays_aligned() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
+/// A reader that only looked at the barrier (the type of the next item, reported with the
+/// item before it) has not taken it: the timeout still turns it unaligned, as Flink's
+/// barrier times out until its reader polls it. The look claimed it, so it went out aligned
+/// and blocked its channel at the consumer, whose alignment had timed out meanwhile.
+#[test]
+fn a_barrier_the_reader_only_looked_at_still_times_out() {
+    let (network, config) = setup(64);
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    partition.emit_record(&b"before"[..], 0).unwrap();
+    let barrier = timeoutable_barrier(6, 3_600_000);
+    partition.broadcast_event(&barrier, false).unwrap();
+    let before = view.poll_next().unwrap();
+    assert_eq!(records_of(&before), vec![b"before".to_vec()]);
+    assert_eq!(
+        before.next_data_type,
+        DataType::TimeoutableAlignedCheckpointBarrier,
+        "the reader looked at the barrier"
+    );
+    // The looks of a server deciding what it may send next take nothing either.
+    let _ = view.availability_and_backlog(false);
+    assert_eq!(partition.aligned_barrier_timeout(6), 1);
+    let first = assert_unaligned_comes_first(&mut view, &signal, &partition, &barrier);
+    assert_eq!(first.overtaken, 0, "nothing queued before it is left");
+    assert!(
+        view.poll_next().is_none(),
+        "the aligned original is dropped"
+    );
+    partition.finish().unwrap();
+    let (_, events) = read_to_end(&mut view, &signal);
+    assert_eq!(events, [Event::EndOfPartition]);
+    drop((before, first, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
 /// A timer outliving its barrier (taken in place) turns nothing of the next checkpoint's
 /// barrier: conversion goes by checkpoint, and a barrier that cannot time out (a savepoint's)
 /// is not tracked at all. (Timer 5 once sent barrier 5 again in place of barrier 6.)

@@ -115,8 +115,9 @@ pub(crate) struct PipelinedSubpartition {
     room_waiters: PoolWaiters,
     /// The data-lane position (plus one) of the newest aligned barrier with a timeout while
     /// its reader has not taken it, 0 when none (with the `CONVERTING` flag while the writer
-    /// turns it). The reader claims the barrier with a compare-and-swap to 0 as it reaches it,
-    /// the writer with one to `CONVERTING` when the timeout passes: exactly one of them wins,
+    /// turns it). The reader claims the barrier with a compare-and-swap to 0 as it takes it
+    /// (a look at it claims nothing), the writer with one to `CONVERTING` when the timeout
+    /// passes: exactly one of them wins,
     /// so the barrier goes out either aligned, in place, or unaligned, ahead, never both.
     timeoutable: AtomicU64,
     /// The checkpoint of the barrier `timeoutable` names (the writer's alone).
@@ -755,6 +756,21 @@ impl SubpartitionView {
             }
             return Some(self.emit(buffer, 0));
         }
+        if head.data_type() == DataType::TimeoutableAlignedCheckpointBarrier {
+            match self.timeoutable_head(true) {
+                Claim::Keep => {}
+                // Turned unaligned since the look: its copy is queued as a priority event,
+                // which the next take finds (bounded: the original goes, and the writer turns
+                // one barrier at a time).
+                Claim::Drop => {
+                    self.unsent_taken += 1;
+                    self.take_head_out();
+                    return self.take();
+                }
+                Claim::Wait => return None,
+            }
+        }
+        let head = self.head.as_mut().expect("a readable head");
         let buffer = head.build();
         if buffer.is_empty() && head.written_bytes() == 0 {
             // Finished empty, handed out only to a consumer without exclusive buffers.
@@ -840,7 +856,9 @@ impl SubpartitionView {
                 }
                 let data_type = head.data_type();
                 if data_type == DataType::TimeoutableAlignedCheckpointBarrier {
-                    match self.claim_timeoutable_head() {
+                    // A look only: the barrier stays convertible until it is taken (`take`
+                    // claims it), as Flink's barrier times out until its reader polls it.
+                    match self.timeoutable_head(false) {
                         Claim::Keep => {}
                         Claim::Drop => {
                             self.unsent_taken += 1;
@@ -862,8 +880,9 @@ impl SubpartitionView {
     }
 
     /// The head is an aligned barrier with a timeout: sent in place unless the writer turned
-    /// it unaligned (see [`PipelinedSubpartition::timeoutable`]).
-    fn claim_timeoutable_head(&self) -> Claim {
+    /// it unaligned (see [`PipelinedSubpartition::timeoutable`]). `claim`: it is being taken,
+    /// and the writer can no longer turn it; else a look, which leaves it to the writer.
+    fn timeoutable_head(&self, claim: bool) -> Claim {
         let sub = &self.subpartition;
         let here = self.data_taken + 1;
         // Bounded: `timeoutable` changes at most twice (claimed or turning, then cleared) for
@@ -874,6 +893,9 @@ impl SubpartitionView {
                 if state & CONVERTING != 0 {
                     // Its copy is being queued; the writer's priority notification follows.
                     return Claim::Wait;
+                }
+                if !claim {
+                    return Claim::Keep;
                 }
                 if sub
                     .timeoutable
