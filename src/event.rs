@@ -74,15 +74,7 @@ impl CheckpointBarrier {
     /// Flink's `isTimeoutable` says: for a savepoint, a timeout of 0 and Flink's "no timeout"
     /// (`Long.MAX_VALUE`).
     pub fn alignment_deadline(&self, now: Instant) -> Option<Instant> {
-        let Alignment::AlignedWithTimeout { timeout_ms } = self.alignment else {
-            return None;
-        };
-        if self.kind == CheckpointKind::Savepoint
-            || timeout_ms == 0
-            || timeout_ms >= i64::MAX as u64
-        {
-            return None;
-        }
+        let timeout_ms = self.alignment_timeout_ms()?;
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |since| {
@@ -90,6 +82,18 @@ impl CheckpointBarrier {
             });
         let elapsed = u64::try_from(now_ms.saturating_sub(self.timestamp)).unwrap_or(0);
         Some(now + Duration::from_millis(timeout_ms.saturating_sub(elapsed)))
+    }
+
+    /// The alignment timeout this barrier carries, if its alignment can time out (see
+    /// [`alignment_deadline`](Self::alignment_deadline)); reads no clock.
+    pub fn alignment_timeout_ms(&self) -> Option<u64> {
+        let Alignment::AlignedWithTimeout { timeout_ms } = self.alignment else {
+            return None;
+        };
+        let times_out = self.kind != CheckpointKind::Savepoint
+            && timeout_ms != 0
+            && timeout_ms < i64::MAX as u64;
+        times_out.then_some(timeout_ms)
     }
 
     /// The same barrier, unaligned: what an alignment that timed out turns it into.

@@ -1883,7 +1883,7 @@ fn an_alignment_times_out_at_a_barrier_received_behind_data_the_task_has_not_rea
     sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
     assert!(
         gate.poll_next().unwrap().is_none(),
-        "its barrier went ahead, not read"
+        "its barrier completes the checkpoint, and is not handed to the task"
     );
     assert_eq!(*sink.complete.lock().unwrap(), [5]);
     assert_eq!(gate.pending_checkpoint(), None);
@@ -1944,5 +1944,53 @@ fn a_union_times_out_at_a_barrier_a_member_s_channel_received_behind_unread_data
     assert_eq!(persisted(&sink), [(7, 2, b"two".to_vec())]);
     assert_eq!(gate.blocked_channels(), &[2]);
     drop((first, two, gate, senders));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn a_cancelled_checkpoint_s_announcement_gives_the_timer_to_the_next_one() {
+    // Checkpoint 5's and 6's barriers are both received behind data before the task reads
+    // anything: the timer runs for 5, the older. 5 is cancelled (its marker overtakes the
+    // data) before any of its barriers was read: the timer must go to 6, at 6's deadline.
+    // Before, 5's deadline stayed and would have turned 6 unaligned at it, and 6, passed
+    // over for 5 when both were announced, was not looked at again.
+    let f = fixture();
+    let (mut gate, _sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let five = common::timeoutable_barrier(5, 3_600_000, 0);
+    let six = common::timeoutable_barrier(6, 7_200_000, 0);
+    sender0.send(b"zero", DataType::DataBuffer, 0).unwrap();
+    sender0.send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    sender1.send_event(&six, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let zero = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&zero.item), b"zero");
+    let hour = Instant::now() + Duration::from_secs(3_600);
+    let five_s = gate.alignment_deadline().expect("the timer runs for 5");
+    assert!(five_s <= hour, "5's deadline, an hour away");
+    sender1.send_event(
+        &Event::CancelCheckpointMarker(5),
+        DataType::PrioritizedEventBuffer,
+        0,
+    );
+    let marker = gate.poll_next().unwrap().expect("the marker");
+    assert!(
+        matches!(
+            marker.item,
+            GateItem::Event {
+                event: Event::CancelCheckpointMarker(5),
+                ..
+            }
+        ),
+        "{marker:?}"
+    );
+    let one = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&one.item), b"one");
+    let six_s = gate.alignment_deadline().expect("the timer runs for 6");
+    assert!(
+        six_s > hour + Duration::from_secs(1_800),
+        "6's deadline, two hours away"
+    );
+    assert_eq!(gate.pending_checkpoint(), None);
+    drop((zero, marker, one, gate, sender0, sender1));
     assert_eq!(f.leased(), 0);
 }

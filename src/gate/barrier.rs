@@ -298,17 +298,35 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// before a barrier would otherwise start it only once it read as far as the barrier,
     /// past its deadline already, and the alignment could last far longer than its timeout.
     /// An announcement of a newer checkpoint than the one aligning waits for that one to end.
-    /// One load per read while nothing is announced; unaligned mode only.
+    /// One load per read while nothing is announced, none while an alignment runs against its
+    /// deadline (announcements wait in the gate); unaligned mode only.
     fn note_announced_barriers(&mut self) {
         if self.mode != AlignmentMode::Unaligned {
             return;
         }
         let last_done = self.last_done;
         let done = |barrier: &CheckpointBarrier| last_done.is_some_and(|d| barrier.id <= d);
-        let mut oldest = self.announced.filter(|(_, barrier)| !done(barrier));
+        let stale = self.announced.is_some_and(|(_, barrier)| done(&barrier));
+        if stale {
+            // Its checkpoint ended (completed, aborted, cancelled) without reading it; with no
+            // checkpoint running, the deadline was its own.
+            self.announced = None;
+            if self.current.is_none() {
+                self.alignment_deadline = None;
+            }
+        }
+        if self.unaligned || self.alignment_deadline.is_some() {
+            return;
+        }
+        let mut oldest = self.announced;
+        // After a stale one, all again: announcements of newer checkpoints the last scan
+        // passed over for it are not reported twice.
         self.gate
-            .for_each_new_announcement(&mut |channel, barrier| {
-                if !done(&barrier) && oldest.is_none_or(|(_, o)| barrier.id < o.id) {
+            .for_each_new_announcement(stale, &mut |channel, barrier| {
+                if !done(&barrier)
+                    && barrier.alignment_timeout_ms().is_some()
+                    && oldest.is_none_or(|(_, o)| barrier.id < o.id)
+                {
                     oldest = Some((channel, barrier));
                 }
             });
@@ -316,10 +334,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         let Some((_, barrier)) = oldest else {
             return;
         };
-        if self.unaligned
-            || self.alignment_deadline.is_some()
-            || self.current.is_some_and(|current| current != barrier.id)
-        {
+        if self.current.is_some_and(|current| current != barrier.id) {
             return;
         }
         self.alignment_deadline = barrier.alignment_deadline(Instant::now());

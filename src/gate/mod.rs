@@ -281,10 +281,16 @@ pub trait InputGate {
     /// The data buffers `channel` took ahead of their turn and has not returned yet, in order.
     fn for_each_taken_ahead(&self, _channel: usize, _f: &mut dyn FnMut(&Buffer)) {}
     /// Calls `f` with each channel's aligned barrier with a timeout received and not read
-    /// yet, when a channel announced one since the last call (Flink's `EventAnnouncement`): a
-    /// barrier handler starts the alignment's timer at it, not when the task reads as far as
-    /// the barrier. Costs one load when nothing was announced.
-    fn for_each_new_announcement(&mut self, _f: &mut dyn FnMut(usize, CheckpointBarrier)) {}
+    /// yet, when a channel announced one since the last call, or always with `rescan`
+    /// (Flink's `EventAnnouncement`): a barrier handler starts the alignment's timer at it,
+    /// not when the task reads as far as the barrier. Costs one load when nothing was
+    /// announced.
+    fn for_each_new_announcement(
+        &mut self,
+        _rescan: bool,
+        _f: &mut dyn FnMut(usize, CheckpointBarrier),
+    ) {
+    }
 }
 
 impl GateError {

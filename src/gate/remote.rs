@@ -960,10 +960,20 @@ impl RemoteInputChannel {
         if self.shared.announced_checkpoint.load(Ordering::Acquire) == NO_ANNOUNCEMENT {
             return None;
         }
-        let announced = *self.shared.announced.lock().expect("not poisoned");
-        announced
-            .filter(|a| a.position >= self.data_taken)
-            .map(|a| a.barrier)
+        let mut announced = self.shared.announced.lock().expect("not poisoned");
+        match *announced {
+            Some(a) if a.position >= self.data_taken => Some(a.barrier),
+            Some(_) => {
+                // Read since (in place): the slot goes, so later looks take no lock for it.
+                // A newer announcement is stored under this lock, so none is lost here.
+                *announced = None;
+                self.shared
+                    .announced_checkpoint
+                    .store(NO_ANNOUNCEMENT, Ordering::Release);
+                None
+            }
+            None => None,
+        }
     }
 
     /// Flink's `convertToPriorityEvent`: the aligned barrier of `checkpoint`, received and not

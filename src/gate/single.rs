@@ -790,8 +790,12 @@ impl InputGate for SingleInputGate {
             .map_or(0, InputChannel::take_unread_before_priority)
     }
 
-    fn for_each_new_announcement(&mut self, f: &mut dyn FnMut(usize, CheckpointBarrier)) {
-        if !self.queue.take_announced() {
+    fn for_each_new_announcement(
+        &mut self,
+        rescan: bool,
+        f: &mut dyn FnMut(usize, CheckpointBarrier),
+    ) {
+        if !self.queue.take_announced() && !rescan {
             return;
         }
         for (index, channel) in self.channels.iter().enumerate() {

@@ -240,9 +240,15 @@ impl InputGate for UnionInputGate {
         })
     }
 
-    fn for_each_new_announcement(&mut self, f: &mut dyn FnMut(usize, CheckpointBarrier)) {
+    fn for_each_new_announcement(
+        &mut self,
+        rescan: bool,
+        f: &mut dyn FnMut(usize, CheckpointBarrier),
+    ) {
         for (gate, offset) in self.gates.iter_mut().zip(&self.offsets) {
-            gate.for_each_new_announcement(&mut |channel, barrier| f(offset + channel, barrier));
+            gate.for_each_new_announcement(rescan, &mut |channel, barrier| {
+                f(offset + channel, barrier)
+            });
         }
     }
 
