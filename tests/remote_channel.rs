@@ -1994,3 +1994,28 @@ fn a_cancelled_checkpoint_s_announcement_gives_the_timer_to_the_next_one() {
     drop((zero, marker, one, gate, sender0, sender1));
     assert_eq!(f.leased(), 0);
 }
+
+#[test]
+fn one_channel_may_borrow_every_floating_segment_of_its_gate() {
+    // Flink caps a subpartition at `max-buffers-per-channel`, not an input channel: the hot
+    // channel of a skewed input takes every floating segment its backlog asks for. It was
+    // capped at 10 here, so raising `floating-buffers-per-gate` bought it nothing.
+    let mut f = fixture();
+    f.config
+        .set("taskmanager.network.memory.floating-buffers-per-gate", "32")
+        .unwrap();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let buffers = shared.buffers().clone();
+    let mut sender = Sender::new(&shared);
+    // Backlog 30 asks for 32 segments: one exclusive is free after the buffer, so 31
+    // floating ones.
+    sender.send(b"a", DataType::DataBuffer, 30).unwrap();
+    assert_eq!(buffers.available(), 30 + EXCLUSIVE);
+    assert_eq!(buffers.unannounced_credit(), 31);
+    assert_eq!(f.leased(), EXCLUSIVE + 31);
+    sender.assert_balanced();
+    gate.close();
+    drop((gate, shared, buffers, sender));
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}

@@ -576,22 +576,21 @@ impl SingleInputGate {
                 let pool = self.pool.clone().ok_or(GateError::UnknownChannel(index))?;
                 let max = pool.spec().max_segments;
                 let queue = &self.queue;
+                // As in Flink, one channel may borrow every floating segment of its gate (a
+                // skewed input's hot channel): `max-buffers-per-channel` bounds subpartitions,
+                // not input channels.
+                let max_floating = self.config.floating_buffers_per_gate.max(1);
                 let buffers = if reserved.is_empty() {
                     BufferManager::new_unless(
                         index,
                         pool,
                         self.config.buffers_per_channel,
-                        self.config.max_buffers_per_channel,
+                        max_floating,
                         self.config.buffer_request_timeout,
                         &|| queue.is_closed(),
                     )?
                 } else {
-                    BufferManager::with_segments(
-                        index,
-                        pool,
-                        reserved,
-                        self.config.max_buffers_per_channel,
-                    )
+                    BufferManager::with_segments(index, pool, reserved, max_floating)
                 };
                 InputChannel::Remote(RemoteInputChannel::new(
                     index,
