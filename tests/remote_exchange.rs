@@ -621,6 +621,55 @@ on_both_drivers!(
     barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking_uring
 );
 
+/// A producer that fails says why (Flink's `release(cause)`): its consumer's read returns
+/// `ProducerFailed` with that cause, across the wire and in the same process alike. Before,
+/// a remote consumer got a transport error reading "the partition was released", and a local
+/// one a bare release: one producer's crash showed as N network failures with no cause.
+fn a_failing_producer_s_cause_reaches_its_consumers(transport: Transport) {
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    for local in [false, true] {
+        let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+        let (gate_env, location) = if local {
+            (&producer_env, ProducerLocation::Local)
+        } else {
+            (
+                &consumer_env,
+                ProducerLocation::Remote(producer_env.local_addr()),
+            )
+        };
+        let mut reader = RecordReader::new(one_channel_gate(gate_env, location), 1 << 20);
+        partition.emit_record(&b"last words"[..], 0).unwrap();
+        partition.flush(0);
+        assert!(matches!(
+            reader.next_timeout(LONG).unwrap(),
+            Some(ReaderItem::Record { .. })
+        ));
+        partition.fail("disk full on /data");
+        let error = loop {
+            match reader.next_timeout(LONG) {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the gate ended normally"),
+                Err(error) => break error,
+            }
+        };
+        match error {
+            ReaderError::Gate(GateError::ProducerFailed { channel, cause }) => {
+                assert_eq!((channel, cause.as_str()), (0, "disk full on /data"))
+            }
+            other => panic!("local {local}: expected ProducerFailed, got {other:?}"),
+        }
+        drop((reader, partition));
+        producer_env.partition_manager().release(pid(0)).ok();
+    }
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_failing_producer_s_cause_reaches_its_consumers,
+    a_failing_producer_s_cause_reaches_its_consumers_epoll,
+    a_failing_producer_s_cause_reaches_its_consumers_uring
+);
+
 fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: Transport) {
     let producer_env = env(1, transport);
     let consumer_env = env(2, transport);

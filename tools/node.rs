@@ -329,8 +329,8 @@ pub struct SubtaskReport {
 pub enum FailureKind {
     /// `GateError::ConnectionLost`: the connection to a producer broke (its process died).
     ConnectionLost,
-    /// `PartitionError::Released`: a partition written or read was released (its consumer,
-    /// or its producer, went away).
+    /// `PartitionError::Released` or `GateError::ProducerFailed`: a partition written or read
+    /// was released (its consumer, or its producer, went away).
     Released,
     /// A consumer received nothing for the stall timeout.
     Stalled,
@@ -1184,7 +1184,8 @@ impl Failed {
             GateError::Partition {
                 source: PartitionError::Released,
                 ..
-            } => (FailureKind::Released, None),
+            }
+            | GateError::ProducerFailed { .. } => (FailureKind::Released, None),
             _ => (FailureKind::Other, None),
         };
         Self::new(kind, peer, format!("input gate failed: {error}"))

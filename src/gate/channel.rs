@@ -346,7 +346,13 @@ impl LocalInputChannel {
         if view.is_released() {
             // For good: the view goes now, and with it the buffer it was reading, for which
             // the producer's writer may wait.
-            let error = partition_error(self.index, PartitionError::Released);
+            let error = match view.failure_cause() {
+                Some(cause) => GateError::ProducerFailed {
+                    channel: self.index,
+                    cause: cause.to_owned(),
+                },
+                None => partition_error(self.index, PartitionError::Released),
+            };
             self.release();
             self.failed = Some(error.clone());
             return Err(error);

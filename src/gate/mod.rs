@@ -59,6 +59,17 @@ pub enum GateError {
     /// Partitions were already requested.
     #[error("partitions were already requested")]
     AlreadyRequested,
+    /// The producer said it failed ([`ResultPartition::fail`](crate::partition::ResultPartition::fail)),
+    /// or, across the wire, released the partition before its end: Flink's
+    /// `ProducerFailedException`, after which a task is cancelled rather than failed, the
+    /// root cause being the producer's.
+    #[error("channel {channel}: the producer failed: {cause}")]
+    ProducerFailed {
+        /// Gate-local channel index.
+        channel: usize,
+        /// What the producer gave as the cause.
+        cause: String,
+    },
     /// A producer partition could not be reached or failed.
     #[error("channel {channel}: {source}")]
     Partition {
@@ -299,6 +310,7 @@ impl GateError {
     pub(crate) fn offset_channel(mut self, offset: usize) -> Self {
         match &mut self {
             GateError::Partition { channel, .. }
+            | GateError::ProducerFailed { channel, .. }
             | GateError::Reordering { channel, .. }
             | GateError::Transport { channel, .. }
             | GateError::ConnectionLost { channel, .. }

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,8 @@ struct PartitionShared {
     metrics: OutputMetrics,
     /// The waiters of the partition's pool: its writer, when it waits.
     writer_waits: PoolWaiters,
+    /// Why the producer failed, if it said (the first cause given).
+    failure: Arc<OnceLock<String>>,
 }
 
 impl fmt::Debug for PartitionHandle {
@@ -93,6 +95,21 @@ impl PartitionHandle {
         for subpartition in self.shared.subpartitions.iter() {
             subpartition.release();
         }
+    }
+
+    /// The producer failed: releases the partition, and its readers are told `cause` (Flink's
+    /// `release(Throwable)`, whose consumers get a `ProducerFailedException` carrying it):
+    /// [`GateError::ProducerFailed`](crate::gate::GateError::ProducerFailed), locally and
+    /// across the wire (there cut to 512 bytes). The first cause given stays.
+    pub fn fail(&self, cause: impl Into<String>) {
+        // Before the release: a reader that sees the release finds the cause.
+        let _ = self.shared.failure.set(cause.into());
+        self.release();
+    }
+
+    /// Why the producer failed, if it said ([`fail`](Self::fail)).
+    pub fn failure_cause(&self) -> Option<&str> {
+        self.shared.failure.get().map(String::as_str)
     }
 
     /// True once every subpartition was released.
@@ -240,6 +257,7 @@ impl ResultPartition {
             .saturating_add(EVENT_RESERVE)
             .min(spec.max_segments + spec.max_overdraft_segments);
         let room_waiters = pool.waiters();
+        let failure = Arc::new(OnceLock::new());
         let shared = Arc::new(PartitionShared {
             id,
             kind: PartitionType::Pipelined,
@@ -251,11 +269,13 @@ impl ResultPartition {
                         lane,
                         room_waiters.clone(),
                         network.clone(),
+                        failure.clone(),
                     ))
                 })
                 .collect(),
             metrics: OutputMetrics::default(),
             writer_waits: room_waiters,
+            failure,
         });
         Ok(Self {
             handle: PartitionHandle { shared },
@@ -824,6 +844,13 @@ impl ResultPartition {
         if written.is_err() && self.handle.is_released() {
             self.release();
         }
+    }
+
+    /// The producer failed: [`release`](Self::release), its readers told `cause` (see
+    /// [`PartitionHandle::fail`]).
+    pub fn fail(&mut self, cause: impl Into<String>) {
+        let _ = self.handle.shared.failure.set(cause.into());
+        self.release();
     }
 
     /// Drops everything queued and finishes every builder; segments go back to the pool.

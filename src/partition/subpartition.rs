@@ -23,7 +23,7 @@
 //! next take clears the flag and wakes it (the same fence pairing as above).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwapOption;
 
@@ -77,6 +77,9 @@ struct PriorityItem {
 /// The shared state of one subpartition (producer side and reader side meet here).
 pub(crate) struct PipelinedSubpartition {
     index: usize,
+    /// Why the producer failed, once it said so (its partition's, shared by every
+    /// subpartition): what its readers are told instead of a bare release.
+    failure: Arc<OnceLock<String>>,
     data: ArrayQueue<BufferConsumer>,
     /// Data-lane items buffers may fill it to (the rest is the event reserve).
     buffer_room: usize,
@@ -152,10 +155,12 @@ impl PipelinedSubpartition {
         capacity: usize,
         room_waiters: PoolWaiters,
         network: NetworkBufferPool,
+        failure: Arc<OnceLock<String>>,
     ) -> Self {
         let capacity = capacity.max(1);
         Self {
             index,
+            failure,
             data: ArrayQueue::new(capacity),
             buffer_room: buffer_room.clamp(1, capacity),
             priority: ArrayQueue::new(capacity),
@@ -664,6 +669,12 @@ impl SubpartitionView {
     /// went out before.
     pub fn send_empty_buffers(&mut self) {
         self.sends_empty_buffers = true;
+    }
+
+    /// Why the producer failed, if it released its partition saying so
+    /// ([`ResultPartition::fail`](super::ResultPartition::fail)).
+    pub fn failure_cause(&self) -> Option<&str> {
+        self.subpartition.failure.get().map(String::as_str)
     }
 
     /// The subpartition's index within its partition.

@@ -1033,6 +1033,10 @@ impl ClientConnection {
                         channel: channel.shared.channel(),
                         source: PartitionError::PartitionNotFound(channel.partition),
                     },
+                    ErrorKind::ProducerFailed => GateError::ProducerFailed {
+                        channel: channel.shared.channel(),
+                        cause: message,
+                    },
                     _ => GateError::Transport {
                         channel: channel.shared.channel(),
                         reason: message,

@@ -833,11 +833,12 @@ impl ServerConnection {
         if !available {
             if reader.view.is_released() {
                 let receiver = reader.receiver;
-                self.error_for(
-                    receiver,
-                    ErrorKind::ProducerFailed,
-                    "the partition was released",
-                );
+                let cause = reader
+                    .view
+                    .failure_cause()
+                    .unwrap_or("the partition was released")
+                    .to_owned();
+                self.error_for(receiver, ErrorKind::ProducerFailed, &cause);
                 self.remove_reader(receiver);
             } else if reader.credit == 0 {
                 // Flink's `needAnnounceBacklog`: only a consumer without exclusive buffers
