@@ -136,11 +136,15 @@ pub struct OutputMetricsSnapshot {
     /// `accumulatedBackPressuredTimeMs`: total time the writer waited for a free buffer.
     #[serde(rename = "accumulatedBackPressuredTimeMs")]
     pub back_pressured_time_ms: u64,
+    /// `outputQueueLength`: finished buffers and events queued in the subpartitions, not yet
+    /// taken by their readers (Flink's sum over its subpartitions' queues).
+    #[serde(rename = "outputQueueLength", default)]
+    pub output_queue_length: u64,
 }
 
 impl OutputMetricsSnapshot {
     /// `(Flink name, value)` of every field, in declaration order.
-    pub fn fields(&self) -> [(&'static str, f64); 5] {
+    pub fn fields(&self) -> [(&'static str, f64); 6] {
         [
             ("numRecordsOut", self.num_records_out as f64),
             ("numBytesOut", self.num_bytes_out as f64),
@@ -150,6 +154,7 @@ impl OutputMetricsSnapshot {
                 "accumulatedBackPressuredTimeMs",
                 self.back_pressured_time_ms as f64,
             ),
+            ("outputQueueLength", self.output_queue_length as f64),
         ]
     }
 }
@@ -159,12 +164,13 @@ impl fmt::Display for OutputMetricsSnapshot {
         write!(
             f,
             "numRecordsOut={} numBytesOut={} numBuffersOut={} outPoolUsage={:.3} \
-             accumulatedBackPressuredTimeMs={}",
+             accumulatedBackPressuredTimeMs={} outputQueueLength={}",
             self.num_records_out,
             self.num_bytes_out,
             self.num_buffers_out,
             self.out_pool_usage,
-            self.back_pressured_time_ms
+            self.back_pressured_time_ms,
+            self.output_queue_length
         )
     }
 }
@@ -188,16 +194,37 @@ pub struct InputMetricsSnapshot {
     /// `accumulatedIdleTimeMs`: total time the reader waited for data.
     #[serde(rename = "accumulatedIdleTimeMs")]
     pub idle_time_ms: u64,
+    /// `numBytesInLocal`: the part of `numBytesIn` read from local channels.
+    #[serde(rename = "numBytesInLocal")]
+    pub num_bytes_in_local: u64,
+    /// `numBytesInRemote`: the part of `numBytesIn` read from remote channels.
+    #[serde(rename = "numBytesInRemote")]
+    pub num_bytes_in_remote: u64,
+    /// `numBuffersInLocal`: the part of `numBuffersIn` read from local channels.
+    #[serde(rename = "numBuffersInLocal")]
+    pub num_buffers_in_local: u64,
+    /// `numBuffersInRemote`: the part of `numBuffersIn` read from remote channels.
+    #[serde(rename = "numBuffersInRemote")]
+    pub num_buffers_in_remote: u64,
+    /// `inputQueueLength`: buffers and events remote channels received and the gate has not
+    /// read yet (as Flink counts it, remote channels only).
+    #[serde(rename = "inputQueueLength")]
+    pub input_queue_length: u64,
 }
 
 impl InputMetricsSnapshot {
     /// `(Flink name, value)` of every field, in declaration order.
-    pub fn fields(&self) -> [(&'static str, f64); 4] {
+    pub fn fields(&self) -> [(&'static str, f64); 9] {
         [
             ("numBytesIn", self.num_bytes_in as f64),
             ("numBuffersIn", self.num_buffers_in as f64),
             ("inPoolUsage", self.in_pool_usage),
             ("accumulatedIdleTimeMs", self.idle_time_ms as f64),
+            ("numBytesInLocal", self.num_bytes_in_local as f64),
+            ("numBytesInRemote", self.num_bytes_in_remote as f64),
+            ("numBuffersInLocal", self.num_buffers_in_local as f64),
+            ("numBuffersInRemote", self.num_buffers_in_remote as f64),
+            ("inputQueueLength", self.input_queue_length as f64),
         ]
     }
 }
@@ -206,8 +233,18 @@ impl fmt::Display for InputMetricsSnapshot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "numBytesIn={} numBuffersIn={} inPoolUsage={:.3} accumulatedIdleTimeMs={}",
-            self.num_bytes_in, self.num_buffers_in, self.in_pool_usage, self.idle_time_ms
+            "numBytesIn={} numBuffersIn={} inPoolUsage={:.3} accumulatedIdleTimeMs={} \
+             numBytesInLocal={} numBytesInRemote={} numBuffersInLocal={} \
+             numBuffersInRemote={} inputQueueLength={}",
+            self.num_bytes_in,
+            self.num_buffers_in,
+            self.in_pool_usage,
+            self.idle_time_ms,
+            self.num_bytes_in_local,
+            self.num_bytes_in_remote,
+            self.num_buffers_in_local,
+            self.num_buffers_in_remote,
+            self.input_queue_length
         )
     }
 }
@@ -315,9 +352,15 @@ mod tests {
             "{written}"
         );
         assert_eq!(written.back_pressured_time_ms, 0, "the pool never ran dry");
+        // Finished, nothing read yet: every buffer and the EndOfPartition are queued.
+        assert!(
+            written.output_queue_length > written.num_buffers_out,
+            "{written}"
+        );
         // Reading returns every segment: the counters stay, the usage drops to zero.
         assert_eq!(after.num_records_out, RECORDS);
         assert_eq!(after.out_pool_usage, 0.0, "{after}");
+        assert_eq!(after.output_queue_length, 0, "{after}");
         // Every data buffer plus the EndOfPartition event, and every byte of them.
         assert!(input.num_buffers_in > 0);
         assert!(input.num_buffers_in > written.num_buffers_out, "{input}");
@@ -326,6 +369,16 @@ mod tests {
             input.in_pool_usage, 0.0,
             "local channels only: no gate pool"
         );
+        assert_eq!(
+            (input.num_bytes_in_local, input.num_buffers_in_local),
+            (input.num_bytes_in, input.num_buffers_in),
+            "local channels only"
+        );
+        assert_eq!(
+            (input.num_bytes_in_remote, input.num_buffers_in_remote),
+            (0, 0)
+        );
+        assert_eq!(input.input_queue_length, 0, "counts remote channels only");
     }
 
     #[test]

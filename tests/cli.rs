@@ -1179,6 +1179,17 @@ fn bench_prints_metric_snapshots_with_flinks_names() {
     value("partition.0.accumulatedBackPressuredTimeMs");
     value("gate.0.inPoolUsage");
     value("gate.0.accumulatedIdleTimeMs");
+    // The default run is remote: all of the gate's input came over the wire, and it was all
+    // read when the snapshots were taken.
+    assert_eq!(
+        value("gate.0.numBytesInRemote"),
+        value("gate.0.numBytesIn"),
+        "{}",
+        run.all()
+    );
+    assert_eq!(value("gate.0.numBuffersInLocal"), 0.0, "{}", run.all());
+    assert_eq!(value("gate.0.inputQueueLength"), 0.0, "{}", run.all());
+    assert_eq!(value("partition.0.outputQueueLength"), 0.0, "{}", run.all());
     assert!(run.stdout.contains("records_per_sec "), "{}", run.all());
 
     let run = short_bench(&["--format", "json", "--no-baseline", "--metrics"]);

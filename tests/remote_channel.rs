@@ -2019,3 +2019,34 @@ fn one_channel_may_borrow_every_floating_segment_of_its_gate() {
     drop((gate, shared, buffers, sender));
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
+
+#[test]
+fn a_gate_counts_remote_input_and_its_queue_under_flinks_names() {
+    let f = fixture();
+    let mut gate = f.remote_gate(1);
+    let (shared, _announcements) = attach(&gate, 0);
+    let mut sender = Sender::new(&shared);
+    for bytes in [&b"one"[..], b"two"] {
+        sender.send(bytes, DataType::DataBuffer, 0).unwrap();
+    }
+    let queued = gate.metrics_snapshot();
+    assert_eq!(queued.input_queue_length, 2, "{queued}");
+    assert_eq!(queued.num_buffers_in_remote, 0, "nothing read yet");
+    let one = gate.next_timeout(LONG).unwrap().expect("a buffer");
+    let read = gate.metrics_snapshot();
+    assert_eq!(read.input_queue_length, 1, "{read}");
+    assert_eq!(
+        (read.num_buffers_in_remote, read.num_bytes_in_remote),
+        (1, 3),
+        "{read}"
+    );
+    assert_eq!((read.num_buffers_in_local, read.num_bytes_in_local), (0, 0));
+    assert_eq!(
+        (read.num_buffers_in, read.num_bytes_in),
+        (read.num_buffers_in_remote, read.num_bytes_in_remote)
+    );
+    drop(one);
+    gate.close();
+    drop((gate, shared, sender));
+    assert_eq!(f.leased(), 0);
+}

@@ -1307,6 +1307,8 @@ fn metric_unit(name: &str) -> &'static str {
         "buffers"
     } else if name.ends_with("PoolUsage") {
         "ratio"
+    } else if name.ends_with("QueueLength") {
+        "items"
     } else {
         "ms"
     }

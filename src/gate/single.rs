@@ -517,26 +517,37 @@ impl SingleInputGate {
     /// The gate's metrics now, with Flink's names: `numBytesIn` and `numBuffersIn` summed over
     /// the channels, `inPoolUsage` and the idle time.
     pub fn metrics_snapshot(&self) -> InputMetricsSnapshot {
-        let (num_bytes_in, num_buffers_in) = self.bytes_and_buffers_in();
-        InputMetricsSnapshot {
-            num_bytes_in,
-            num_buffers_in,
+        let mut snapshot = InputMetricsSnapshot {
             in_pool_usage: self.pool_usage(),
             idle_time_ms: self.metrics.idle.total_ms(),
-        }
+            ..InputMetricsSnapshot::default()
+        };
+        self.add_channel_counts(&mut snapshot);
+        snapshot
     }
 
-    /// `numBytesIn` and `numBuffersIn`, summed over the channels.
-    pub(crate) fn bytes_and_buffers_in(&self) -> (u64, u64) {
-        self.channels.iter().filter_map(InputChannel::metrics).fold(
-            (0, 0),
-            |(bytes, buffers), m| {
-                (
-                    bytes + m.num_bytes_in.get(),
-                    buffers + m.num_buffers_in.get(),
-                )
-            },
-        )
+    /// Adds the channels' counts (`numBytesIn`, `numBuffersIn`, their local and remote
+    /// parts, `inputQueueLength`) to `snapshot`.
+    pub(crate) fn add_channel_counts(&self, snapshot: &mut InputMetricsSnapshot) {
+        for channel in &self.channels {
+            let Some(m) = channel.metrics() else {
+                continue;
+            };
+            let (bytes, buffers) = (m.num_bytes_in.get(), m.num_buffers_in.get());
+            snapshot.num_bytes_in += bytes;
+            snapshot.num_buffers_in += buffers;
+            match channel {
+                InputChannel::Remote(remote) => {
+                    snapshot.num_bytes_in_remote += bytes;
+                    snapshot.num_buffers_in_remote += buffers;
+                    snapshot.input_queue_length += remote.shared().queued() as u64;
+                }
+                _ => {
+                    snapshot.num_bytes_in_local += bytes;
+                    snapshot.num_buffers_in_local += buffers;
+                }
+            }
+        }
     }
 
     /// True after `close`.

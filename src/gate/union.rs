@@ -74,25 +74,23 @@ impl UnionInputGate {
     /// summed over the member gates, `inPoolUsage` over their pools together (segments holding
     /// data over the sum of the pools' maxima), and the union reader's idle time.
     pub fn metrics_snapshot(&self) -> InputMetricsSnapshot {
-        let (mut num_bytes_in, mut num_buffers_in, mut in_use, mut max) = (0, 0, 0, 0);
+        let mut snapshot = InputMetricsSnapshot {
+            idle_time_ms: self.metrics.idle.total_ms(),
+            ..InputMetricsSnapshot::default()
+        };
+        let (mut in_use, mut max) = (0, 0);
         for gate in &self.gates {
-            let (bytes, buffers) = gate.bytes_and_buffers_in();
+            gate.add_channel_counts(&mut snapshot);
             let (gate_in_use, gate_max) = gate.pool_segments_in_use();
-            num_bytes_in += bytes;
-            num_buffers_in += buffers;
             in_use += gate_in_use;
             max += gate_max;
         }
-        InputMetricsSnapshot {
-            num_bytes_in,
-            num_buffers_in,
-            in_pool_usage: if max == 0 {
-                0.0
-            } else {
-                in_use as f64 / max as f64
-            },
-            idle_time_ms: self.metrics.idle.total_ms(),
-        }
+        snapshot.in_pool_usage = if max == 0 {
+            0.0
+        } else {
+            in_use as f64 / max as f64
+        };
+        snapshot
     }
 
     /// The member gates.

@@ -318,6 +318,13 @@ impl ResultPartition {
             num_buffers_out: metrics.num_buffers_out.get(),
             out_pool_usage: self.pool.usage(),
             back_pressured_time_ms: self.pool.blocked_nanos() / 1_000_000,
+            output_queue_length: self
+                .handle
+                .shared
+                .subpartitions
+                .iter()
+                .map(|s| s.queued_items() as u64)
+                .sum(),
         }
     }
 

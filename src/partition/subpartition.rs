@@ -358,6 +358,12 @@ impl PipelinedSubpartition {
         self.finished.load(Ordering::Acquire)
     }
 
+    /// Finished buffers and events queued and not taken by the reader (Flink's
+    /// `getNumberOfQueuedBuffers`, for `outputQueueLength`): a racy estimate, for metrics.
+    pub(crate) fn queued_items(&self) -> usize {
+        self.backlog.load(Ordering::Relaxed) + self.queued_events.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn is_released(&self) -> bool {
         self.released.load(Ordering::SeqCst)
     }
