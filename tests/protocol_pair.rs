@@ -966,6 +966,36 @@ fn a_payload_longer_than_the_channel_s_segment_is_refused() {
     all_back(s);
 }
 
+/// A data frame flagged compressed is refused: nothing here decompresses (Flink compresses
+/// only blocking partitions), and its bytes were read as records, garbage handed to the task.
+#[test]
+fn a_compressed_buffer_is_refused_as_no_codec_reads_it() {
+    let (s, result) = forge(|receiver, out| {
+        Message::BufferResponse(BufferResponseHeader {
+            receiver,
+            sequence_number: 0,
+            backlog: 0,
+            data_type: DataType::DataBuffer,
+            compressed: true,
+            size: 6,
+            overtaken: 0,
+        })
+        .encode(out);
+        out.extend_from_slice(b"\x05zstd?");
+    });
+    assert!(
+        matches!(
+            result,
+            Err(ProtocolError::Decode(DecodeError::InvalidField {
+                value: 1,
+                ..
+            }))
+        ),
+        "{result:?}"
+    );
+    all_back(s);
+}
+
 /// After PartitionNotFound no request of the channel stands until it asks again: a data
 /// frame or backlog for the answered request (forged, or from a broken producer) reaches the
 /// channel no more than one for a channel gone. It was taken: it used a credited segment and

@@ -764,6 +764,14 @@ impl ClientConnection {
     /// Names the payload's destination before any payload byte is read: a segment the
     /// channel reserved when it granted credit (data), or an overdraft segment (events).
     fn begin_payload(&mut self, header: BufferResponseHeader) -> Result<(), ProtocolError> {
+        if header.compressed {
+            // No codec is configured on either side (Flink compresses only blocking
+            // partitions, never a pipelined one): read as records, its bytes would be garbage.
+            return Err(ProtocolError::Decode(DecodeError::InvalidField {
+                field: "buffer flags (compressed, and no codec is configured)",
+                value: 1,
+            }));
+        }
         let mut slot = self.requested_slot(header.receiver);
         // A channel whose gate was released may still receive what was in flight: it leaves
         // now, and the payload is discarded like one for a channel already gone, without

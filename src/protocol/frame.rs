@@ -14,7 +14,8 @@
 //!   1 PartitionRequest     u64 partition, u64 producer, u32 subpartition, u128 receiver,
 //!                          u32 initial credit
 //!   2 BufferResponse       u128 receiver, u64 sequence number, u32 backlog, u8 data type,
-//!                          u8 flags (bit 0 compressed, bit 1 priority), u32 payload size,
+//!                          u8 flags (bit 0 compressed: reserved, a consumer refuses it as
+//!                          no codec is configured; bit 1 priority), u32 payload size,
 //!                          u32 overtaken (a priority event: data items it overtook), then the
 //!                          payload (38-byte body header: 48 bytes with the frame header, so it
 //!                          fits a segment's 64-byte headroom)
