@@ -358,10 +358,11 @@ impl PipelinedSubpartition {
         self.finished.load(Ordering::Acquire)
     }
 
-    /// Finished buffers and events queued and not taken by the reader (Flink's
+    /// Buffers and events in the lanes, not taken by the reader yet (Flink's
     /// `getNumberOfQueuedBuffers`, for `outputQueueLength`): a racy estimate, for metrics.
+    /// The lanes themselves, not the backlog: a release empties them without counting down.
     pub(crate) fn queued_items(&self) -> usize {
-        self.backlog.load(Ordering::Relaxed) + self.queued_events.load(Ordering::Relaxed)
+        self.data.len() + self.priority.len()
     }
 
     pub(crate) fn is_released(&self) -> bool {
