@@ -2050,3 +2050,78 @@ fn a_gate_counts_remote_input_and_its_queue_under_flinks_names() {
     drop((gate, shared, sender));
     assert_eq!(f.leased(), 0);
 }
+
+#[test]
+fn an_announcement_passed_over_is_found_after_its_older_checkpoint_is_aborted_unaligned() {
+    // Checkpoint 7's barrier waits behind data on channel 1 while 5's, older, holds the
+    // timer. 5 turns unaligned, then 6 aborts it: 5's announcement goes stale while 6 runs
+    // unaligned, when nothing is scanned. Once 6 ends (cancelled), the gate must still look
+    // for what the first scan passed over: 7 gets its timer. (The rescan owed was dropped
+    // with the stale announcement, and 7's timer waited for the task to read as far as 7.)
+    let f = fixture();
+    let gate = f.remote_gate(3);
+    let mut senders: Vec<Sender> = (0..3).map(|i| Sender::new(&attach(&gate, i).0)).collect();
+    let sink = Arc::new(common::RecordingSink::default());
+    let mut gate = CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink));
+    let unaligned = |id| {
+        Event::CheckpointBarrier(CheckpointBarrier {
+            id,
+            timestamp: 0,
+            kind: CheckpointKind::Checkpoint,
+            alignment: Alignment::Unaligned,
+        })
+    };
+    let next = |gate: &mut CheckpointedInputGate<SingleInputGate>| {
+        gate.poll_next().unwrap().expect("an item")
+    };
+    senders[0].send(b"zero", DataType::DataBuffer, 0).unwrap();
+    let five = common::timeoutable_barrier(5, 3_600_000, 0);
+    senders[0].send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    senders[1].send(b"one", DataType::DataBuffer, 0).unwrap();
+    let seven = common::timeoutable_barrier(7, 10_800_000, 0);
+    senders[1].send_event(&seven, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let zero = next(&mut gate);
+    assert_eq!(data(&zero.item), b"zero");
+    assert!(gate.alignment_deadline().is_some(), "5's timer");
+    // 5 turns unaligned (channel 1 has not sent its barrier 5), then 6 aborts it.
+    senders[2].send_event(&unaligned(5), DataType::PrioritizedEventBuffer, 0);
+    let u5 = next(&mut gate);
+    assert!(
+        matches!(u5.item, GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.id == 5)
+    );
+    senders[2].send_event(&unaligned(6), DataType::PrioritizedEventBuffer, 0);
+    let cancel5 = next(&mut gate);
+    assert!(matches!(
+        cancel5.item,
+        GateItem::Event {
+            event: Event::CancelCheckpointMarker(5),
+            ..
+        }
+    ));
+    let u6 = next(&mut gate);
+    assert!(
+        matches!(u6.item, GateItem::Event { event: Event::CheckpointBarrier(b), .. } if b.id == 6)
+    );
+    assert_eq!(gate.pending_checkpoint(), Some(6));
+    // 6 is cancelled.
+    senders[0].send_event(
+        &Event::CancelCheckpointMarker(6),
+        DataType::PrioritizedEventBuffer,
+        0,
+    );
+    let cancel6 = next(&mut gate);
+    assert!(matches!(
+        cancel6.item,
+        GateItem::Event {
+            event: Event::CancelCheckpointMarker(6),
+            ..
+        }
+    ));
+    assert_eq!(gate.pending_checkpoint(), None);
+    let one = next(&mut gate);
+    assert_eq!(data(&one.item), b"one");
+    let deadline = gate.alignment_deadline().expect("7's timer runs");
+    assert!(deadline > Instant::now() + Duration::from_secs(2 * 3_600));
+    drop((zero, u5, cancel5, u6, cancel6, one, gate, senders));
+    assert_eq!(f.leased(), 0);
+}

@@ -662,6 +662,19 @@ fn a_failing_producer_s_cause_reaches_its_consumers(transport: Transport) {
         drop((reader, partition));
         producer_env.partition_manager().release(pid(0)).ok();
     }
+    // A request that comes after the failure hears the cause too (it heard the release).
+    let partition = producer_env.create_partition(pid(0), 1).unwrap();
+    partition.handle().fail("lost its disk");
+    let gate = remote_gate(&consumer_env, producer_env.local_addr());
+    let mut reader = RecordReader::new(gate, 1 << 20);
+    match reader.next_timeout(LONG) {
+        Err(ReaderError::Gate(GateError::ProducerFailed { cause, .. })) => {
+            assert_eq!(cause, "lost its disk")
+        }
+        other => panic!("expected ProducerFailed, got {other:?}"),
+    }
+    drop((reader, partition));
+    producer_env.partition_manager().release(pid(0)).ok();
     assert!(common::pools_full(&[&producer_env, &consumer_env]));
 }
 on_both_drivers!(

@@ -108,6 +108,9 @@ pub struct CheckpointedInputGate<G> {
     /// the checkpoint's start whether or not the task reads as far as the barrier, and at the
     /// timeout it moves ahead of the data before it.
     announced: Option<(usize, CheckpointBarrier)>,
+    /// `announced` went stale (its checkpoint ended unread): the next scan looks at every
+    /// channel, not only those that announced since, for what the last scan passed over.
+    rescan_announcements: bool,
     /// Channels whose upstream finished sending recovered channel state (EndOfChannelState
     /// blocks each until every channel got there: Flink's `UpstreamRecoveryTracker`).
     recovered: Vec<bool>,
@@ -161,6 +164,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             deferred: None,
             alignment_deadline: None,
             announced: None,
+            rescan_announcements: false,
             recovered: vec![false; channels],
             taken_ahead: Vec::with_capacity(channels),
             timer: super::WakeTimer::default(),
@@ -311,6 +315,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             // Its checkpoint ended (completed, aborted, cancelled) without reading it; with no
             // checkpoint running, the deadline was its own.
             self.announced = None;
+            self.rescan_announcements = true;
             if self.current.is_none() {
                 self.alignment_deadline = None;
             }
@@ -319,10 +324,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return;
         }
         let mut oldest = self.announced;
-        // After a stale one, all again: announcements of newer checkpoints the last scan
-        // passed over for it are not reported twice.
+        // After a stale one, all again (once a scan runs): announcements of newer
+        // checkpoints the last scan passed over for it are not reported twice.
+        let rescan = std::mem::take(&mut self.rescan_announcements);
         self.gate
-            .for_each_new_announcement(stale, &mut |channel, barrier| {
+            .for_each_new_announcement(rescan, &mut |channel, barrier| {
                 if !done(&barrier)
                     && barrier.alignment_timeout_ms().is_some()
                     && oldest.is_none_or(|(_, o)| barrier.id < o.id)

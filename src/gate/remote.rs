@@ -654,13 +654,17 @@ impl RemoteChannelShared {
         }
         if let Some(barrier) = announced_barrier {
             // After the push: a gate that sees the announcement finds the barrier queued.
-            *self.announced.lock().expect("not poisoned") = Some(Announced {
+            // Both under the lock: a gate that clears a slot it found read (under the lock)
+            // then cannot leave the checkpoint naming an empty slot.
+            let mut announced = self.announced.lock().expect("not poisoned");
+            *announced = Some(Announced {
                 position: data_before,
                 checkpoint: barrier.id,
                 barrier,
             });
             self.announced_checkpoint
                 .store(barrier.id, Ordering::Release);
+            drop(announced);
             // Before the enqueue below wakes the reader.
             self.queue.announce();
         }
@@ -963,16 +967,16 @@ impl RemoteInputChannel {
         let mut announced = self.shared.announced.lock().expect("not poisoned");
         match *announced {
             Some(a) if a.position >= self.data_taken => Some(a.barrier),
-            Some(_) => {
-                // Read since (in place): the slot goes, so later looks take no lock for it.
-                // A newer announcement is stored under this lock, so none is lost here.
+            Some(_) | None => {
+                // Read since (in place), or already cleared: the slot goes, so later looks
+                // take no lock for it. A newer announcement is stored under this lock, so
+                // none is lost here.
                 *announced = None;
                 self.shared
                     .announced_checkpoint
                     .store(NO_ANNOUNCEMENT, Ordering::Release);
                 None
             }
-            None => None,
         }
     }
 

@@ -813,12 +813,21 @@ impl ServerConnection {
                 );
                 self.publish_held(request);
             }
+            Err(PartitionError::Released) => {
+                // Released before the request came: its producer's cause, if it gave one.
+                let cause = self
+                    .manager
+                    .partition(request.partition)
+                    .ok()
+                    .and_then(|p| p.failure_cause().map(str::to_owned))
+                    .unwrap_or_else(|| PartitionError::Released.to_string());
+                self.error_for(request.receiver, ErrorKind::ProducerFailed, &cause);
+                self.publish_held(request);
+            }
             Err(other) => {
-                self.error_for(
-                    request.receiver,
-                    ErrorKind::ProducerFailed,
-                    &other.to_string(),
-                );
+                // The request's own fault (no such subpartition, a view taken already): not
+                // the producer failing.
+                self.error_for(request.receiver, ErrorKind::Other, &other.to_string());
                 self.publish_held(request);
             }
         }
