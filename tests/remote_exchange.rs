@@ -621,6 +621,17 @@ on_both_drivers!(
     barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking_uring
 );
 
+/// Reads on until the reader fails (each read bounded by LONG): its error.
+fn first_error<G: fluxgate::gate::InputGate>(reader: &mut RecordReader<G>) -> ReaderError {
+    loop {
+        match reader.next_timeout(LONG) {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the gate ended normally"),
+            Err(error) => return error,
+        }
+    }
+}
+
 /// A producer that fails says why (Flink's `release(cause)`): its consumer's read returns
 /// `ProducerFailed` with that cause, across the wire and in the same process alike. Before,
 /// a remote consumer got a transport error reading "the partition was released", and a local
@@ -646,14 +657,7 @@ fn a_failing_producer_s_cause_reaches_its_consumers(transport: Transport) {
             Some(ReaderItem::Record { .. })
         ));
         partition.fail("disk full on /data");
-        let error = loop {
-            match reader.next_timeout(LONG) {
-                Ok(Some(_)) => continue,
-                Ok(None) => panic!("the gate ended normally"),
-                Err(error) => break error,
-            }
-        };
-        match error {
+        match first_error(&mut reader) {
             ReaderError::Gate(GateError::ProducerFailed { channel, cause }) => {
                 assert_eq!((channel, cause.as_str()), (0, "disk full on /data"))
             }
@@ -700,14 +704,7 @@ fn a_producer_that_disappears_fails_the_consumer_with_a_typed_error(transport: T
     let producer_addr = producer_env.local_addr();
     drop(producer_env);
     drop(partition);
-    let error = loop {
-        match reader.next_timeout(LONG) {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the gate ended normally"),
-            Err(error) => break error,
-        }
-    };
-    match error {
+    match first_error(&mut reader) {
         ReaderError::Gate(GateError::ConnectionLost { channel, peer, .. }) => {
             assert_eq!(
                 (channel, peer),
