@@ -91,7 +91,9 @@ pub enum GateError {
         /// The one received.
         actual: u64,
     },
-    /// A channel's transport failed (connection lost, protocol error).
+    /// A channel's transport failed (connection lost, protocol error), or its producer
+    /// refused the request for a reason of the request's own (a subpartition the partition
+    /// does not have, a view taken already: `reason` says which).
     #[error("channel {channel}: remote transport failed: {reason}")]
     Transport {
         /// Gate-local channel index.

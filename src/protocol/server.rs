@@ -743,10 +743,14 @@ impl ServerConnection {
     fn request(&mut self, mut request: PendingRequest, now: Instant) {
         // The partition first: a request waiting for it costs each retry a lookup, not a
         // slot search and a listener (a peer may keep `max_channels` of them waiting).
+        // A released partition's failure cause is read from the handle found here: looked up
+        // again, it may be gone (the manager forgets released partitions) or another.
+        let mut failure_cause = None;
         let view = self
             .manager
             .partition(request.partition)
             .and_then(|partition| {
+                failure_cause = partition.failure_cause().map(str::to_owned);
                 // Within `max_channels`: checked (readers and pending together) when it arrived.
                 let slot = match self.readers.iter().position(Option::is_none) {
                     Some(slot) => slot,
@@ -815,12 +819,7 @@ impl ServerConnection {
             }
             Err(PartitionError::Released) => {
                 // Released before the request came: its producer's cause, if it gave one.
-                let cause = self
-                    .manager
-                    .partition(request.partition)
-                    .ok()
-                    .and_then(|p| p.failure_cause().map(str::to_owned))
-                    .unwrap_or_else(|| PartitionError::Released.to_string());
+                let cause = failure_cause.unwrap_or_else(|| PartitionError::Released.to_string());
                 self.error_for(request.receiver, ErrorKind::ProducerFailed, &cause);
                 self.publish_held(request);
             }
