@@ -540,9 +540,8 @@ pub struct RemoteChannelShared {
 struct Announced {
     /// Its index among the data-lane items the channel received.
     position: u64,
-    checkpoint: u64,
-    /// The barrier, for the gate's alignment timer: its timeout counts from the checkpoint's
-    /// start, whether or not the task has read as far as the barrier.
+    /// The barrier: its checkpoint, and for the gate's alignment timer its timeout, which
+    /// counts from the checkpoint's start whether or not the task has read as far as it.
     barrier: CheckpointBarrier,
 }
 
@@ -659,7 +658,6 @@ impl RemoteChannelShared {
             let mut announced = self.announced.lock().expect("not poisoned");
             *announced = Some(Announced {
                 position: data_before,
-                checkpoint: barrier.id,
                 barrier,
             });
             self.announced_checkpoint
@@ -995,7 +993,7 @@ impl RemoteInputChannel {
         let position = {
             let mut announced = shared.announced.lock().expect("not poisoned");
             match *announced {
-                Some(a) if a.checkpoint == checkpoint && a.position >= self.data_taken => {
+                Some(a) if a.barrier.id == checkpoint && a.position >= self.data_taken => {
                     *announced = None;
                     shared
                         .announced_checkpoint

@@ -805,7 +805,9 @@ impl InputGate for SingleInputGate {
         rescan: bool,
         f: &mut dyn FnMut(usize, CheckpointBarrier),
     ) {
-        if !self.queue.take_announced() && !rescan {
+        // The flag is taken on a rescan too: the scan reports what it stood for.
+        let announced = self.queue.take_announced();
+        if !announced && !rescan {
             return;
         }
         for (index, channel) in self.channels.iter().enumerate() {

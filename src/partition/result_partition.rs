@@ -102,9 +102,14 @@ impl PartitionHandle {
     /// [`GateError::ProducerFailed`](crate::gate::GateError::ProducerFailed), locally and
     /// across the wire (there cut to 512 bytes). The first cause given stays.
     pub fn fail(&self, cause: impl Into<String>) {
-        // Before the release: a reader that sees the release finds the cause.
-        let _ = self.shared.failure.set(cause.into());
+        self.note_failure(cause.into());
         self.release();
+    }
+
+    /// Keeps the first cause given. Before the release: a reader that sees the release finds
+    /// the cause.
+    fn note_failure(&self, cause: String) {
+        let _ = self.shared.failure.set(cause);
     }
 
     /// Why the producer failed, if it said ([`fail`](Self::fail)).
@@ -856,7 +861,7 @@ impl ResultPartition {
     /// The producer failed: [`release`](Self::release), its readers told `cause` (see
     /// [`PartitionHandle::fail`]).
     pub fn fail(&mut self, cause: impl Into<String>) {
-        let _ = self.handle.shared.failure.set(cause.into());
+        self.handle.note_failure(cause.into());
         self.release();
     }
 
