@@ -14,7 +14,7 @@ use fluxgate::buffer::{NetworkBufferPool, PoolError};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, Backoff, BufferOrEvent, ChannelLocation, ChannelSpec, CheckpointedInputGate,
-    ConsumedSubpartition, GateError, GateItem, InputGate, ReaderItem, RecordReader,
+    ConsumedSubpartition, GateError, GateItem, InputGate, OutputWait, ReaderItem, RecordReader,
     SingleInputGate, UnionInputGate,
 };
 use fluxgate::partition::{
@@ -2224,5 +2224,245 @@ fn a_released_partition_s_local_reader_gives_back_the_buffer_its_writer_waits_fo
         "{result:?}"
     );
     drop((writer.join().unwrap(), gate));
+    assert!(f.all_segments_back());
+}
+
+/// Fills subpartition 0 of `output` with 1000-byte records until it takes no more without
+/// waiting for memory (bounded), and makes them readable.
+fn back_pressure(output: &mut ResultPartition) {
+    let record = [7u8; 1000];
+    for _ in 0..10_000 {
+        if !output.is_available() {
+            break;
+        }
+        output.emit_record(&record[..], 0).unwrap();
+    }
+    output.flush_all();
+    assert!(!output.is_available(), "the output is back-pressured");
+}
+
+/// Reads every item `downstream` has now, dropping them (their segments go back).
+fn drain(downstream: &mut SingleInputGate) -> usize {
+    let mut items = 0;
+    while let Some(item) = downstream.poll_next().unwrap() {
+        drop(item);
+        items += 1;
+    }
+    items
+}
+
+/// Flink's task reads no input while its output is unavailable, but still takes priority
+/// events: an unaligned barrier reaches a back-pressured task at once, not after the
+/// consumer downstream frees a buffer, and goes on ahead of the output's queued data. The
+/// data the barrier overtook is read (and persisted) once the output takes records again.
+#[test]
+fn a_back_pressured_task_takes_an_unaligned_barrier_and_no_data() {
+    let f = fixture();
+    let ([mut upstream], mut input, sink) = unaligned_gate::<1>(&f, 60);
+    let mut output = f.producer(62, 1);
+    let mut downstream = f.gate(&[(62, 0)], ChannelLocation::Local);
+    downstream.request_partitions(Instant::now()).unwrap();
+    back_pressure(&mut output);
+    send(&mut upstream, b"in-flight");
+    upstream
+        .broadcast_event(&barrier(9, Alignment::Unaligned), true)
+        .unwrap();
+
+    match input
+        .wait_for_output(&mut output, Some(Instant::now() + LONG))
+        .unwrap()
+    {
+        OutputWait::Event(item) => {
+            assert_eq!(event(&item.item), &barrier(9, Alignment::Unaligned));
+        }
+        OutputWait::Available => panic!("the output was available"),
+    }
+    assert!(!output.is_available(), "still back-pressured");
+    assert_eq!(
+        input.pending_checkpoint(),
+        Some(9),
+        "the checkpoint started"
+    );
+    // Sent on without waiting for memory, ahead of the output's queued data.
+    output
+        .broadcast_event(&barrier(9, Alignment::Unaligned), true)
+        .unwrap();
+    let first = downstream.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(event(&first.item), &barrier(9, Alignment::Unaligned));
+    drop(first);
+    // No data is read while the output stays back-pressured.
+    assert_eq!(
+        input
+            .wait_for_output(
+                &mut output,
+                Some(Instant::now() + Duration::from_millis(20))
+            )
+            .unwrap_err(),
+        GateError::TimedOut
+    );
+    assert!(sink.data.lock().unwrap().is_empty());
+
+    assert!(drain(&mut downstream) > 0);
+    assert!(matches!(
+        input
+            .wait_for_output(&mut output, Some(Instant::now() + LONG))
+            .unwrap(),
+        OutputWait::Available
+    ));
+    let item = next_item(&mut input);
+    assert_eq!(data(&item.item), common::framed_record(b"in-flight"));
+    assert_eq!(
+        *sink.data.lock().unwrap(),
+        vec![(9, 0, common::framed_record(b"in-flight"))]
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), vec![9]);
+    drop((item, input, upstream, output, downstream));
+    assert!(f.all_segments_back());
+}
+
+/// A task already waiting for its output (through a union) is woken by a priority barrier
+/// queued later, then by the consumer downstream freeing buffers.
+#[test]
+fn a_task_waiting_for_its_output_wakes_for_a_barrier_then_for_room() {
+    let f = fixture();
+    let mut a = f.producer(63, 1);
+    let mut b = f.producer(64, 1);
+    let mut g0 = f.gate(&[(63, 0)], ChannelLocation::Local);
+    let mut g1 = f.gate(&[(64, 0)], ChannelLocation::Local);
+    g0.request_partitions(Instant::now()).unwrap();
+    g1.request_partitions(Instant::now()).unwrap();
+    let union = UnionInputGate::new(vec![g0, g1]);
+    let mut input = CheckpointedInputGate::new(union, AlignmentMode::Unaligned, None);
+    let mut output = f.producer(65, 1);
+    let mut downstream = f.gate(&[(65, 0)], ChannelLocation::Local);
+    downstream.request_partitions(Instant::now()).unwrap();
+    back_pressure(&mut output);
+    // Data on both members, which the waiting task must leave alone.
+    send(&mut a, b"a-data");
+    send(&mut b, b"b-data");
+    let handle = output.handle();
+    let (told, seen) = std::sync::mpsc::channel();
+    let task = thread::spawn(move || {
+        let mut waits = Vec::new();
+        for _ in 0..2 {
+            let waited = input.wait_for_output(&mut output, Some(Instant::now() + LONG));
+            let waited = match waited.unwrap() {
+                OutputWait::Event(item) => Some((item.channel, event(&item.item).clone())),
+                OutputWait::Available => None,
+            };
+            told.send(()).unwrap();
+            waits.push(waited);
+        }
+        let mut rest = Vec::new();
+        while let Some(item) = input.poll_next().unwrap() {
+            rest.push((item.channel, data(&item.item)));
+        }
+        (waits, rest, input, output)
+    });
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the task waits for its output"
+    );
+    b.broadcast_event(&barrier(3, Alignment::Unaligned), true)
+        .unwrap();
+    seen.recv_timeout(LONG).expect("woken by the barrier");
+    assert!(drain(&mut downstream) > 0);
+    let (waits, mut rest, input, output) = task.join().unwrap();
+    assert_eq!(
+        waits,
+        vec![Some((1, barrier(3, Alignment::Unaligned))), None],
+        "first the barrier (union channel 1), then room"
+    );
+    rest.sort();
+    assert_eq!(
+        rest,
+        vec![
+            (0, common::framed_record(b"a-data")),
+            (1, common::framed_record(b"b-data"))
+        ]
+    );
+    drop((input, a, b, output, downstream));
+    assert!(f.all_segments_back());
+}
+
+/// The async wait registers at both ends before it goes pending: a priority barrier queued
+/// afterwards wakes it, and so does a segment freed downstream (each wake-up counted, with
+/// no time involved).
+#[test]
+fn the_async_wait_for_output_is_woken_by_a_barrier_and_by_room() {
+    let f = fixture();
+    let ([mut upstream], mut input, _sink) = unaligned_gate::<1>(&f, 66);
+    let mut output = f.producer(68, 1);
+    let mut downstream = f.gate(&[(68, 0)], ChannelLocation::Local);
+    downstream.request_partitions(Instant::now()).unwrap();
+    back_pressure(&mut output);
+    send(&mut upstream, b"data");
+    let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let waker = Waker::from(waker_state.clone());
+    let mut cx = Context::from_waker(&waker);
+    let woken = || waker_state.1.load(Ordering::SeqCst);
+
+    let mut wait = Box::pin(input.wait_for_output_async(&mut output));
+    assert!(wait.as_mut().poll(&mut cx).is_pending(), "data is not read");
+    let before = woken();
+    upstream
+        .broadcast_event(&barrier(5, Alignment::Unaligned), true)
+        .unwrap();
+    assert!(woken() > before, "the barrier woke the wait");
+    match wait.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(OutputWait::Event(item))) => {
+            assert_eq!(event(&item.item), &barrier(5, Alignment::Unaligned));
+        }
+        other => panic!("expected the barrier, got {other:?}"),
+    }
+    drop(wait);
+
+    let mut wait = Box::pin(input.wait_for_output_async(&mut output));
+    assert!(wait.as_mut().poll(&mut cx).is_pending());
+    let before = woken();
+    assert!(drain(&mut downstream) > 0);
+    assert!(woken() > before, "freed segments woke the wait");
+    assert!(matches!(
+        wait.as_mut().poll(&mut cx),
+        Poll::Ready(Ok(OutputWait::Available))
+    ));
+    drop(wait);
+    let item = next_item(&mut input);
+    assert_eq!(data(&item.item), common::framed_record(b"data"));
+    drop((item, input, upstream, output, downstream));
+    assert!(f.all_segments_back());
+}
+
+/// Flink's `unavailableSubpartitionsCount`: one subpartition holding `max-buffers-per-channel`
+/// segments makes the output unavailable although its pool has segments free (the task's
+/// next record may go there), and a segment its reader frees makes it available again.
+#[test]
+fn one_subpartition_at_its_limit_makes_the_output_unavailable() {
+    let f = fixture();
+    let limit = f.config.max_buffers_per_channel;
+    let mut output = f.producer(70, 4);
+    let mut downstream = f.gate(&[(70, 0)], ChannelLocation::Local);
+    downstream.request_partitions(Instant::now()).unwrap();
+    let record = [7u8; 1000];
+    for _ in 0..10_000 {
+        if output.pool().segments_of(0) == limit {
+            break;
+        }
+        assert!(output.is_available(), "subpartition 0 is under its limit");
+        output.emit_record(&record[..], 0).unwrap();
+    }
+    assert_eq!(output.pool().segments_of(0), limit);
+    assert!(
+        output.pool().is_available(1),
+        "another subpartition could take a segment"
+    );
+    assert!(!output.is_available());
+    output.flush_all();
+    assert!(drain(&mut downstream) > 0);
+    assert!(
+        output.is_available(),
+        "subpartition 0 is under its limit again"
+    );
+    drop((output, downstream));
     assert!(f.all_segments_back());
 }

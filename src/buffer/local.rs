@@ -135,6 +135,12 @@ pub(crate) struct LocalPoolShared {
     requested: AtomicUsize,
     /// Segments held per subpartition (leased and not recycled).
     per_channel: Box<[AtomicU32]>,
+    /// Subpartitions holding `max-buffers-per-channel` segments or more: while any does, the
+    /// pool is unavailable to the task's next record (Flink's
+    /// `unavailableSubpartitionsCount`). Counted at the crossings of the limit, so it may
+    /// read one off (even wrapped below zero) for the moment a take and a recycle of one
+    /// subpartition overlap; only the writer takes, and it looks after its own takes.
+    channels_at_limit: AtomicUsize,
     destroyed: AtomicBool,
     listeners: ArrayQueue<Arc<dyn BufferListener>>,
     /// Set while this pool sits in the global pool's starved queue.
@@ -179,6 +185,7 @@ impl LocalBufferPool {
             available: FreeList::with_capacity(spec.max_segments),
             requested: AtomicUsize::new(0),
             per_channel: (0..spec.subpartitions).map(|_| AtomicU32::new(0)).collect(),
+            channels_at_limit: AtomicUsize::new(0),
             destroyed: AtomicBool::new(false),
             listeners: ArrayQueue::new(spec.max_listeners.max(1)),
             starved: AtomicBool::new(false),
@@ -280,6 +287,26 @@ impl LocalBufferPool {
     pub(crate) fn segment_at_hand(&self, subpartition: usize) -> bool {
         let channel = self.shared.channel_tag(subpartition);
         self.shared.stock_one(channel).unwrap_or(true)
+    }
+
+    /// Flink's `LocalBufferPool.isAvailable` for a partition's pool: a segment is at hand
+    /// (taken from the global pool into the free list if none was) and no subpartition holds
+    /// `max-buffers-per-channel` segments, so the task's next record, wherever it goes, starts
+    /// without waiting. True once the pool is destroyed (the write then fails at once).
+    pub(crate) fn is_available_to_any(&self) -> bool {
+        let shared = &self.shared;
+        shared.destroyed.load(Ordering::Relaxed)
+            || (shared.channels_at_limit.load(Ordering::Relaxed) == 0
+                && shared.stock_one(NO_CHANNEL).unwrap_or(true))
+    }
+
+    /// A future resolving once [`is_available_to_any`](Self::is_available_to_any) holds (the
+    /// partition's single writer's, like [`request_builder`](Self::request_builder)): a
+    /// segment recycled, or the global pool refilled while this one was starved, wakes it.
+    pub(crate) fn until_available_to_any(
+        &self,
+    ) -> UntilReady<'_, impl FnMut() -> bool + Unpin + '_> {
+        self.until_ready(move || self.is_available_to_any())
     }
 
     /// [`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand) as a future (the
@@ -765,7 +792,10 @@ impl LocalPoolShared {
             return Ok(None);
         };
         if let Some(counter) = counter {
-            counter.fetch_add(1, Ordering::Relaxed);
+            let held = counter.fetch_add(1, Ordering::Relaxed) as usize + 1;
+            if held == self.spec.max_segments_per_channel {
+                self.channels_at_limit.fetch_add(1, Ordering::Relaxed);
+            }
         }
         self.network.memory().set_tag(&segment, channel);
         Ok(Some(segment))
@@ -1056,7 +1086,11 @@ impl Recycler for LocalPoolShared {
             return;
         }
         if let Some(counter) = self.per_channel.get(tag as usize) {
-            counter.fetch_sub(1, Ordering::Relaxed);
+            let held = counter.fetch_sub(1, Ordering::Relaxed) as usize;
+            if held == self.spec.max_segments_per_channel {
+                // Published to a waiting writer by the fences of `place`'s wake-up.
+                self.channels_at_limit.fetch_sub(1, Ordering::Relaxed);
+            }
         }
         self.place(segment);
     }

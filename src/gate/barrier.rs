@@ -2,12 +2,43 @@
 //! handlers): aligned, unaligned, and cancellation, and the end of recovered channel state.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::{self, Thread};
 use std::time::Instant;
 
-use super::{BufferOrEvent, GateError, GateItem, InputGate};
+use super::{BufferOrEvent, GateError, GateItem, InputGate, RETRY_CHECK};
 use crate::buffer::Buffer;
 use crate::event::{Alignment, CheckpointBarrier, Event};
+use crate::partition::ResultPartition;
+
+/// How a task's wait for its back-pressured output ended
+/// ([`CheckpointedInputGate::wait_for_output`]).
+#[derive(Debug)]
+pub enum OutputWait {
+    /// The output takes the next record without waiting for memory: read input again.
+    Available,
+    /// An event the task handles now, while its output is still back-pressured: a checkpoint
+    /// barrier that came as a priority event (unaligned, or turned unaligned at its
+    /// alignment's timeout), to trigger the checkpoint with and send on as a priority event,
+    /// or a cancellation marker. The task waits again afterwards.
+    Event(BufferOrEvent),
+}
+
+/// Unparks the thread blocked in [`CheckpointedInputGate::wait_for_output`].
+struct UnparkThread(Thread);
+
+impl Wake for UnparkThread {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
 
 /// How barriers are aligned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,6 +264,145 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 return Ok(Some(item));
             }
         }
+    }
+
+    /// The next item only if it is an event the task handles although its output is
+    /// back-pressured (Flink's `processPriorityEvents`): a barrier that came as a priority
+    /// event (an unaligned one, which triggers or turns the checkpoint unaligned here as in
+    /// [`poll_next`](Self::poll_next)), a barrier whose alignment just timed out, a
+    /// cancellation marker. No data is read: `Ok(None)` when there is no such event, or when
+    /// an item read earlier is still to go to the task first.
+    ///
+    /// A task that processes a record at a time reads so while its output is unavailable, at
+    /// record boundaries; the checkpoint's snapshot then counts the records of the current
+    /// buffer it has not processed as in-flight input (a [`RecordReader`](super::RecordReader)
+    /// hands those to the channel-state sink itself).
+    pub fn poll_priority(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if let Some(item) = self.deferred.take() {
+            if matches!(item.item, GateItem::Event { .. }) {
+                return Ok(Some(item));
+            }
+            self.deferred = Some(item);
+            return Ok(None);
+        }
+        self.persist_taken_ahead()?;
+        self.note_announced_barriers();
+        if let Some(item) = self.time_out_alignment_if_due() {
+            return Ok(Some(item));
+        }
+        // Bounded by the priority events queued now; swallowed barriers loop, as in
+        // `poll_next`.
+        loop {
+            let Some(item) = self.gate.poll_priority_event()? else {
+                return Ok(None);
+            };
+            if let Some(item) = self.handle(item)? {
+                return Ok(Some(item));
+            }
+            self.persist_taken_ahead()?;
+            if let Some(item) = self.time_out_alignment_if_due() {
+                return Ok(Some(item));
+            }
+        }
+    }
+
+    /// Blocks while `output` is back-pressured ([`ResultPartition::is_available`] false),
+    /// handling what a task must handle meanwhile (Flink's task suspends its input then, and
+    /// its mailbox still runs priority events and timers): returns
+    /// [`OutputWait::Available`] once the output takes records again, or
+    /// [`OutputWait::Event`] with a priority barrier or cancellation marker to handle first
+    /// ([`poll_priority`](Self::poll_priority)); then the task asks again. Meanwhile it turns
+    /// this gate's alignment unaligned at its timeout, retries due partition requests, and
+    /// turns `output`'s pending aligned barrier unaligned at its own timeout.
+    /// [`GateError::TimedOut`] at `deadline`.
+    ///
+    /// Without it, a task blocked in a record's write under back pressure reads its next
+    /// barrier only after a consumer downstream frees a buffer, which can take as long as
+    /// the checkpoint is meant to skip.
+    pub fn wait_for_output(
+        &mut self,
+        output: &mut ResultPartition,
+        deadline: Option<Instant>,
+    ) -> Result<OutputWait, GateError> {
+        if output.is_available() {
+            return Ok(OutputWait::Available);
+        }
+        let waker = Waker::from(Arc::new(UnparkThread(thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let mut available = pin!(output.until_available());
+        loop {
+            if let Poll::Ready(waited) = self.poll_wait_for_output(available.as_mut(), &mut cx) {
+                return waited;
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|deadline| now >= deadline) {
+                return Err(GateError::TimedOut);
+            }
+            // The waker unparks for the output, a priority event, and the output's barrier
+            // timer; the gate's own deadlines are waited for here.
+            let wake = [deadline, InputGate::poll_timeout(self)]
+                .into_iter()
+                .flatten()
+                .min()
+                .map_or(RETRY_CHECK, |due| due.saturating_duration_since(now));
+            thread::park_timeout(wake.min(RETRY_CHECK));
+        }
+    }
+
+    /// [`wait_for_output`](Self::wait_for_output) without blocking the thread (any executor).
+    pub async fn wait_for_output_async(
+        &mut self,
+        output: &mut ResultPartition,
+    ) -> Result<OutputWait, GateError> {
+        if output.is_available() {
+            return Ok(OutputWait::Available);
+        }
+        let mut available = pin!(output.until_available());
+        std::future::poll_fn(|cx| {
+            let waited = self.poll_wait_for_output(available.as_mut(), cx);
+            if waited.is_pending() {
+                if let Some(due) = InputGate::poll_timeout(self) {
+                    self.timer.wake_at(due, cx.waker());
+                }
+            }
+            waited
+        })
+        .await
+    }
+
+    /// One look of a wait for the output: what is due, the output, then priority events,
+    /// with `cx`'s waker registered at both before they are found wanting.
+    fn poll_wait_for_output(
+        &mut self,
+        available: Pin<&mut impl Future<Output = ()>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<OutputWait, GateError>> {
+        let now = Instant::now();
+        if InputGate::poll_timeout(self).is_some_and(|due| now >= due) {
+            if let Err(error) = self.handle_timeout(now) {
+                return Poll::Ready(Err(error));
+            }
+        }
+        if available.poll(cx).is_ready() {
+            return Poll::Ready(Ok(OutputWait::Available));
+        }
+        // Bounded: a second round only when a priority event was queued during the first.
+        for _ in 0..2 {
+            match self.poll_priority() {
+                Err(error) => return Poll::Ready(Err(error)),
+                Ok(Some(item)) => return Poll::Ready(Ok(OutputWait::Event(item))),
+                Ok(None) => {}
+            }
+            // Registered before the look: a channel queued for a priority event after it wakes
+            // the waker. (Data queued wakes it too, at most once per channel while the task
+            // reads none.) A data item read earlier and not yet handed to the task holds
+            // priority reads back: no second round for it.
+            self.gate.register_waker(cx.waker());
+            if !self.gate.has_priority_event() || self.deferred.is_some() {
+                break;
+            }
+        }
+        Poll::Pending
     }
 
     /// The next item the task should see, without blocking the thread (any executor): the
@@ -882,6 +1052,17 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
 
     fn register_waker(&self, waker: &std::task::Waker) -> bool {
         self.deferred.is_some() || self.gate.register_waker(waker)
+    }
+
+    fn poll_priority_event(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        self.poll_priority()
+    }
+
+    fn has_priority_event(&self) -> bool {
+        self.deferred
+            .as_ref()
+            .is_some_and(|item| matches!(item.item, GateItem::Event { .. }))
+            || self.gate.has_priority_event()
     }
 
     fn idle_time(&self) -> &crate::metrics::WaitTime {

@@ -130,6 +130,20 @@ impl InputChannel {
         Ok(read)
     }
 
+    /// True when the channel's next read returns a priority event (a look; it reads nothing).
+    pub(crate) fn has_priority_event(&self) -> bool {
+        match self {
+            InputChannel::Local(c) => {
+                c.failed.is_none()
+                    && c.view
+                        .as_ref()
+                        .is_some_and(SubpartitionView::has_priority_event)
+            }
+            InputChannel::Remote(c) => c.has_priority_event(),
+            InputChannel::Unknown(_) => false,
+        }
+    }
+
     /// See [`RemoteInputChannel::take_unread_before_priority`]; other channels queue nothing
     /// of their own (a local one reads its producer's queue, where its barrier overtook).
     pub(crate) fn take_unread_before_priority(&mut self) -> usize {

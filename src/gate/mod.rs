@@ -27,7 +27,7 @@ mod remote;
 mod single;
 mod union;
 
-pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate};
+pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate, OutputWait};
 pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
 pub(crate) use queue::ChannelQueueHandle;
 pub use reader::{ReaderError, ReaderItem, RecordReader};
@@ -268,6 +268,16 @@ pub trait InputGate {
     /// Asks for `waker` to be woken when a channel has something to read or the gate is
     /// closed (an async read's registration). True when that is so already: read again now.
     fn register_waker(&self, waker: &Waker) -> bool;
+    /// The next item only if it is a priority event (an unaligned checkpoint barrier, a
+    /// cancellation marker that overtook data), without blocking and without reading any
+    /// data: what a task whose output is back-pressured still reads (Flink's
+    /// `processPriorityEvents`), so an unaligned checkpoint does not wait for a consumer
+    /// downstream to free a buffer. `Ok(None)` when no channel has one at its head.
+    fn poll_priority_event(&mut self) -> Result<Option<BufferOrEvent>, GateError>;
+    /// True when a channel is queued for a priority event (Flink's
+    /// `getPriorityEventAvailableFuture` done). It may stay true for a moment after the
+    /// event was read through the channel's turn for data, until a priority read looks.
+    fn has_priority_event(&self) -> bool;
     /// The gate's idle time, which every read's wait for data counts in.
     fn idle_time(&self) -> &WaitTime;
     /// Where the in-flight data of unaligned checkpoints goes, for a gate that persists it

@@ -128,6 +128,13 @@ impl ChannelQueue {
         Some((channel, false))
     }
 
+    /// The next channel queued for a priority event, leaving the data lane alone.
+    pub fn pop_priority(&self) -> Option<u32> {
+        let channel = self.priority.pop()?;
+        Self::clear(&self.in_priority[channel as usize]);
+        Some(channel)
+    }
+
     /// Clears a popped channel's "enqueued" flag before the reader looks at the channel.
     ///
     /// An RMW, not a plain store: a notifier that publishes data and then finds the flag still

@@ -941,6 +941,13 @@ impl RemoteInputChannel {
         )))
     }
 
+    /// True when the next read returns a priority event (a look: it takes nothing). A failed
+    /// channel reports its error on the next read, which a priority read leaves to the task.
+    pub(crate) fn has_priority_event(&self) -> bool {
+        let shared = &self.shared;
+        !shared.failed.load(Ordering::SeqCst) && !shared.received_priority.is_empty()
+    }
+
     /// After a priority barrier was read: takes the unread data-lane items that came before
     /// it off the queue, ahead of their turn (they are read next, in order), so the gate can
     /// persist them as the checkpoint's in-flight data now ([`for_each_taken_ahead`]), as

@@ -766,6 +766,47 @@ impl InputGate for SingleInputGate {
         Ok(None)
     }
 
+    fn poll_priority_event(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if self.queue.is_closed() {
+            self.close();
+        }
+        if self.closed {
+            return Err(GateError::Closed);
+        }
+        // Each channel is in the priority lane at most once, so this bounds stale entries.
+        for _ in 0..=self.channels.len() {
+            let Some(index) = self.queue.pop_priority() else {
+                return Ok(None);
+            };
+            let index = index as usize;
+            if self.finished[index] {
+                continue;
+            }
+            if !self.channels[index].has_priority_event() {
+                // Stale: the event was read in the channel's turn for data (which queued the
+                // channel again for what it still holds), or the channel failed, which its
+                // next read reports. Either way it is looked at in the data lane.
+                self.queue.enqueue(index as u32, false);
+                continue;
+            }
+            let read = match self.channels[index].next_read() {
+                Ok(Some(read)) => read,
+                Ok(None) => continue,
+                Err(error) => {
+                    // As in `poll_next`: the error stays for every later read.
+                    self.queue.enqueue(index as u32, false);
+                    return Err(error);
+                }
+            };
+            return self.on_read(index, read).map(Some);
+        }
+        Ok(None)
+    }
+
+    fn has_priority_event(&self) -> bool {
+        self.queue.has_priority()
+    }
+
     fn next_until(
         &mut self,
         deadline: Option<Instant>,

@@ -207,6 +207,45 @@ impl InputGate for UnionInputGate {
         Ok(None)
     }
 
+    fn poll_priority_event(&mut self) -> Result<Option<BufferOrEvent>, GateError> {
+        if self.queue.is_closed() {
+            self.close();
+            return Err(GateError::Closed);
+        }
+        // Each member is in the priority lane at most once, so this bounds stale entries.
+        for _ in 0..=self.gates.len() {
+            let Some(index) = self.queue.pop_priority() else {
+                return Ok(None);
+            };
+            let read = self.gates[index as usize].poll_priority_event();
+            // The member stays in turn for what it still holds, in the lane its head asks for
+            // (the data lane for a stale entry).
+            let gate = &self.gates[index as usize];
+            if gate.queue().has_channels() {
+                self.queue.enqueue(index, gate.queue().has_priority());
+            }
+            let offset = self.offsets[index as usize];
+            match read {
+                Err(GateError::Closed) => {
+                    self.close();
+                    return Err(GateError::Closed);
+                }
+                Err(error) => return Err(error.offset_channel(offset)),
+                Ok(None) => continue,
+                Ok(Some(mut item)) => {
+                    item.channel += offset;
+                    item.more_available = self.queue.has_channels();
+                    return Ok(Some(item));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn has_priority_event(&self) -> bool {
+        self.queue.has_priority()
+    }
+
     fn next_until(
         &mut self,
         deadline: Option<Instant>,

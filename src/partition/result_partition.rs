@@ -312,6 +312,31 @@ impl ResultPartition {
         &self.pool
     }
 
+    /// Flink's `RecordWriter.isAvailable`: the task's next record starts without waiting for
+    /// memory, whichever subpartition it goes to (a segment is at hand and no subpartition
+    /// holds `max-buffers-per-channel` segments). A task looks before it reads input to
+    /// process; while this is false it reads priority events only
+    /// ([`CheckpointedInputGate::wait_for_output`](crate::gate::CheckpointedInputGate::wait_for_output)),
+    /// so an unaligned barrier is taken at once under back pressure, not once a consumer
+    /// downstream freed a buffer. A record spanning buffers may still wait for the ones after
+    /// its first. True for a finished or released partition (the write then fails at once).
+    pub fn is_available(&self) -> bool {
+        self.finished || self.pool.is_available_to_any()
+    }
+
+    /// Resolves once [`is_available`](Self::is_available) holds, without blocking the thread
+    /// (any executor). Meanwhile it turns a pending aligned barrier unaligned at its timeout,
+    /// as the writer's own waits do. The wait counts as back-pressured time.
+    pub async fn until_available(&mut self) {
+        if self.is_available() {
+            return;
+        }
+        let mut timed = self.barrier_timed();
+        let available = timed.pool.until_available_to_any();
+        // A destroyed pool: the write reports the release.
+        let _ = timed.wait(available).await;
+    }
+
     /// The partition's metrics now, with Flink's names: the counters of the shared
     /// [`PartitionHandle::metrics`] plus `outPoolUsage` and the back-pressured time, which come
     /// from the pool this partition owns (so the snapshot is taken here, not on the handle).

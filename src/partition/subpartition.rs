@@ -631,6 +631,12 @@ impl SubpartitionView {
         }
     }
 
+    /// True when the next item [`poll_next`](Self::poll_next) returns is a priority event (a
+    /// look only: it claims nothing). A blocked or released view reads nothing.
+    pub fn has_priority_event(&self) -> bool {
+        !self.blocked && !self.subpartition.is_released() && !self.subpartition.priority.is_empty()
+    }
+
     /// True after an aligned barrier was taken and before `resume_consumption`.
     pub fn is_blocked(&self) -> bool {
         self.blocked
