@@ -693,6 +693,8 @@ pub struct Verification {
     barrier_links: usize,
     /// Hand-overs or links that disagree with where their barriers fell.
     barrier_problems: usize,
+    /// Per checkpoint handed to a sink subtask: ms from its start to that hand-over.
+    sink_barrier_delays_ms: Vec<u64>,
     sinks: Vec<String>,
     /// Nodes whose network pool was full at exit, of those that reported.
     pools_full: usize,
@@ -929,6 +931,13 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
         v.problems
             .push(format!("... and {more} more links that differ"));
     }
+    for (&(stage, _), report) in &reports {
+        if topology.stages[stage].kind == StageKind::Sink {
+            v.sink_barrier_delays_ms
+                .extend_from_slice(&report.barrier_delays_ms);
+        }
+    }
+    v.sink_barrier_delays_ms.sort_unstable();
     let placement = check_barrier_placement(topology, &reports);
     v.barrier_handovers = topology.checkpoints.map(|_| placement.handovers);
     v.barrier_links = placement.links;
@@ -1215,6 +1224,16 @@ pub fn print_summary(topology: &Topology, outcome: &Outcome, v: &Verification) {
                 v.barrier_links, v.barrier_problems
             );
         }
+    }
+    if let (Some(_), Some(&max)) = (v.barrier_handovers, v.sink_barrier_delays_ms.last()) {
+        let delays = &v.sink_barrier_delays_ms;
+        let at = |q: f64| delays[((delays.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "checks: checkpoints reached the sinks {} ms (p50), {} ms (p90), {max} ms (max) after they started ({} hand-overs)",
+            at(0.5),
+            at(0.9),
+            delays.len()
+        );
     }
     for line in &v.sinks {
         println!("sinks:  {line}");

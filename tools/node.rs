@@ -23,7 +23,7 @@ use clap::{Args, ValueEnum};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate,
-    SingleInputGate,
+    OutputWait, SingleInputGate,
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{
@@ -303,6 +303,12 @@ pub struct SubtaskReport {
     /// as Flink's handler ignores them, without a word to the task).
     #[serde(default)]
     pub cancelled_checkpoints: Vec<u64>,
+    /// Per checkpoint handed to the subtask, the first [`MAX_BARRIER_MARKS`]: ms from its
+    /// start (the barrier's timestamp, written by the checkpointing generator) to the
+    /// hand-over, on the nodes' shared wall clock. At a sink, how long the checkpoint took
+    /// to cross the whole topology.
+    #[serde(default)]
+    pub barrier_delays_ms: Vec<u64>,
     /// Per output link: what this subtask wrote.
     pub sent: Vec<LinkTally>,
     /// Per input channel: what this subtask read.
@@ -1435,6 +1441,7 @@ struct Consumer<'a> {
     last_checkpoint: u64,
     barrier_errors: u64,
     cancelled_checkpoints: Vec<u64>,
+    barrier_delays_ms: Vec<u64>,
     notes: Vec<String>,
     delay: Duration,
     owed: Duration,
@@ -1481,6 +1488,7 @@ impl<'a> Consumer<'a> {
             last_checkpoint: 0,
             barrier_errors: 0,
             cancelled_checkpoints: Vec::new(),
+            barrier_delays_ms: Vec::new(),
             notes: Vec::new(),
             delay: topology.stages[stage].delay_of(subtask),
             owed: Duration::ZERO,
@@ -1600,6 +1608,11 @@ impl<'a> Consumer<'a> {
             self.last_checkpoint = barrier.id;
         }
         self.checkpoints += 1;
+        if self.barrier_delays_ms.len() < MAX_BARRIER_MARKS {
+            let started = u64::try_from(barrier.timestamp).unwrap_or(0);
+            self.barrier_delays_ms
+                .push(unix_millis().saturating_sub(started));
+        }
         for channel in &mut self.channels {
             BarrierMark::push_to(
                 &mut channel.barrier_marks,
@@ -1627,6 +1640,7 @@ impl<'a> Consumer<'a> {
         report.checkpoints = self.checkpoints;
         report.barrier_errors = self.barrier_errors;
         report.cancelled_checkpoints = self.cancelled_checkpoints;
+        report.barrier_delays_ms = self.barrier_delays_ms;
         report.received = self
             .channels
             .into_iter()
@@ -1710,11 +1724,12 @@ fn consume(
         .collect();
     // Fault injection (hidden `--inject`): the record FAULT_AT of this subtask's channel
     // FAULT_CHANNEL.
+    let mut injected = Injected {
+        fault,
+        ..Injected::default()
+    };
     let mut seen = 0u64;
-    let mut held: Option<(usize, Vec<u8>)> = None;
     let mut leaked = false;
-    let mut late_barrier = None;
-    let mut barrier_delayed = false;
     loop {
         let item = match gate.next_until(Some(Instant::now() + stall)) {
             Ok(Some(item)) => item,
@@ -1760,14 +1775,24 @@ fn consume(
                 deserializers[channel]
                     .set_next_buffer(buffer)
                     .map_err(|e| format!("channel {channel}: {e}"))?;
-                while let Some(record) = next_record_of(&mut deserializers, channel)? {
+                loop {
+                    before_record(
+                        &mut gate,
+                        consumer,
+                        outputs,
+                        &mut deserializers,
+                        &mut injected,
+                    )?;
+                    let Some(record) = next_record_of(&mut deserializers, channel)? else {
+                        break;
+                    };
                     seen += u64::from(channel == FAULT_CHANNEL);
                     match fault.filter(|_| channel == FAULT_CHANNEL && seen == FAULT_AT) {
                         None => {}
                         Some(Fault::Drop) => continue,
                         Some(Fault::Duplicate) => handle(consumer, outputs, channel, record)?,
                         Some(Fault::Reorder) => {
-                            held = Some((channel, record.to_vec()));
+                            injected.held = Some((channel, record.to_vec()));
                             continue;
                         }
                         Some(Fault::Hold) => return Err(hold_until_a_stall_is_reported(stall)),
@@ -1781,57 +1806,15 @@ fn consume(
                         }
                     }
                     handle(consumer, outputs, channel, record)?;
-                    if held.as_ref().is_some_and(|(c, _)| *c == channel) {
-                        let (c, late) = held.take().expect("checked");
-                        handle(consumer, outputs, c, &late)?;
-                    }
-                    if let Some(barrier) = late_barrier.take() {
+                    injected.release_held(consumer, outputs, channel)?;
+                    if let Some(barrier) = injected.late_barrier.take() {
                         hand_over(consumer, outputs, &barrier)?;
                     }
                 }
             }
-            GateItem::Event {
-                event: Event::EndOfPartition,
-                ..
-            } => {
-                if held.as_ref().is_some_and(|(c, _)| *c == channel) {
-                    let (c, late) = held.take().expect("checked");
-                    handle(consumer, outputs, c, &late)?;
-                }
-                deserializers[channel]
-                    .finish()
-                    .map_err(|e| format!("channel {channel}: {e}"))?;
-                consumer.channels[channel].ended = true;
+            GateItem::Event { event, .. } => {
+                injected.on_event(consumer, outputs, &mut deserializers, channel, event)?;
             }
-            GateItem::Event {
-                event: Event::CheckpointBarrier(barrier),
-                ..
-            } => {
-                if fault == Some(Fault::LateBarrier) && !barrier_delayed {
-                    barrier_delayed = true;
-                    late_barrier = Some(barrier);
-                    continue;
-                }
-                if fault == Some(Fault::LoseBarrier) && !barrier_delayed && !outputs.is_empty() {
-                    barrier_delayed = true;
-                    consumer.barrier(&barrier);
-                    for output in outputs.iter_mut() {
-                        output.barriers_written += 1;
-                    }
-                    continue;
-                }
-                hand_over(consumer, outputs, &barrier)?;
-            }
-            GateItem::Event {
-                event: Event::CancelCheckpointMarker(id),
-                ..
-            } => {
-                consumer.cancelled(id);
-                for output in outputs.iter_mut() {
-                    output.cancel_checkpoint(id)?;
-                }
-            }
-            GateItem::Event { .. } => {}
         }
     }
     for (index, channel) in consumer.channels.iter_mut().enumerate() {
@@ -1844,6 +1827,125 @@ fn consume(
     }
     gate.gate_mut().close();
     Ok(())
+}
+
+/// Before each record, as Flink's task runs its mailbox between records: the priority events
+/// queued (an unaligned barrier triggers its checkpoint here, mid-buffer, not after the
+/// buffer's last record), then, while an output is back-pressured, no input but priority
+/// events: the task waits for room, taking unaligned barriers as they come instead of
+/// blocking in a record's write until the consumer downstream frees a buffer.
+fn before_record<G: InputGate>(
+    gate: &mut CheckpointedInputGate<G>,
+    consumer: &mut Consumer<'_>,
+    outputs: &mut [Output],
+    deserializers: &mut [RecordDeserializer],
+    injected: &mut Injected,
+) -> Result<(), Failed> {
+    // Bounded by the priority events queued.
+    while gate.has_priority_event() {
+        let Some(item) = gate.poll_priority().map_err(Failed::reading)? else {
+            break;
+        };
+        let GateItem::Event { event, .. } = item.item else {
+            unreachable!("a priority read returns events only");
+        };
+        injected.on_event(consumer, outputs, deserializers, item.channel, event)?;
+    }
+    for index in 0..outputs.len() {
+        // Each round ends at an event handled or with room; the wait, as a blocked write
+        // would, lasts while the consumer downstream frees nothing (a stalled one is
+        // reported by its own node) and ends when the partition is released.
+        loop {
+            let partition = outputs[index].writer.partition_mut();
+            match gate
+                .wait_for_output(partition, None)
+                .map_err(Failed::reading)?
+            {
+                OutputWait::Available => break,
+                OutputWait::Event(item) => {
+                    let GateItem::Event { event, .. } = item.item else {
+                        unreachable!("a priority read returns events only");
+                    };
+                    injected.on_event(consumer, outputs, deserializers, item.channel, event)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The faults injected into the subtask's input (hidden `--inject`) and what they hold back.
+#[derive(Default)]
+struct Injected {
+    fault: Option<Fault>,
+    /// A record held back (`reorder`), handed on after the next of its channel.
+    held: Option<(usize, Vec<u8>)>,
+    /// A barrier held back (`late-barrier`), handed over after the next record.
+    late_barrier: Option<CheckpointBarrier>,
+    barrier_delayed: bool,
+}
+
+impl Injected {
+    /// The record held back on `channel`, handed on now.
+    fn release_held(
+        &mut self,
+        consumer: &mut Consumer<'_>,
+        outputs: &mut [Output],
+        channel: usize,
+    ) -> Result<(), Failed> {
+        if self.held.as_ref().is_some_and(|(c, _)| *c == channel) {
+            let (c, late) = self.held.take().expect("checked");
+            handle(consumer, outputs, c, &late)?;
+        }
+        Ok(())
+    }
+
+    /// An event of `channel`, read in turn or while the task's output was back-pressured.
+    fn on_event(
+        &mut self,
+        consumer: &mut Consumer<'_>,
+        outputs: &mut [Output],
+        deserializers: &mut [RecordDeserializer],
+        channel: usize,
+        event: Event,
+    ) -> Result<(), Failed> {
+        match event {
+            Event::EndOfPartition => {
+                self.release_held(consumer, outputs, channel)?;
+                deserializers[channel]
+                    .finish()
+                    .map_err(|e| format!("channel {channel}: {e}"))?;
+                consumer.channels[channel].ended = true;
+            }
+            Event::CheckpointBarrier(barrier) => {
+                if self.fault == Some(Fault::LateBarrier) && !self.barrier_delayed {
+                    self.barrier_delayed = true;
+                    self.late_barrier = Some(barrier);
+                    return Ok(());
+                }
+                if self.fault == Some(Fault::LoseBarrier)
+                    && !self.barrier_delayed
+                    && !outputs.is_empty()
+                {
+                    self.barrier_delayed = true;
+                    consumer.barrier(&barrier);
+                    for output in outputs.iter_mut() {
+                        output.barriers_written += 1;
+                    }
+                    return Ok(());
+                }
+                hand_over(consumer, outputs, &barrier)?;
+            }
+            Event::CancelCheckpointMarker(id) => {
+                consumer.cancelled(id);
+                for output in outputs.iter_mut() {
+                    output.cancel_checkpoint(id)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// The subtask is handed a checkpoint: counted, and its barrier sent on.
