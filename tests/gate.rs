@@ -2466,3 +2466,64 @@ fn one_subpartition_at_its_limit_makes_the_output_unavailable() {
     drop((output, downstream));
     assert!(f.all_segments_back());
 }
+
+/// A record reader takes an unaligned barrier while its output is back-pressured, in the
+/// middle of a buffer: the rest of that buffer goes to the sink first as in-flight data
+/// (Flink's `getUnconsumedBuffer`), then the data the barrier overtook as it is read; the
+/// buffer's records still come out afterwards, in order.
+#[test]
+fn a_record_reader_takes_a_barrier_mid_buffer_while_its_output_is_back_pressured() {
+    let f = fixture();
+    let ([mut upstream], input, sink) = unaligned_gate::<1>(&f, 72);
+    let mut reader = RecordReader::new(input, 1 << 20);
+    let mut output = f.producer(74, 1);
+    let mut downstream = f.gate(&[(74, 0)], ChannelLocation::Local);
+    downstream.request_partitions(Instant::now()).unwrap();
+    for record in [&b"r0"[..], b"r1", b"r2"] {
+        upstream.emit_record(record, 0).unwrap();
+    }
+    upstream.flush(0);
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"r0"),
+        other => panic!("expected r0, got {other:?}"),
+    }
+    back_pressure(&mut output);
+    send(&mut upstream, b"overtaken");
+    upstream
+        .broadcast_event(&barrier(6, Alignment::Unaligned), true)
+        .unwrap();
+
+    match reader
+        .wait_for_output(&mut output, Some(Instant::now() + LONG))
+        .unwrap()
+    {
+        Some(ReaderItem::Event { event, .. }) => {
+            assert_eq!(event, barrier(6, Alignment::Unaligned));
+        }
+        other => panic!("expected the barrier, got {other:?}"),
+    }
+    let mut rest = common::framed_record(b"r1");
+    rest.extend(common::framed_record(b"r2"));
+    assert_eq!(*sink.stream.lock().unwrap(), vec![(6, 0, rest)]);
+
+    assert!(drain(&mut downstream) > 0);
+    assert!(reader
+        .wait_for_output(&mut output, Some(Instant::now() + LONG))
+        .unwrap()
+        .is_none());
+    let mut records = Vec::new();
+    while let Some(item) = reader.poll_next().unwrap() {
+        match item {
+            ReaderItem::Record { bytes, .. } => records.push(bytes.to_vec()),
+            other => panic!("expected records, got {other:?}"),
+        }
+    }
+    assert_eq!(records, [&b"r1"[..], b"r2", b"overtaken"]);
+    assert_eq!(
+        sink.stream.lock().unwrap()[1..],
+        [(6, 0, common::framed_record(b"overtaken"))]
+    );
+    assert_eq!(*sink.complete.lock().unwrap(), vec![6]);
+    drop((reader, upstream, output, downstream));
+    assert!(f.all_segments_back());
+}

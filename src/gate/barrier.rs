@@ -70,9 +70,11 @@ pub trait ChannelStateSink: Send + Sync {
     /// A buffer of `channel` that precedes its barrier of checkpoint `checkpoint_id`; the
     /// buffer shares the segment (no copy).
     fn add_input_data(&self, checkpoint_id: u64, channel: usize, buffer: Buffer);
-    /// The bytes of a record of `channel` the task's reader had begun but not finished when
-    /// checkpoint `checkpoint_id` started (its length prefix and the part received; Flink's
-    /// `getUnconsumedBuffer`): the rest follows in the channel's in-flight buffers.
+    /// The bytes of `channel` the task's reader had not consumed when checkpoint
+    /// `checkpoint_id` started (Flink's `getUnconsumedBuffer`): a record begun and not
+    /// finished (its length prefix and the part received), and, for a barrier taken in the
+    /// middle of a buffer, the rest of that buffer. The rest follows in the channel's
+    /// in-flight buffers.
     fn add_partial_record(&self, checkpoint_id: u64, channel: usize, bytes: &[u8]);
     /// Every channel's in-flight data of the unaligned checkpoint `checkpoint_id` was handed
     /// over (a checkpoint that stayed aligned has none, and is not reported).

@@ -4,8 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{GateError, GateItem, InputGate};
+use super::{CheckpointedInputGate, GateError, GateItem, InputGate, OutputWait};
 use crate::event::Event;
+use crate::partition::ResultPartition;
 use crate::record::{RecordDeserializer, RecordError, SpanningBudget};
 
 /// What the reader yields.
@@ -216,18 +217,50 @@ impl<G: InputGate> RecordReader<G> {
                     self.current = Some(channel);
                 }
                 GateItem::Event { event, .. } => {
-                    if let Event::CheckpointBarrier(barrier) = &event {
-                        self.persist_unconsumed(barrier.id);
-                    }
-                    if event == Event::EndOfPartition {
-                        // A record begun and never ended means a truncated stream.
-                        if let Err(source) = self.deserializers[channel].finish() {
-                            self.end_after_error = Some(channel);
-                            return Err(ReaderError::Record { channel, source });
-                        }
-                    }
-                    return Ok(Some(ReaderItem::Event { channel, event }));
+                    return self.on_event(channel, event).map(Some);
                 }
+            }
+        }
+    }
+
+    /// An event of `channel` comes out: a barrier first persists what the deserializers
+    /// hold unconsumed, an end checks its channel's stream ended on a record boundary.
+    fn on_event(&mut self, channel: usize, event: Event) -> Result<ReaderItem<'_>, ReaderError> {
+        if let Event::CheckpointBarrier(barrier) = &event {
+            self.persist_unconsumed(barrier.id);
+        }
+        if event == Event::EndOfPartition {
+            // A record begun and never ended means a truncated stream.
+            if let Err(source) = self.deserializers[channel].finish() {
+                self.end_after_error = Some(channel);
+                return Err(ReaderError::Record { channel, source });
+            }
+        }
+        Ok(ReaderItem::Event { channel, event })
+    }
+}
+
+impl<G: InputGate> RecordReader<CheckpointedInputGate<G>> {
+    /// [`CheckpointedInputGate::wait_for_output`] between two records: `Ok(None)` once
+    /// `output` takes records again, or a priority event to handle first (an unaligned
+    /// barrier, a cancellation marker), while the output is still back-pressured. A barrier
+    /// coming out here, in the middle of a buffer, first hands the channel-state sink the
+    /// rest of that buffer (and any record half-read) as in-flight data, as Flink's
+    /// `getUnconsumedBuffer` does: the records after it still come out of this reader
+    /// afterwards, and belong to the data after the checkpoint's snapshot.
+    /// [`GateError::TimedOut`] at `deadline`.
+    pub fn wait_for_output(
+        &mut self,
+        output: &mut ResultPartition,
+        deadline: Option<Instant>,
+    ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        match self.gate.wait_for_output(output, deadline)? {
+            OutputWait::Available => Ok(None),
+            OutputWait::Event(item) => {
+                let GateItem::Event { event, .. } = item.item else {
+                    unreachable!("the wait hands out events only");
+                };
+                self.on_event(item.channel, event).map(Some)
             }
         }
     }
