@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
 use fluxgate::gate::{
     AlignmentMode, ChannelLocation, CheckpointedInputGate, ConsumedSubpartition, GateError,
-    GateItem, InputChannel, InputGate, ReaderError, ReaderItem, RecordReader, UnionInputGate,
+    GateItem, InputChannel, InputGate, OutputWait, ReaderError, ReaderItem, RecordReader,
+    UnionInputGate,
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{
@@ -619,6 +620,104 @@ on_both_drivers!(
     barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking,
     barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking_epoll,
     barriers_cross_the_wire_unaligned_overtaking_and_aligned_blocking_uring
+);
+
+/// A task whose output is back-pressured still takes an unaligned barrier that came over
+/// the wire behind data it has not read, and sends it on ahead of its own queued output;
+/// the data comes after, once the output has room (Flink's availability-driven task loop).
+fn a_back_pressured_task_takes_an_unaligned_barrier_from_the_wire(transport: Transport) {
+    let source_env = env(1, transport);
+    let task_env = env(2, transport);
+    let sink_env = env(3, transport);
+    let barrier = Event::CheckpointBarrier(CheckpointBarrier {
+        id: 4,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Unaligned,
+    });
+    let mut source = source_env.create_partition(pid(0), 1).unwrap();
+    let gate = remote_gate(&task_env, source_env.local_addr());
+    let mut input = CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, None);
+    // No consumer yet: what the task writes stays queued, and its output stays unavailable.
+    let mut output = task_env.create_partition(pid(1), 1).unwrap();
+    for _ in 0..10_000 {
+        if !output.is_available() {
+            break;
+        }
+        output.emit_record(&[7u8; 1000][..], 0).unwrap();
+    }
+    assert!(!output.is_available(), "the output is back-pressured");
+    source.emit_record(&b"in-flight"[..], 0).unwrap();
+    source.flush(0);
+    source.broadcast_event(&barrier, true).unwrap();
+
+    match input
+        .wait_for_output(&mut output, Some(Instant::now() + LONG))
+        .unwrap()
+    {
+        OutputWait::Event(item) => assert!(matches!(
+            item.item,
+            GateItem::Event { event, priority: true } if event == barrier
+        )),
+        OutputWait::Available => panic!("the output was available"),
+    }
+    assert_eq!(input.pending_checkpoint(), Some(4));
+    output.broadcast_event(&barrier, true).unwrap();
+    assert_eq!(
+        input
+            .wait_for_output(
+                &mut output,
+                Some(Instant::now() + Duration::from_millis(20))
+            )
+            .unwrap_err(),
+        GateError::TimedOut,
+        "no data is read while the output is back-pressured"
+    );
+
+    // The consumer comes: the barrier first, ahead of the queued data, whose transfer frees
+    // the task's output.
+    let mut downstream = sink_env
+        .create_gate(&[ChannelDescriptor {
+            consumed: ConsumedSubpartition {
+                partition: pid(1),
+                subpartition: 0,
+            },
+            location: ProducerLocation::Remote(task_env.local_addr()),
+        }])
+        .unwrap();
+    let first = downstream.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(
+        first.item,
+        GateItem::Event { event, priority: true } if event == barrier
+    ));
+    assert!(matches!(
+        input
+            .wait_for_output(&mut output, Some(Instant::now() + LONG))
+            .unwrap(),
+        OutputWait::Available
+    ));
+    let item = input
+        .next_until(Some(Instant::now() + LONG))
+        .unwrap()
+        .unwrap();
+    match &item.item {
+        GateItem::Buffer(buffer) => {
+            assert_eq!(buffer.as_slice(), common::framed_record(b"in-flight"))
+        }
+        other => panic!("expected the data, got {other:?}"),
+    }
+    assert_eq!(
+        input.pending_checkpoint(),
+        None,
+        "its in-flight data was read"
+    );
+    drop((item, input, source, output, downstream));
+    assert!(common::pools_full(&[&source_env, &task_env, &sink_env]));
+}
+on_both_drivers!(
+    a_back_pressured_task_takes_an_unaligned_barrier_from_the_wire,
+    a_back_pressured_task_takes_an_unaligned_barrier_from_the_wire_epoll,
+    a_back_pressured_task_takes_an_unaligned_barrier_from_the_wire_uring
 );
 
 /// Reads on until the reader fails (each read bounded by LONG): its error.
