@@ -183,6 +183,30 @@ fn cluster_runs_the_floating_only_example() {
     );
 }
 
+/// A slow sink behind a relay with unaligned checkpoints: the relay waits for its output and
+/// takes barriers meanwhile; every record arrives, every hand-over falls where its barriers
+/// did, and the summary says how long the checkpoints took to reach the sink.
+#[test]
+fn cluster_runs_the_back_pressure_example() {
+    let run = fluxgate(
+        &[
+            "cluster",
+            "examples/topologies/back-pressure.toml",
+            "--timeout",
+            "90",
+        ],
+        LIMIT,
+    );
+    assert!(run.status.success(), "{}", run.all());
+    for expected in [
+        "`sink` received 60000 records, 60000 expected from `source`: exact",
+        "checkpoint hand-overs on 2 links agree with where their barriers fell",
+        "checks: checkpoints reached the sinks ",
+    ] {
+        assert!(run.stdout.contains(expected), "{expected}\n{}", run.all());
+    }
+}
+
 #[test]
 fn cluster_on_a_missing_file_fails_clearly() {
     let run = fluxgate(&["cluster", "no/such/topology.toml"], LIMIT);

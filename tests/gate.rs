@@ -2527,3 +2527,29 @@ fn a_record_reader_takes_a_barrier_mid_buffer_while_its_output_is_back_pressured
     drop((reader, upstream, output, downstream));
     assert!(f.all_segments_back());
 }
+
+/// With `max-buffers-per-channel` 1 a subpartition's one segment is its open buffer, which
+/// comes back only once the writer finishes it: it leaves the output available, or a task
+/// waiting for its output would wait for good.
+#[test]
+fn an_open_buffer_at_a_limit_of_one_leaves_the_output_available() {
+    let mut f = fixture();
+    f.config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut output = f.producer(76, 2);
+    output.emit_record(&b"r0"[..], 0).unwrap();
+    output.emit_record(&b"r1"[..], 1).unwrap();
+    assert_eq!(output.pool().segments_of(0), 1);
+    assert_eq!(output.pool().segments_of(1), 1);
+    assert!(output.is_available());
+    let ([upstream], mut input, _sink) = unaligned_gate::<1>(&f, 77);
+    assert!(matches!(
+        input
+            .wait_for_output(&mut output, Some(Instant::now() + LONG))
+            .unwrap(),
+        OutputWait::Available
+    ));
+    drop((input, upstream, output));
+    assert!(f.all_segments_back());
+}

@@ -1776,13 +1776,17 @@ fn consume(
                     .set_next_buffer(buffer)
                     .map_err(|e| format!("channel {channel}: {e}"))?;
                 loop {
-                    before_record(
-                        &mut gate,
-                        consumer,
-                        outputs,
-                        &mut deserializers,
-                        &mut injected,
-                    )?;
+                    // Not for a buffer read to its end: the read below lets it go, and the
+                    // next buffer's first record waits instead.
+                    if deserializers[channel].has_partial_record() {
+                        before_record(
+                            &mut gate,
+                            consumer,
+                            outputs,
+                            &mut deserializers,
+                            &mut injected,
+                        )?;
+                    }
                     let Some(record) = next_record_of(&mut deserializers, channel)? else {
                         break;
                     };
@@ -1833,7 +1837,9 @@ fn consume(
 /// queued (an unaligned barrier triggers its checkpoint here, mid-buffer, not after the
 /// buffer's last record), then, while an output is back-pressured, no input but priority
 /// events: the task waits for room, taking unaligned barriers as they come instead of
-/// blocking in a record's write until the consumer downstream frees a buffer.
+/// blocking in a record's write until the consumer downstream frees a buffer. The outputs are
+/// waited for one after another: an event handled while waiting for a later one may fill an
+/// earlier one again, and the record then waits in its write (availability is best effort).
 fn before_record<G: InputGate>(
     gate: &mut CheckpointedInputGate<G>,
     consumer: &mut Consumer<'_>,

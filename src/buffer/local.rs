@@ -139,7 +139,11 @@ pub(crate) struct LocalPoolShared {
     /// pool is unavailable to the task's next record (Flink's
     /// `unavailableSubpartitionsCount`). Counted at the crossings of the limit, so it may
     /// read one off (even wrapped below zero) for the moment a take and a recycle of one
-    /// subpartition overlap; only the writer takes, and it looks after its own takes.
+    /// subpartition overlap; only the writer takes, and it looks after its own takes. Not
+    /// counted for a limit of 1: that one segment is the subpartition's open buffer, which
+    /// its reader cannot give back before the writer finishes it, so a task waiting for it
+    /// to come back would wait for good (its next record finishes it instead, and waits in
+    /// the write).
     channels_at_limit: AtomicUsize,
     destroyed: AtomicBool,
     listeners: ArrayQueue<Arc<dyn BufferListener>>,
@@ -793,7 +797,7 @@ impl LocalPoolShared {
         };
         if let Some(counter) = counter {
             let held = counter.fetch_add(1, Ordering::Relaxed) as usize + 1;
-            if held == self.spec.max_segments_per_channel {
+            if held == self.spec.max_segments_per_channel && held > 1 {
                 self.channels_at_limit.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -1087,7 +1091,7 @@ impl Recycler for LocalPoolShared {
         }
         if let Some(counter) = self.per_channel.get(tag as usize) {
             let held = counter.fetch_sub(1, Ordering::Relaxed) as usize;
-            if held == self.spec.max_segments_per_channel {
+            if held == self.spec.max_segments_per_channel && held > 1 {
                 // Published to a waiting writer by the fences of `place`'s wake-up.
                 self.channels_at_limit.fetch_sub(1, Ordering::Relaxed);
             }

@@ -23,7 +23,9 @@ pub enum OutputWait {
     /// An event the task handles now, while its output is still back-pressured: a checkpoint
     /// barrier that came as a priority event (unaligned, or turned unaligned at its
     /// alignment's timeout), to trigger the checkpoint with and send on as a priority event,
-    /// or a cancellation marker. The task waits again afterwards.
+    /// or a cancellation marker; or the event next in line after one the gate handed out
+    /// before (an end of partition after the barrier its end completed). Never data. The
+    /// task waits again afterwards.
     Event(BufferOrEvent),
 }
 
@@ -272,8 +274,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// back-pressured (Flink's `processPriorityEvents`): a barrier that came as a priority
     /// event (an unaligned one, which triggers or turns the checkpoint unaligned here as in
     /// [`poll_next`](Self::poll_next)), a barrier whose alignment just timed out, a
-    /// cancellation marker. No data is read: `Ok(None)` when there is no such event, or when
-    /// an item read earlier is still to go to the task first.
+    /// cancellation marker, or an event the gate holds back as next in line (see
+    /// [`OutputWait::Event`]). No data is read: `Ok(None)` when there is no such event.
     ///
     /// A task that processes a record at a time reads so while its output is unavailable, at
     /// record boundaries; the checkpoint's snapshot then counts the records of the current
@@ -388,19 +390,18 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if available.poll(cx).is_ready() {
             return Poll::Ready(Ok(OutputWait::Available));
         }
-        // Bounded: a second round only when a priority event was queued during the first.
+        // Two rounds at most: what was queued, or a close, before the first registration is
+        // read by the second round's look; what comes after it wakes the waker.
         for _ in 0..2 {
             match self.poll_priority() {
                 Err(error) => return Poll::Ready(Err(error)),
                 Ok(Some(item)) => return Poll::Ready(Ok(OutputWait::Event(item))),
                 Ok(None) => {}
             }
-            // Registered before the look: a channel queued for a priority event after it wakes
-            // the waker. (Data queued wakes it too, at most once per channel while the task
-            // reads none.) A data item read earlier and not yet handed to the task holds
-            // priority reads back: no second round for it.
-            self.gate.register_waker(cx.waker());
-            if !self.gate.has_priority_event() || self.deferred.is_some() {
+            // A channel queued for a priority event after the registration wakes the waker
+            // (data queued wakes it too, at most once per channel while the task reads
+            // none), and so does a close. Nothing queued and not closed: nothing slipped in.
+            if !self.gate.register_waker(cx.waker()) {
                 break;
             }
         }
