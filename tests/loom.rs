@@ -1,6 +1,7 @@
 //! loom model checks of the lock-free protocols (run with `RUSTFLAGS="--cfg loom"`, as
 //! `.ci/run` does): the segment lease protocol, the global and local pools' free lists and
-//! wake-ups (a blocked thread's and a pending future's), a remote channel's floating-buffer
+//! wake-ups (a blocked thread's and a pending future's, an output waiting at a subpartition's
+//! limit), a remote channel's floating-buffer
 //! registration, the channels-with-data / ready-reader queue with its enqueued flags, the I/O
 //! thread's parked flag, a subpartition's backlog count and read order against a priority event
 //! queued mid-read and its barrier turned unaligned by a timeout against its reader, a priority
@@ -811,6 +812,53 @@ fn an_async_request_pending_on_a_full_pool_is_woken_by_its_recycle() {
 #[test]
 fn an_async_request_pending_on_a_starved_pool_is_woken_by_a_global_give_back() {
     async_waiter_races_give_back(false);
+}
+
+/// (p2a) Flink's output availability: a writer's `until_available_to_any` future finds its
+/// one subpartition at `max-buffers-per-channel` (two builders held, a segment still free in
+/// the pool) and goes Pending while another thread drops one of them, taking the
+/// subpartition under its limit. Either the first poll saw the count below the limit, or
+/// the recycle woke the future and the next poll resolves: the limit's count (relaxed) is
+/// published by the fences of the recycle's wake-up against those of the future's looks.
+#[test]
+fn an_output_waiting_at_its_subpartition_limit_is_woken_by_a_recycle() {
+    bounded_model(|| {
+        let pool = network(3);
+        let local = pool
+            .create_local_pool(LocalPoolSpec {
+                min_segments: 1,
+                max_segments: 3,
+                subpartitions: 1,
+                max_segments_per_channel: 2,
+                max_listeners: 1,
+                max_overdraft_segments: 0,
+            })
+            .unwrap();
+        let first = local.request_buffer_builder(0).unwrap();
+        let second = local.request_buffer_builder(0).unwrap();
+        assert!(!local.is_available_to_any(), "at its limit");
+        assert!(local.is_available(1) || pool.available_segments() > 0);
+
+        let giver = loom::thread::spawn(move || drop(first));
+        let counting = Arc::new(CountingWaker::default());
+        let waker = Waker::from(counting.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
+        {
+            let mut available = std::pin::pin!(local.until_available_to_any());
+            let first_look = available.as_mut().poll(&mut cx);
+            giver.join().unwrap();
+            if first_look.is_pending() {
+                assert!(counting.woken() > 0, "the recycle did not wake the future");
+                assert!(
+                    available.as_mut().poll(&mut cx).is_ready(),
+                    "woken, yet still unavailable"
+                );
+            }
+        }
+        assert!(local.is_available_to_any());
+        drop((second, local));
+        assert_eq!(pool.available_segments(), pool.total_segments());
+    });
 }
 
 /// A pool at its maximum of one segment (held, the builder), allowed one overdraft segment,

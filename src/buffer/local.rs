@@ -297,7 +297,7 @@ impl LocalBufferPool {
     /// (taken from the global pool into the free list if none was) and no subpartition holds
     /// `max-buffers-per-channel` segments, so the task's next record, wherever it goes, starts
     /// without waiting. True once the pool is destroyed (the write then fails at once).
-    pub(crate) fn is_available_to_any(&self) -> bool {
+    pub fn is_available_to_any(&self) -> bool {
         let shared = &self.shared;
         shared.destroyed.load(Ordering::Relaxed)
             || (shared.channels_at_limit.load(Ordering::Relaxed) == 0
@@ -307,9 +307,9 @@ impl LocalBufferPool {
     /// A future resolving once [`is_available_to_any`](Self::is_available_to_any) holds (the
     /// partition's single writer's, like [`request_builder`](Self::request_builder)): a
     /// segment recycled, or the global pool refilled while this one was starved, wakes it.
-    pub(crate) fn until_available_to_any(
+    pub fn until_available_to_any(
         &self,
-    ) -> UntilReady<'_, impl FnMut() -> bool + Unpin + '_> {
+    ) -> impl Future<Output = Result<(), PoolError>> + Unpin + '_ {
         self.until_ready(move || self.is_available_to_any())
     }
 
