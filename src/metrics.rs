@@ -210,15 +210,31 @@ pub struct InputMetricsSnapshot {
     /// read yet (as Flink counts it, remote channels only).
     #[serde(rename = "inputQueueLength")]
     pub input_queue_length: u64,
+    /// `inputExclusiveBuffersUsage`: the remote channels' exclusive segments holding data
+    /// over all their exclusive segments, 0 to 1.
+    #[serde(rename = "inputExclusiveBuffersUsage", default)]
+    pub input_exclusive_buffers_usage: f64,
+    /// `inputFloatingBuffersUsage`: floating segments holding data over the segments the
+    /// gate's pool may lend as floating ones (its maximum less the exclusive ones), 0 to 1.
+    #[serde(rename = "inputFloatingBuffersUsage", default)]
+    pub input_floating_buffers_usage: f64,
 }
 
 impl InputMetricsSnapshot {
     /// `(Flink name, value)` of every field, in declaration order.
-    pub fn fields(&self) -> [(&'static str, f64); 9] {
+    pub fn fields(&self) -> [(&'static str, f64); 11] {
         [
             ("numBytesIn", self.num_bytes_in as f64),
             ("numBuffersIn", self.num_buffers_in as f64),
             ("inPoolUsage", self.in_pool_usage),
+            (
+                "inputExclusiveBuffersUsage",
+                self.input_exclusive_buffers_usage,
+            ),
+            (
+                "inputFloatingBuffersUsage",
+                self.input_floating_buffers_usage,
+            ),
             ("accumulatedIdleTimeMs", self.idle_time_ms as f64),
             ("numBytesInLocal", self.num_bytes_in_local as f64),
             ("numBytesInRemote", self.num_bytes_in_remote as f64),
@@ -233,12 +249,15 @@ impl fmt::Display for InputMetricsSnapshot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "numBytesIn={} numBuffersIn={} inPoolUsage={:.3} accumulatedIdleTimeMs={} \
+            "numBytesIn={} numBuffersIn={} inPoolUsage={:.3} inputExclusiveBuffersUsage={:.3} \
+             inputFloatingBuffersUsage={:.3} accumulatedIdleTimeMs={} \
              numBytesInLocal={} numBytesInRemote={} numBuffersInLocal={} \
              numBuffersInRemote={} inputQueueLength={}",
             self.num_bytes_in,
             self.num_buffers_in,
             self.in_pool_usage,
+            self.input_exclusive_buffers_usage,
+            self.input_floating_buffers_usage,
             self.idle_time_ms,
             self.num_bytes_in_local,
             self.num_bytes_in_remote,
@@ -246,6 +265,63 @@ impl fmt::Display for InputMetricsSnapshot {
             self.num_buffers_in_remote,
             self.input_queue_length
         )
+    }
+}
+
+/// The network memory's gauges now, with Flink's names (its TaskManager's
+/// `Status.Shuffle.Netty.*`): segments and bytes in all, free in the global pool, and leased
+/// to local pools (partitions' and gates', overdraft included). From
+/// [`NetworkBufferPool::metrics_snapshot`](crate::buffer::NetworkBufferPool::metrics_snapshot).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct NetworkMetricsSnapshot {
+    /// `TotalMemorySegments`.
+    #[serde(rename = "TotalMemorySegments")]
+    pub total_memory_segments: u64,
+    /// `AvailableMemorySegments`: free in the global pool.
+    #[serde(rename = "AvailableMemorySegments")]
+    pub available_memory_segments: u64,
+    /// `UsedMemorySegments`: the rest.
+    #[serde(rename = "UsedMemorySegments")]
+    pub used_memory_segments: u64,
+    /// `TotalMemory`, bytes.
+    #[serde(rename = "TotalMemory")]
+    pub total_memory: u64,
+    /// `AvailableMemory`, bytes.
+    #[serde(rename = "AvailableMemory")]
+    pub available_memory: u64,
+    /// `UsedMemory`, bytes.
+    #[serde(rename = "UsedMemory")]
+    pub used_memory: u64,
+}
+
+impl NetworkMetricsSnapshot {
+    /// The gauges of `total` segments of `segment_size` bytes, `available` of them free.
+    pub(crate) fn of(total: usize, available: usize, segment_size: usize) -> Self {
+        let (total, available) = (total as u64, available.min(total) as u64);
+        let bytes = segment_size as u64;
+        Self {
+            total_memory_segments: total,
+            available_memory_segments: available,
+            used_memory_segments: total - available,
+            total_memory: total * bytes,
+            available_memory: available * bytes,
+            used_memory: (total - available) * bytes,
+        }
+    }
+
+    /// `(Flink name, value)` of every field, in declaration order.
+    pub fn fields(&self) -> [(&'static str, f64); 6] {
+        [
+            ("TotalMemorySegments", self.total_memory_segments as f64),
+            (
+                "AvailableMemorySegments",
+                self.available_memory_segments as f64,
+            ),
+            ("UsedMemorySegments", self.used_memory_segments as f64),
+            ("TotalMemory", self.total_memory as f64),
+            ("AvailableMemory", self.available_memory as f64),
+            ("UsedMemory", self.used_memory as f64),
+        ]
     }
 }
 
@@ -338,6 +414,35 @@ mod tests {
             partition.metrics_snapshot(),
             reader.gate().metrics_snapshot(),
         )
+    }
+
+    #[test]
+    fn network_gauges_count_leased_segments() {
+        let mut config = NetworkConfig::default();
+        config
+            .set("taskmanager.memory.segment-size", "4kb")
+            .unwrap();
+        config.set("taskmanager.memory.network.max", "1mb").unwrap();
+        config.set("fluxgate.memory.arena-size", "1mb").unwrap();
+        let network = NetworkBufferPool::new(&config).unwrap();
+        let idle = network.metrics_snapshot();
+        assert_eq!(
+            (idle.total_memory_segments, idle.used_memory_segments),
+            (256, 0)
+        );
+        assert_eq!(idle.total_memory, 1 << 20);
+        let held: Vec<_> = (0..3).map(|_| network.request_segment().unwrap()).collect();
+        let busy = network.metrics_snapshot();
+        assert_eq!(
+            (busy.available_memory_segments, busy.used_memory_segments),
+            (253, 3)
+        );
+        assert_eq!(
+            (busy.used_memory, busy.available_memory),
+            (3 * 4096, 253 * 4096)
+        );
+        drop(held);
+        assert_eq!(network.metrics_snapshot(), idle);
     }
 
     #[test]

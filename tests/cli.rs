@@ -1213,6 +1213,14 @@ fn bench_prints_metric_snapshots_with_flinks_names() {
     );
     assert_eq!(value("gate.0.numBuffersInLocal"), 0.0, "{}", run.all());
     assert_eq!(value("gate.0.inputQueueLength"), 0.0, "{}", run.all());
+    // All read: no segment of the gate holds data any more, of either kind.
+    assert_eq!(
+        value("gate.0.inputExclusiveBuffersUsage"),
+        0.0,
+        "{}",
+        run.all()
+    );
+    assert_eq!(value("gate.0.inputFloatingBuffersUsage"), 0.0, "{}", run.all());
     // Taken by the producer as it finishes: what its consumer had still to take.
     value("partition.0.outputQueueLength");
     assert!(run.stdout.contains("records_per_sec "), "{}", run.all());

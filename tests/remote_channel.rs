@@ -1410,6 +1410,48 @@ fn in_pool_usage_counts_segments_holding_data_not_free_credit() {
     assert_eq!(f.network.available_segments(), f.network.total_segments());
 }
 
+/// Flink's `inputExclusiveBuffersUsage` and `inputFloatingBuffersUsage` split the segments
+/// holding data by where they came from; floating segments lent as credit and not yet
+/// filled count in neither.
+#[test]
+fn exclusive_and_floating_usage_count_segments_holding_data_by_kind() {
+    let f = fixture();
+    let mut gate = f.remote_gate(2);
+    let (shared, _) = attach(&gate, 0);
+    let exclusive = (2 * EXCLUSIVE) as f64;
+    let floating = FLOATING as f64;
+    let usages = |gate: &fluxgate::gate::SingleInputGate| {
+        let m = gate.metrics_snapshot();
+        (
+            m.input_exclusive_buffers_usage,
+            m.input_floating_buffers_usage,
+        )
+    };
+    assert_eq!(usages(&gate), (0.0, 0.0));
+
+    let mut sender = Sender::new(&shared);
+    // Into an exclusive segment (no floating one lent yet); the backlog asks for floating
+    // ones, which wait as credit.
+    sender.send(b"first", DataType::DataBuffer, 3).unwrap();
+    assert!(
+        shared.buffers().available() > EXCLUSIVE - 1,
+        "floating credit lent"
+    );
+    assert_eq!(usages(&gate), (1.0 / exclusive, 0.0));
+    assert!(sender.announce() > 0);
+    // Into a floating one (taken first).
+    sender.send(b"second", DataType::DataBuffer, 0).unwrap();
+    assert_eq!(usages(&gate), (1.0 / exclusive, 1.0 / floating));
+
+    for _ in 0..2 {
+        drop(gate.next_timeout(LONG).unwrap().unwrap());
+    }
+    assert_eq!(usages(&gate), (0.0, 0.0));
+    gate.close();
+    drop(gate);
+    assert_eq!(f.network.available_segments(), f.network.total_segments());
+}
+
 #[test]
 fn a_union_reports_its_members_input_and_its_own_idle_time() {
     let f = fixture();

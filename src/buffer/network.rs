@@ -218,6 +218,16 @@ impl NetworkBufferPool {
         self.inner.memory.segment_size()
     }
 
+    /// The network memory's gauges now (Flink's `TotalMemorySegments`,
+    /// `AvailableMemorySegments`, `UsedMemorySegments` and their sizes in bytes).
+    pub fn metrics_snapshot(&self) -> crate::metrics::NetworkMetricsSnapshot {
+        crate::metrics::NetworkMetricsSnapshot::of(
+            self.total_segments(),
+            self.available_segments(),
+            self.segment_size(),
+        )
+    }
+
     /// Segments in the whole network memory.
     pub fn total_segments(&self) -> usize {
         self.inner.memory.segment_count()

@@ -222,6 +222,13 @@ impl BufferManager {
         self.exclusive_free.len() + self.floating.len()
     }
 
+    /// The channel's exclusive segments, and how many of them hold data (not free as credit):
+    /// Flink's `getInitialCredit` and `unsynchronizedGetExclusiveBuffersUsed`.
+    pub fn exclusive_usage(&self) -> (usize, usize) {
+        let free = self.exclusive_free.len().min(self.exclusive_total);
+        (self.exclusive_total - free, self.exclusive_total)
+    }
+
     /// True while the channel is registered at the gate's pool for a floating segment (or
     /// asking for one right now).
     pub fn is_waiting_for_floating(&self) -> bool {

@@ -474,34 +474,44 @@ impl SingleInputGate {
     /// not in use (Flink's exclusive and floating usage gauges leave them out too), so a gate
     /// whose channels wait for data reads 0, not `buffers-per-channel` per channel.
     pub fn pool_usage(&self) -> f64 {
-        let (in_use, max) = self.pool_segments_in_use();
-        if max == 0 {
+        let usage = self.segment_usage();
+        if usage.max == 0 {
             return 0.0;
         }
-        in_use as f64 / max as f64
+        usage.in_use as f64 / usage.max as f64
     }
 
-    /// The two sides of [`pool_usage`](Self::pool_usage): segments holding data, and the pool's
-    /// maximum (both 0 without a pool). Not holding data: what remote channels hold free as
+    /// How the gate's pool is used, split as Flink's gauges split it: segments holding data,
+    /// and of those the remote channels' exclusive ones and the floating ones, each beside
+    /// its total. All 0 without a pool. Not holding data: what remote channels hold free as
     /// credit, and the exclusive segments reserved for channels not located yet (an unknown
-    /// channel holds no buffers in Flink; here it keeps its remote successor's).
-    pub(crate) fn pool_segments_in_use(&self) -> (usize, usize) {
+    /// channel holds no buffers in Flink; here it keeps its remote successor's), which count
+    /// in no total but the pool's.
+    pub(crate) fn segment_usage(&self) -> SegmentUsage {
         let Some(pool) = &self.pool else {
-            return (0, 0);
+            return SegmentUsage::default();
         };
-        let credit: usize = self
-            .channels
-            .iter()
-            .filter_map(|channel| match channel {
-                InputChannel::Remote(remote) => Some(remote.shared().buffers().available()),
-                _ => None,
-            })
-            .sum();
+        let (mut credit, mut exclusive_used, mut exclusive_total) = (0, 0, 0);
+        for channel in &self.channels {
+            if let InputChannel::Remote(remote) = channel {
+                let buffers = remote.shared().buffers();
+                credit += buffers.available();
+                let (used, total) = buffers.exclusive_usage();
+                exclusive_used += used;
+                exclusive_total += total;
+            }
+        }
         let reserved: usize = self.reserved.iter().map(Vec::len).sum();
-        (
-            pool.in_use_segments().saturating_sub(credit + reserved),
-            pool.spec().max_segments,
-        )
+        let in_use = pool.in_use_segments().saturating_sub(credit + reserved);
+        let max = pool.spec().max_segments;
+        SegmentUsage {
+            in_use,
+            max,
+            exclusive_used,
+            exclusive_total,
+            floating_used: in_use.saturating_sub(exclusive_used),
+            floating_total: max.saturating_sub(exclusive_total + reserved),
+        }
     }
 
     /// The gate's pool, if it has remote channels.
@@ -518,10 +528,10 @@ impl SingleInputGate {
     /// the channels, `inPoolUsage` and the idle time.
     pub fn metrics_snapshot(&self) -> InputMetricsSnapshot {
         let mut snapshot = InputMetricsSnapshot {
-            in_pool_usage: self.pool_usage(),
             idle_time_ms: self.metrics.idle.total_ms(),
             ..InputMetricsSnapshot::default()
         };
+        self.segment_usage().set_usages(&mut snapshot);
         self.add_channel_counts(&mut snapshot);
         snapshot
     }
@@ -690,6 +700,43 @@ impl SingleInputGate {
             more_available: self.queue.has_channels(),
             overtaken,
         })
+    }
+}
+
+/// [`SingleInputGate::segment_usage`]: summed over a union's members, it gives the union's.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SegmentUsage {
+    pub(crate) in_use: usize,
+    pub(crate) max: usize,
+    pub(crate) exclusive_used: usize,
+    pub(crate) exclusive_total: usize,
+    pub(crate) floating_used: usize,
+    pub(crate) floating_total: usize,
+}
+
+impl SegmentUsage {
+    pub(crate) fn add(&mut self, other: SegmentUsage) {
+        self.in_use += other.in_use;
+        self.max += other.max;
+        self.exclusive_used += other.exclusive_used;
+        self.exclusive_total += other.exclusive_total;
+        self.floating_used += other.floating_used;
+        self.floating_total += other.floating_total;
+    }
+
+    /// `inPoolUsage`, `inputExclusiveBuffersUsage` and `inputFloatingBuffersUsage` (each 0
+    /// over a total of 0).
+    pub(crate) fn set_usages(&self, snapshot: &mut InputMetricsSnapshot) {
+        let ratio = |used: usize, total: usize| {
+            if total == 0 {
+                0.0
+            } else {
+                used as f64 / total as f64
+            }
+        };
+        snapshot.in_pool_usage = ratio(self.in_use, self.max);
+        snapshot.input_exclusive_buffers_usage = ratio(self.exclusive_used, self.exclusive_total);
+        snapshot.input_floating_buffers_usage = ratio(self.floating_used, self.floating_total);
     }
 }
 

@@ -78,18 +78,12 @@ impl UnionInputGate {
             idle_time_ms: self.metrics.idle.total_ms(),
             ..InputMetricsSnapshot::default()
         };
-        let (mut in_use, mut max) = (0, 0);
+        let mut usage = super::single::SegmentUsage::default();
         for gate in &self.gates {
             gate.add_channel_counts(&mut snapshot);
-            let (gate_in_use, gate_max) = gate.pool_segments_in_use();
-            in_use += gate_in_use;
-            max += gate_max;
+            usage.add(gate.segment_usage());
         }
-        snapshot.in_pool_usage = if max == 0 {
-            0.0
-        } else {
-            in_use as f64 / max as f64
-        };
+        usage.set_usages(&mut snapshot);
         snapshot
     }
 
