@@ -1220,7 +1220,12 @@ fn bench_prints_metric_snapshots_with_flinks_names() {
         "{}",
         run.all()
     );
-    assert_eq!(value("gate.0.inputFloatingBuffersUsage"), 0.0, "{}", run.all());
+    assert_eq!(
+        value("gate.0.inputFloatingBuffersUsage"),
+        0.0,
+        "{}",
+        run.all()
+    );
     // Taken by the producer as it finishes: what its consumer had still to take.
     value("partition.0.outputQueueLength");
     assert!(run.stdout.contains("records_per_sec "), "{}", run.all());

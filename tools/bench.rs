@@ -1305,7 +1305,7 @@ fn metric_unit(name: &str) -> &'static str {
         "bytes"
     } else if name.starts_with("numBuffers") {
         "buffers"
-    } else if name.ends_with("PoolUsage") {
+    } else if name.ends_with("Usage") {
         "ratio"
     } else if name.ends_with("QueueLength") {
         "items"

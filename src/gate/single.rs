@@ -496,9 +496,12 @@ impl SingleInputGate {
             if let InputChannel::Remote(remote) = channel {
                 let buffers = remote.shared().buffers();
                 credit += buffers.available();
-                let (used, total) = buffers.exclusive_usage();
-                exclusive_used += used;
-                exclusive_total += total;
+                // A released channel gave its segments back: it has none to count.
+                if !remote.shared().is_released() {
+                    let (used, total) = buffers.exclusive_usage();
+                    exclusive_used += used;
+                    exclusive_total += total;
+                }
             }
         }
         let reserved: usize = self.reserved.iter().map(Vec::len).sum();
