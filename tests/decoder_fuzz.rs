@@ -879,8 +879,8 @@ fn corpus_entries() -> Vec<CorpusEntry> {
             "Decode::UnsupportedVersion",
         ),
         entry(
-            "unknown_message_11",
-            cat(&[&h, &header_only(10, 11)]),
+            "unknown_message_12",
+            cat(&[&h, &header_only(10, 12)]),
             "Decode::UnknownMessage",
             "Decode::UnknownMessage",
         ),
@@ -1043,6 +1043,18 @@ fn corpus_entries() -> Vec<CorpusEntry> {
                 &h,
                 &request(5, 2),
                 &frame(&Message::ResumeConsumption {
+                    receiver: ReceiverId(5),
+                }),
+            ]),
+            "ok",
+            "UnexpectedMessage",
+        ),
+        entry(
+            "ack_all_user_records_processed",
+            cat(&[
+                &h,
+                &request(5, 2),
+                &frame(&Message::AckAllUserRecordsProcessed {
                     receiver: ReceiverId(5),
                 }),
             ]),
@@ -1635,6 +1647,7 @@ enum ToServer {
     },
     AddCredit(Index, u32),
     Resume(Index),
+    AckAllRecords(Index),
     TaskEvent(Event),
     Cancel(Index),
     ChannelError(Index, ErrorKind, String),
@@ -1647,6 +1660,7 @@ fn to_server() -> impl Strategy<Value = ToServer> {
             .prop_map(|(known, subpartition, credit)| ToServer::Request { known, subpartition, credit }),
         4 => (any::<Index>(), 1u32..=8).prop_map(|(i, c)| ToServer::AddCredit(i, c)),
         2 => any::<Index>().prop_map(ToServer::Resume),
+        1 => any::<Index>().prop_map(ToServer::AckAllRecords),
         1 => event().prop_map(ToServer::TaskEvent),
         1 => any::<Index>().prop_map(ToServer::Cancel),
         1 => (any::<Index>(), error_kind(), "[a-z ]{0,20}").prop_map(|(i, k, m)| ToServer::ChannelError(i, k, m)),
@@ -1695,6 +1709,9 @@ fn server_stream() -> impl Strategy<Value = Vec<u8>> {
                     credit,
                 },
                 ToServer::Resume(i) => Message::ResumeConsumption {
+                    receiver: pick(&receivers, &i),
+                },
+                ToServer::AckAllRecords(i) => Message::AckAllUserRecordsProcessed {
                     receiver: pick(&receivers, &i),
                 },
                 ToServer::TaskEvent(event) => {
@@ -1797,6 +1814,9 @@ fn message() -> impl Strategy<Value = Message> {
         receiver
             .clone()
             .prop_map(|receiver| Message::ResumeConsumption { receiver }),
+        receiver
+            .clone()
+            .prop_map(|receiver| Message::AckAllUserRecordsProcessed { receiver }),
         (
             partition,
             receiver.clone(),
@@ -2054,7 +2074,7 @@ enum HeaderSource {
 }
 
 fn message_id(id: u8) -> MessageId {
-    const IDS: [MessageId; 11] = [
+    const IDS: [MessageId; 12] = [
         MessageId::Handshake,
         MessageId::PartitionRequest,
         MessageId::BufferResponse,
@@ -2066,6 +2086,7 @@ fn message_id(id: u8) -> MessageId {
         MessageId::BacklogAnnouncement,
         MessageId::ErrorResponse,
         MessageId::AuthProof,
+        MessageId::AckAllUserRecordsProcessed,
     ];
     IDS[usize::from(id) % IDS.len()]
 }

@@ -2553,3 +2553,102 @@ fn an_open_buffer_at_a_limit_of_one_leaves_the_output_available() {
     drop((input, upstream, output));
     assert!(f.all_segments_back());
 }
+
+/// FLIP-147: EndOfData goes out once; the gate reports the end of data once every channel
+/// delivered it (drained, or stopped when one said not to drain); the producer learns that
+/// its consumers processed every record only from each subpartition's acknowledgement, and
+/// only then finishes.
+#[test]
+fn end_of_data_is_acknowledged_per_channel_before_the_producer_finishes() {
+    use fluxgate::event::StopMode;
+    use fluxgate::gate::EndOfDataStatus;
+    for mode in [StopMode::Drain, StopMode::NoDrain] {
+        let f = fixture();
+        let mut producer = f.producer(80, 2);
+        let mut gate = f.gate(&[(80, 0), (80, 1)], ChannelLocation::Local);
+        gate.request_partitions(Instant::now()).unwrap();
+        producer.emit_record(&b"r0"[..], 0).unwrap();
+        producer.emit_record(&b"r1"[..], 1).unwrap();
+        producer.notify_end_of_data(mode).unwrap();
+        producer.notify_end_of_data(mode).unwrap();
+        let mut ends = 0;
+        let mut records = 0;
+        while ends < 2 {
+            let item = gate.next_timeout(LONG).unwrap().unwrap();
+            match item.item {
+                GateItem::Buffer(_) => records += 1,
+                GateItem::Event {
+                    event: Event::EndOfData(got),
+                    ..
+                } => {
+                    assert_eq!(got, mode);
+                    ends += 1;
+                    let expected = match (ends, mode) {
+                        (1, _) => EndOfDataStatus::NotEndOfData,
+                        (_, StopMode::Drain) => EndOfDataStatus::Drained,
+                        (_, StopMode::NoDrain) => EndOfDataStatus::Stopped,
+                    };
+                    assert_eq!(gate.end_of_data_status(), expected);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(records, 2);
+        assert!(
+            gate.poll_next().unwrap().is_none(),
+            "EndOfData went out once"
+        );
+        assert!(!producer.is_all_data_processed());
+        gate.acknowledge_all_records_processed(0).unwrap();
+        assert!(!producer.is_all_data_processed(), "one of two acknowledged");
+        assert!(!producer
+            .wait_all_data_processed(Some(Instant::now() + Duration::from_millis(10)))
+            .unwrap());
+        gate.acknowledge_all_records_processed(1).unwrap();
+        gate.acknowledge_all_records_processed(1).unwrap();
+        assert!(producer
+            .wait_all_data_processed(Some(Instant::now() + LONG))
+            .unwrap());
+        producer.finish().unwrap();
+        let mut finished = 0;
+        while let Some(item) = gate.next_timeout(LONG).unwrap() {
+            assert_eq!(event(&item.item), &Event::EndOfPartition);
+            finished += 1;
+        }
+        assert_eq!(finished, 2);
+        drop((gate, producer));
+        assert!(f.all_segments_back());
+    }
+}
+
+/// A consumer that goes away without acknowledging ends the producer's wait with an error,
+/// not at its deadline.
+#[test]
+fn a_consumer_gone_unacknowledged_fails_the_wait_for_its_acknowledgement() {
+    let f = fixture();
+    let mut producer = f.producer(82, 1);
+    let mut gate = f.gate(&[(82, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    producer
+        .notify_end_of_data(fluxgate::event::StopMode::Drain)
+        .unwrap();
+    let end = gate.next_timeout(LONG).unwrap().unwrap();
+    assert_eq!(
+        event(&end.item),
+        &Event::EndOfData(fluxgate::event::StopMode::Drain)
+    );
+    let closer = gate.closer();
+    let waiter = thread::spawn(move || {
+        producer
+            .wait_all_data_processed(Some(Instant::now() + LONG))
+            .map(|done| (done, producer))
+    });
+    closer.close();
+    assert!(matches!(gate.poll_next(), Err(GateError::Closed)));
+    drop(gate);
+    assert!(matches!(
+        waiter.join().unwrap(),
+        Err(PartitionError::Released)
+    ));
+    assert!(f.all_segments_back());
+}

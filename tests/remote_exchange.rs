@@ -720,6 +720,59 @@ on_both_drivers!(
     a_back_pressured_task_takes_an_unaligned_barrier_from_the_wire_uring
 );
 
+/// FLIP-147 across the wire: the consumer's acknowledgement that it processed every record
+/// before EndOfData reaches the producer (AckAllUserRecordsProcessed), which only then sees
+/// all data processed and finishes.
+fn end_of_data_is_acknowledged_across_the_wire(transport: Transport) {
+    use fluxgate::event::StopMode;
+    use fluxgate::gate::EndOfDataStatus;
+    let producer_env = env(1, transport);
+    let consumer_env = env(2, transport);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    let mut gate = remote_gate(&consumer_env, producer_env.local_addr());
+    partition.emit_record(&b"last record"[..], 0).unwrap();
+    partition.notify_end_of_data(StopMode::Drain).unwrap();
+    let mut records = 0;
+    loop {
+        let item = gate.next_timeout(LONG).unwrap().unwrap();
+        match item.item {
+            GateItem::Buffer(_) => records += 1,
+            GateItem::Event {
+                event: Event::EndOfData(StopMode::Drain),
+                ..
+            } => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(records, 1);
+    assert_eq!(gate.end_of_data_status(), EndOfDataStatus::Drained);
+    assert!(!partition.is_all_data_processed());
+    gate.acknowledge_all_records_processed(0).unwrap();
+    assert!(
+        partition
+            .wait_all_data_processed(Some(Instant::now() + LONG))
+            .unwrap(),
+        "the acknowledgement crossed the wire"
+    );
+    partition.finish().unwrap();
+    let end = gate.next_timeout(LONG).unwrap().unwrap();
+    assert!(matches!(
+        end.item,
+        GateItem::Event {
+            event: Event::EndOfPartition,
+            ..
+        }
+    ));
+    assert!(gate.next_timeout(LONG).unwrap().is_none());
+    drop((end, gate, partition));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    end_of_data_is_acknowledged_across_the_wire,
+    end_of_data_is_acknowledged_across_the_wire_epoll,
+    end_of_data_is_acknowledged_across_the_wire_uring
+);
+
 /// Reads on until the reader fails (each read bounded by LONG): its error.
 fn first_error<G: fluxgate::gate::InputGate>(reader: &mut RecordReader<G>) -> ReaderError {
     loop {

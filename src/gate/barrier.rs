@@ -1061,6 +1061,14 @@ impl<G: InputGate> InputGate for CheckpointedInputGate<G> {
         self.poll_priority()
     }
 
+    fn end_of_data_status(&self) -> super::EndOfDataStatus {
+        self.gate.end_of_data_status()
+    }
+
+    fn acknowledge_all_records_processed(&mut self, channel: usize) -> Result<(), GateError> {
+        self.gate.acknowledge_all_records_processed(channel)
+    }
+
     fn has_priority_event(&self) -> bool {
         self.deferred
             .as_ref()

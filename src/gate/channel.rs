@@ -385,6 +385,14 @@ impl LocalInputChannel {
             .is_some_and(|view| view.resume_consumption())
     }
 
+    /// See [`InputGate::acknowledge_all_records_processed`](super::InputGate): straight to
+    /// the producer's subpartition.
+    pub(crate) fn acknowledge_all_records_processed(&self) {
+        if let Some(view) = &self.view {
+            view.acknowledge_all_data_processed();
+        }
+    }
+
     /// Whether [`send_task_event`](Self::send_task_event) takes one more event now (it holds
     /// at most `MAX_PENDING_LOCAL_EVENTS` for a partition not found yet).
     pub(crate) fn has_task_event_room(&self) -> bool {

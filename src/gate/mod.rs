@@ -204,6 +204,17 @@ pub struct BufferOrEvent {
     pub overtaken: usize,
 }
 
+/// Whether a gate's producers all sent EndOfData (Flink's `EndOfDataStatus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndOfDataStatus {
+    /// A channel may still deliver records.
+    NotEndOfData,
+    /// Every channel delivered EndOfData (or ended), all asking to drain.
+    Drained,
+    /// Every channel delivered EndOfData (or ended), one asking to stop without draining.
+    Stopped,
+}
+
 /// A data buffer or an event.
 #[derive(Debug)]
 pub enum GateItem {
@@ -278,6 +289,15 @@ pub trait InputGate {
     /// `getPriorityEventAvailableFuture` done). It may stay true for a moment after the
     /// event was read through the channel's turn for data, until a priority read looks.
     fn has_priority_event(&self) -> bool;
+    /// FLIP-147 (Flink's `hasReceivedEndOfData`): whether every channel delivered EndOfData
+    /// (or ended, after which no record comes either), and whether all of them asked to
+    /// drain.
+    fn end_of_data_status(&self) -> EndOfDataStatus;
+    /// Tells `channel`'s producer that the task processed every record the channel delivered
+    /// before its EndOfData (Flink's `acknowledgeAllRecordsProcessed`), over the wire for a
+    /// remote channel: the producer waits for every consumer's before it finishes. A channel
+    /// that ended already is skipped (its producer waits for nothing any more).
+    fn acknowledge_all_records_processed(&mut self, channel: usize) -> Result<(), GateError>;
     /// The gate's idle time, which every read's wait for data counts in.
     fn idle_time(&self) -> &WaitTime;
     /// Where the in-flight data of unaligned checkpoints goes, for a gate that persists it

@@ -521,6 +521,8 @@ pub struct RemoteChannelShared {
     failed: AtomicBool,
     released: AtomicBool,
     resume_requested: AtomicBool,
+    /// The task processed every record before the channel's EndOfData; not yet sent.
+    all_records_processed: AtomicBool,
     /// Task events for the producer, encoded, that the transport has not sent yet.
     task_events: Mutex<std::collections::VecDeque<Vec<u8>>>,
     /// Set after a push to `task_events`: the transport looks at every ready channel (one per
@@ -739,6 +741,13 @@ impl RemoteChannelShared {
         self.resume_requested.swap(false, Ordering::AcqRel)
     }
 
+    /// Whether the task acknowledged every record (FLIP-147) since the last call: the
+    /// transport sends AckAllUserRecordsProcessed.
+    pub fn take_acknowledgement(&self) -> bool {
+        self.all_records_processed.load(Ordering::Relaxed)
+            && self.all_records_processed.swap(false, Ordering::AcqRel)
+    }
+
     /// True once the gate released the channel.
     pub fn is_released(&self) -> bool {
         self.released.load(Ordering::SeqCst)
@@ -854,6 +863,7 @@ impl RemoteInputChannel {
                 failed: AtomicBool::new(false),
                 released: AtomicBool::new(false),
                 resume_requested: AtomicBool::new(false),
+                all_records_processed: AtomicBool::new(false),
                 task_events: Mutex::new(std::collections::VecDeque::new()),
                 task_events_queued: AtomicBool::new(false),
                 retries: AtomicU64::new(0),
@@ -1119,6 +1129,17 @@ impl RemoteInputChannel {
         // Pairs with the fence of the transport's attach (`ClientConnection::add_channel`):
         // either it sees the flag, or this sees its listener.
         fence(Ordering::SeqCst);
+        if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
+            slot.0.on_channel_ready(self.shared.channel);
+        }
+    }
+
+    /// See [`InputGate::acknowledge_all_records_processed`](super::InputGate): the transport
+    /// sends it to the producer.
+    pub(crate) fn acknowledge_all_records_processed(&mut self) {
+        self.shared
+            .all_records_processed
+            .store(true, Ordering::Release);
         if let Some(slot) = self.shared.buffers.listener.load().as_ref() {
             slot.0.on_channel_ready(self.shared.channel);
         }

@@ -10,12 +10,12 @@ use super::channel::{
 use super::queue::ChannelQueue;
 use super::remote::{BufferManager, RemoteInputChannel};
 use super::{
-    partition_error, BufferOrEvent, ChannelRead, ConsumedSubpartition, GateError, GateItem,
-    InputGate,
+    partition_error, BufferOrEvent, ChannelRead, ConsumedSubpartition, EndOfDataStatus, GateError,
+    GateItem, InputGate,
 };
 use crate::buffer::{LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError};
 use crate::config::NetworkConfig;
-use crate::event::{CheckpointBarrier, Event};
+use crate::event::{CheckpointBarrier, Event, StopMode};
 use crate::metrics::{InputMetricsSnapshot, WaitTime};
 use crate::partition::PartitionManager;
 
@@ -54,6 +54,11 @@ pub struct SingleInputGate {
     closed: bool,
     finished: Vec<bool>,
     finished_count: usize,
+    /// Channels that delivered EndOfData, or ended without it (FLIP-147).
+    end_of_data: Vec<bool>,
+    end_of_data_count: usize,
+    /// An EndOfData said not to drain.
+    stop_without_drain: bool,
     /// Task events sent while some channel's location was unknown.
     pending_events: Vec<Event>,
     metrics: GateMetrics,
@@ -106,6 +111,9 @@ impl SingleInputGate {
             closed: false,
             finished: vec![false; count],
             finished_count: 0,
+            end_of_data: vec![false; count],
+            end_of_data_count: 0,
+            stop_without_drain: false,
             pending_events: Vec::new(),
             metrics: GateMetrics::default(),
             timer: super::WakeTimer::default(),
@@ -684,18 +692,26 @@ impl SingleInputGate {
                 priority: data_type.has_priority(),
             }
         };
-        if let GateItem::Event {
-            event: Event::EndOfPartition,
-            ..
-        } = &item
-        {
-            if !self.finished[index] {
-                self.finished[index] = true;
-                self.finished_count += 1;
+        match &item {
+            GateItem::Event {
+                event: Event::EndOfPartition,
+                ..
+            } => {
+                if !self.finished[index] {
+                    self.finished[index] = true;
+                    self.finished_count += 1;
+                }
+                self.note_end_of_data(index, None);
+                self.channels[index].release();
             }
-            self.channels[index].release();
-        } else {
-            self.queue_again(index, more_available, next_is_priority);
+            GateItem::Event {
+                event: Event::EndOfData(mode),
+                ..
+            } => {
+                self.note_end_of_data(index, Some(*mode));
+                self.queue_again(index, more_available, next_is_priority);
+            }
+            _ => self.queue_again(index, more_available, next_is_priority),
         }
         Ok(BufferOrEvent {
             channel: index,
@@ -750,6 +766,20 @@ fn send_event(channel: &mut InputChannel, event: &Event) {
         }
         InputChannel::Remote(c) => c.send_task_event(event),
         InputChannel::Unknown(_) => {}
+    }
+}
+
+impl SingleInputGate {
+    /// `channel` delivered EndOfData (`mode`), or ended (`None`: no record follows an end
+    /// either).
+    fn note_end_of_data(&mut self, channel: usize, mode: Option<StopMode>) {
+        if mode == Some(StopMode::NoDrain) {
+            self.stop_without_drain = true;
+        }
+        if !self.end_of_data[channel] {
+            self.end_of_data[channel] = true;
+            self.end_of_data_count += 1;
+        }
     }
 }
 
@@ -855,6 +885,35 @@ impl InputGate for SingleInputGate {
 
     fn has_priority_event(&self) -> bool {
         self.queue.has_priority()
+    }
+
+    fn end_of_data_status(&self) -> EndOfDataStatus {
+        if self.end_of_data_count < self.specs.len() {
+            EndOfDataStatus::NotEndOfData
+        } else if self.stop_without_drain {
+            EndOfDataStatus::Stopped
+        } else {
+            EndOfDataStatus::Drained
+        }
+    }
+
+    fn acknowledge_all_records_processed(&mut self, channel: usize) -> Result<(), GateError> {
+        if self.finished.get(channel).copied().unwrap_or(false) {
+            // Ended: its producer finished, and waits for nothing.
+            return Ok(());
+        }
+        match self.channels.get_mut(channel) {
+            None => Err(GateError::NoSuchChannel(channel)),
+            Some(InputChannel::Local(c)) => {
+                c.acknowledge_all_records_processed();
+                Ok(())
+            }
+            Some(InputChannel::Remote(c)) => {
+                c.acknowledge_all_records_processed();
+                Ok(())
+            }
+            Some(InputChannel::Unknown(_)) => Err(GateError::UnknownChannel(channel)),
+        }
     }
 
     fn next_until(

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::queue::ChannelQueue;
 use super::single::{GateCloser, GateMetrics, SingleInputGate};
-use super::{BufferOrEvent, GateError, InputGate};
+use super::{BufferOrEvent, EndOfDataStatus, GateError, InputGate};
 use crate::event::CheckpointBarrier;
 use crate::metrics::{InputMetricsSnapshot, WaitTime};
 
@@ -238,6 +238,27 @@ impl InputGate for UnionInputGate {
 
     fn has_priority_event(&self) -> bool {
         self.queue.has_priority()
+    }
+
+    fn end_of_data_status(&self) -> EndOfDataStatus {
+        let mut status = EndOfDataStatus::Drained;
+        for gate in &self.gates {
+            match gate.end_of_data_status() {
+                EndOfDataStatus::NotEndOfData => return EndOfDataStatus::NotEndOfData,
+                EndOfDataStatus::Stopped => status = EndOfDataStatus::Stopped,
+                EndOfDataStatus::Drained => {}
+            }
+        }
+        status
+    }
+
+    fn acknowledge_all_records_processed(&mut self, channel: usize) -> Result<(), GateError> {
+        let (gate, local) = self
+            .locate(channel)
+            .ok_or(GateError::NoSuchChannel(channel))?;
+        self.gates[gate]
+            .acknowledge_all_records_processed(local)
+            .map_err(|error| error.offset_channel(self.offsets[gate]))
     }
 
     fn next_until(

@@ -7,7 +7,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::subpartition::{
-    Conversion, PipelinedSubpartition, Queued, SubpartitionView, EVENT_RESERVE,
+    AllDataProcessed, Conversion, PipelinedSubpartition, Queued, SubpartitionView, EVENT_RESERVE,
 };
 use super::{AvailabilityListener, PartitionError, PartitionType, ResultPartitionId};
 use crate::buffer::{
@@ -15,7 +15,7 @@ use crate::buffer::{
     PoolWaiters,
 };
 use crate::config::NetworkConfig;
-use crate::event::{CheckpointBarrier, Event};
+use crate::event::{CheckpointBarrier, Event, StopMode};
 use crate::metrics::{OutputMetrics, OutputMetricsSnapshot};
 use crate::record::{self, Record, RecordError, SegmentSink};
 use crate::wake_timer::WakeTimer;
@@ -39,6 +39,8 @@ struct PartitionShared {
     writer_waits: PoolWaiters,
     /// Why the producer failed, if it said (the first cause given).
     failure: Arc<OnceLock<String>>,
+    /// The consumers that processed every record (FLIP-147).
+    all_data_processed: Arc<AllDataProcessed>,
 }
 
 impl fmt::Debug for PartitionHandle {
@@ -145,6 +147,13 @@ impl PartitionHandle {
     pub fn back_pressured_time(&self) -> Duration {
         self.shared.writer_waits.blocked_time()
     }
+
+    /// True once the consumer of every subpartition said it processed every record (after
+    /// the EndOfData of [`ResultPartition::notify_end_of_data`]; Flink's
+    /// `getAllDataProcessedFuture` done).
+    pub fn is_all_data_processed(&self) -> bool {
+        self.shared.all_data_processed.is_done()
+    }
 }
 
 /// A result partition as its producer holds it (Flink's `BufferWritingResultPartition` with
@@ -164,6 +173,8 @@ pub struct ResultPartition {
     /// `max-overdraft-buffers-per-gate`: segments beyond the pool that finish a started record.
     max_overdraft_for_records: usize,
     finished: bool,
+    /// EndOfData went out (FLIP-147's `notifyEndOfData`, once).
+    end_of_data_sent: bool,
     /// The newest aligned barrier with a timeout, until it was turned unaligned.
     barrier_timer: Option<BarrierTimer>,
     /// Wakes an async emit waiting under back pressure when `barrier_timer` comes due.
@@ -263,6 +274,7 @@ impl ResultPartition {
             .min(spec.max_segments + spec.max_overdraft_segments);
         let room_waiters = pool.waiters();
         let failure = Arc::new(OnceLock::new());
+        let all_data_processed = Arc::new(AllDataProcessed::new(subpartitions));
         let shared = Arc::new(PartitionShared {
             id,
             kind: PartitionType::Pipelined,
@@ -275,12 +287,14 @@ impl ResultPartition {
                         room_waiters.clone(),
                         network.clone(),
                         failure.clone(),
+                        all_data_processed.clone(),
                     ))
                 })
                 .collect(),
             metrics: OutputMetrics::default(),
             writer_waits: room_waiters,
             failure,
+            all_data_processed,
         });
         Ok(Self {
             handle: PartitionHandle { shared },
@@ -292,6 +306,7 @@ impl ResultPartition {
             request_timeout: config.buffer_request_timeout,
             max_overdraft_for_records: config.max_overdraft_buffers_per_gate,
             finished: false,
+            end_of_data_sent: false,
             barrier_timer: None,
             barrier_wake: WakeTimer::default(),
         })
@@ -862,6 +877,84 @@ impl ResultPartition {
     /// Makes the committed bytes of every subpartition readable now.
     pub fn flush_all(&mut self) {
         self.handle.flush_all();
+    }
+
+    /// FLIP-147's `notifyEndOfData`: no record follows. Queues `EndOfData(mode)` in every
+    /// subpartition once (later calls do nothing); events, a final checkpoint's barriers
+    /// among them, may still follow. The consumers acknowledge once they processed every
+    /// record before it ([`SubpartitionView::acknowledge_all_data_processed`], which a gate's
+    /// `acknowledge_all_records_processed` reaches, over the wire too); the producer waits
+    /// for that ([`wait_all_data_processed`](Self::wait_all_data_processed)) before it
+    /// finishes, so a final checkpoint covers every record.
+    pub fn notify_end_of_data(&mut self, mode: StopMode) -> Result<(), PartitionError> {
+        if self.end_of_data_sent {
+            return Ok(());
+        }
+        self.broadcast_event(&Event::EndOfData(mode), false)?;
+        self.end_of_data_sent = true;
+        Ok(())
+    }
+
+    /// See [`PartitionHandle::is_all_data_processed`].
+    pub fn is_all_data_processed(&self) -> bool {
+        self.handle.is_all_data_processed()
+    }
+
+    /// A subpartition was released (its consumer went away, or the partition) before its
+    /// consumer acknowledged: the acknowledgement never comes.
+    fn released_unacknowledged(&self) -> bool {
+        let subpartitions = &self.handle.shared.subpartitions;
+        subpartitions.iter().any(|s| s.released_unacknowledged())
+    }
+
+    /// Blocks until every consumer acknowledged that it processed every record (`Ok(true)`),
+    /// or `deadline` passes (`Ok(false)`); fails with `Released` once a subpartition is
+    /// released unacknowledged (a consumer that went away never acknowledges).
+    pub fn wait_all_data_processed(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Result<bool, PartitionError> {
+        let processed = &self.handle.shared.all_data_processed;
+        // Bounded by the deadline; a release wakes the wait.
+        loop {
+            if processed.is_done() {
+                return Ok(true);
+            }
+            if self.released_unacknowledged() {
+                return Err(PartitionError::Released);
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|deadline| now >= deadline) {
+                return Ok(false);
+            }
+            let wait = deadline.map_or(Duration::from_secs(1), |d| d - now);
+            processed.wait_unless(wait, || {
+                processed.is_done() || self.released_unacknowledged()
+            });
+        }
+    }
+
+    /// [`wait_all_data_processed`](Self::wait_all_data_processed) without blocking the
+    /// thread (any executor) and without a deadline.
+    pub async fn until_all_data_processed(&self) -> Result<(), PartitionError> {
+        let processed = &self.handle.shared.all_data_processed;
+        std::future::poll_fn(|cx| {
+            for round in 0..2 {
+                if processed.is_done() {
+                    return Poll::Ready(Ok(()));
+                }
+                if self.released_unacknowledged() {
+                    return Poll::Ready(Err(PartitionError::Released));
+                }
+                if round == 0 {
+                    // Registered before the second look: an acknowledgement or a release
+                    // after it wakes this waker.
+                    processed.register(cx.waker());
+                }
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     /// Ends the partition: finishes the builders and queues EndOfPartition everywhere.

@@ -29,7 +29,9 @@ use arc_swap::ArcSwapOption;
 
 use super::{AvailabilityListener, BufferAndBacklog, PartitionError};
 use crate::buffer::{BufferConsumer, DataType, NetworkBufferPool, PoolWaiters};
-use crate::sync::{fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{
+    fence, ArrayQueue, AtomicBool, AtomicU64, AtomicUsize, AtomicWaker, Condvar, Mutex, Ordering,
+};
 
 /// Lane slots only events may take: room for them behind a data lane full of buffers.
 pub(crate) const EVENT_RESERVE: usize = 8;
@@ -130,6 +132,69 @@ pub(crate) struct PipelinedSubpartition {
     /// barrier can be turned too; set by the writer before it clears `timeoutable`, cleared
     /// by the reader as it drops the original.
     converted: AtomicU64,
+    /// The partition's count of consumers that processed every record.
+    all_data_processed: Arc<AllDataProcessed>,
+    /// This subpartition's consumer said so (counted there once).
+    data_processed: AtomicBool,
+}
+
+/// The consumers' word that they processed every record of a partition (FLIP-147's
+/// `AckAllUserRecordsProcessed`), counted once per subpartition and waited for by the
+/// producer before it finishes (so a final checkpoint covers every record).
+#[derive(Debug)]
+pub(crate) struct AllDataProcessed {
+    acknowledged: AtomicUsize,
+    subpartitions: usize,
+    lock: Mutex<()>,
+    cond: Condvar,
+    waker: AtomicWaker,
+}
+
+impl AllDataProcessed {
+    pub(crate) fn new(subpartitions: usize) -> Self {
+        Self {
+            acknowledged: AtomicUsize::new(0),
+            subpartitions,
+            lock: Mutex::new(()),
+            cond: Condvar::new(),
+            waker: AtomicWaker::new(),
+        }
+    }
+
+    /// Every subpartition's consumer acknowledged.
+    pub(crate) fn is_done(&self) -> bool {
+        self.acknowledged.load(Ordering::SeqCst) >= self.subpartitions
+    }
+
+    fn acknowledge(&self) {
+        if self.acknowledged.fetch_add(1, Ordering::SeqCst) + 1 >= self.subpartitions {
+            self.wake();
+        }
+    }
+
+    /// Wakes the producer's wait (done, or released: it looks).
+    pub(crate) fn wake(&self) {
+        drop(self.lock.lock().expect("not poisoned"));
+        self.cond.notify_all();
+        self.waker.wake();
+    }
+
+    /// Blocks up to `timeout` unless `done` holds, checked under the lock a wake-up takes.
+    pub(crate) fn wait_unless(&self, timeout: std::time::Duration, done: impl Fn() -> bool) {
+        let guard = self.lock.lock().expect("not poisoned");
+        if !done() {
+            drop(
+                self.cond
+                    .wait_timeout(guard, timeout)
+                    .expect("not poisoned"),
+            );
+        }
+    }
+
+    /// Registers an async wait's waker (looked at again by the caller after this).
+    pub(crate) fn register(&self, waker: &std::task::Waker) {
+        self.waker.register(waker);
+    }
 }
 
 struct ListenerSlot(Arc<dyn AvailabilityListener>);
@@ -156,6 +221,7 @@ impl PipelinedSubpartition {
         room_waiters: PoolWaiters,
         network: NetworkBufferPool,
         failure: Arc<OnceLock<String>>,
+        all_data_processed: Arc<AllDataProcessed>,
     ) -> Self {
         let capacity = capacity.max(1);
         Self {
@@ -182,6 +248,8 @@ impl PipelinedSubpartition {
             timeoutable: AtomicU64::new(0),
             timeoutable_checkpoint: AtomicU64::new(0),
             converted: AtomicU64::new(0),
+            all_data_processed,
+            data_processed: AtomicBool::new(false),
         }
     }
 
@@ -370,6 +438,12 @@ impl PipelinedSubpartition {
     }
 
     /// Drops everything queued (its segments go back to the pool) and refuses more.
+    /// Released before its consumer acknowledged every record: that acknowledgement will
+    /// not come.
+    pub(crate) fn released_unacknowledged(&self) -> bool {
+        self.is_released() && !self.data_processed.load(Ordering::SeqCst)
+    }
+
     pub(crate) fn release(&self) {
         self.released.store(true, Ordering::SeqCst);
         self.drain();
@@ -382,6 +456,8 @@ impl PipelinedSubpartition {
         if let Some(slot) = self.listener.swap(None) {
             self.tell(|| slot.0.notify_data_available());
         }
+        // A producer waiting for its consumers' acknowledgement stops waiting.
+        self.all_data_processed.wake();
     }
 
     fn push_data(&self, consumer: BufferConsumer) -> Result<(), PartitionError> {
@@ -635,6 +711,16 @@ impl SubpartitionView {
     /// look only: it claims nothing). A blocked or released view reads nothing.
     pub fn has_priority_event(&self) -> bool {
         !self.blocked && !self.subpartition.is_released() && !self.subpartition.priority.is_empty()
+    }
+
+    /// The consumer processed every record of this subpartition, up to its EndOfData
+    /// (FLIP-147's `acknowledgeAllDataProcessed`): counted once towards the partition's
+    /// [`is_all_data_processed`](super::PartitionHandle::is_all_data_processed).
+    pub fn acknowledge_all_data_processed(&self) {
+        let sub = &self.subpartition;
+        if !sub.data_processed.swap(true, Ordering::SeqCst) {
+            sub.all_data_processed.acknowledge();
+        }
     }
 
     /// True after an aligned barrier was taken and before `resume_consumption`.

@@ -529,6 +529,12 @@ impl ClientConnection {
                 if resume {
                     encode(&mut self.outbound, &Message::ResumeConsumption { receiver });
                 }
+                if channel.shared.take_acknowledgement() {
+                    encode(
+                        &mut self.outbound,
+                        &Message::AckAllUserRecordsProcessed { receiver },
+                    );
+                }
                 if credit > 0 {
                     encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
                 }

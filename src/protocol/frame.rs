@@ -28,11 +28,13 @@
 //!   9 ErrorResponse        u8 has receiver, u128 receiver, u8 error kind, u16 length (at most
 //!                          512), UTF-8 text (a byte that is not is read as U+FFFD)
 //!  10 AuthProof            32-byte HMAC-SHA256 proof (see [`super::auth`])
+//!  11 AckAllUserRecordsProcessed u128 receiver
 //! ```
 //!
 //! Version history: 1 had a 17-byte Handshake (version, node) and no AuthProof; 2 adds the
 //! handshake's flags and nonce, AuthProof, and the error kinds Unauthenticated and
-//! LimitExceeded.
+//! LimitExceeded; within 2, AckAllUserRecordsProcessed came later (a peer that does not know
+//! it refuses it as an unknown message and closes the connection).
 //!
 //! Every length is checked against its message's limit (and the configured largest frame)
 //! when the header arrives, before a byte of the body is read or memory is reserved for it.
@@ -95,6 +97,8 @@ pub enum MessageId {
     ErrorResponse = 9,
     /// Proof of knowing the cluster secret (authenticated handshake).
     AuthProof = 10,
+    /// The consumer processed every record before the channel's EndOfData (FLIP-147).
+    AckAllUserRecordsProcessed = 11,
 }
 
 impl MessageId {
@@ -129,6 +133,7 @@ impl MessageId {
             8 => Self::BacklogAnnouncement,
             9 => Self::ErrorResponse,
             10 => Self::AuthProof,
+            11 => Self::AckAllUserRecordsProcessed,
             _ => return None,
         })
     }
@@ -246,6 +251,12 @@ pub enum Message {
         receiver: ReceiverId,
         /// Buffers queued (> 0).
         backlog: u32,
+    },
+    /// Consumer → producer: every record before the channel's EndOfData was processed
+    /// (FLIP-147's `AckAllUserRecordsProcessed`).
+    AckAllUserRecordsProcessed {
+        /// The channel.
+        receiver: ReceiverId,
     },
     /// Either way, once per connection and side: proof of knowing the cluster secret.
     AuthProof {
@@ -541,6 +552,10 @@ impl Message {
                 out.extend_from_slice(&receiver.0.to_be_bytes());
                 MessageId::ResumeConsumption
             }
+            Message::AckAllUserRecordsProcessed { receiver } => {
+                out.extend_from_slice(&receiver.0.to_be_bytes());
+                MessageId::AckAllUserRecordsProcessed
+            }
             Message::TaskEventRequest {
                 partition,
                 receiver,
@@ -646,6 +661,12 @@ impl Message {
             MessageId::ResumeConsumption => {
                 r.need(16)?;
                 Message::ResumeConsumption {
+                    receiver: ReceiverId(r.u128()),
+                }
+            }
+            MessageId::AckAllUserRecordsProcessed => {
+                r.need(16)?;
+                Message::AckAllUserRecordsProcessed {
                     receiver: ReceiverId(r.u128()),
                 }
             }

@@ -584,6 +584,12 @@ impl ServerConnection {
                     self.ready.enqueue(slot);
                 }
             }
+            Message::AckAllUserRecordsProcessed { receiver } => {
+                if let Some(&slot) = self.by_receiver.get(&receiver) {
+                    let reader = self.readers[slot as usize].as_ref().expect("mapped");
+                    reader.view.acknowledge_all_data_processed();
+                }
+            }
             Message::ResumeConsumption { receiver } => {
                 if let Some(&slot) = self.by_receiver.get(&receiver) {
                     let reader = self.readers[slot as usize].as_mut().expect("mapped");
