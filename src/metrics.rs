@@ -221,7 +221,7 @@ pub struct InputMetricsSnapshot {
 }
 
 impl InputMetricsSnapshot {
-    /// `(Flink name, value)` of every field, in declaration order.
+    /// `(Flink name, value)` of every field (the usages together).
     pub fn fields(&self) -> [(&'static str, f64); 11] {
         [
             ("numBytesIn", self.num_bytes_in as f64),

@@ -724,6 +724,15 @@ on_both_drivers!(
 /// before EndOfData reaches the producer (AckAllUserRecordsProcessed), which only then sees
 /// all data processed and finishes.
 fn end_of_data_is_acknowledged_across_the_wire(transport: Transport) {
+    for close_at_once in [false, true] {
+        end_of_data_acknowledged(transport, close_at_once);
+    }
+}
+
+/// [`end_of_data_is_acknowledged_across_the_wire`], the consumer closing its gate right after
+/// its acknowledgement (`close_at_once`): the acknowledgement still goes out, ahead of the
+/// cancel the close sends.
+fn end_of_data_acknowledged(transport: Transport, close_at_once: bool) {
     use fluxgate::event::StopMode;
     use fluxgate::gate::EndOfDataStatus;
     let producer_env = env(1, transport);
@@ -748,6 +757,19 @@ fn end_of_data_is_acknowledged_across_the_wire(transport: Transport) {
     assert_eq!(gate.end_of_data_status(), EndOfDataStatus::Drained);
     assert!(!partition.is_all_data_processed());
     gate.acknowledge_all_records_processed(0).unwrap();
+    if close_at_once {
+        gate.close();
+        drop(gate);
+        assert!(
+            partition
+                .wait_all_data_processed(Some(Instant::now() + LONG))
+                .unwrap(),
+            "the acknowledgement went out before the cancel"
+        );
+        drop(partition);
+        assert!(common::pools_full(&[&producer_env, &consumer_env]));
+        return;
+    }
     assert!(
         partition
             .wait_all_data_processed(Some(Instant::now() + LONG))

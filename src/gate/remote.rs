@@ -222,11 +222,16 @@ impl BufferManager {
         self.exclusive_free.len() + self.floating.len()
     }
 
-    /// The channel's exclusive segments, and how many of them hold data (not free as credit):
-    /// Flink's `getInitialCredit` and `unsynchronizedGetExclusiveBuffersUsed`.
-    pub fn exclusive_usage(&self) -> (usize, usize) {
+    /// The channel's exclusive segments free now (as credit), and all of them (Flink's
+    /// `getInitialCredit`; the difference is its `unsynchronizedGetExclusiveBuffersUsed`).
+    pub fn exclusive_free_and_total(&self) -> (usize, usize) {
         let free = self.exclusive_free.len().min(self.exclusive_total);
-        (self.exclusive_total - free, self.exclusive_total)
+        (free, self.exclusive_total)
+    }
+
+    /// Floating segments the channel holds free now (as credit).
+    pub fn floating_free(&self) -> usize {
+        self.floating.len()
     }
 
     /// True while the channel is registered at the gate's pool for a floating segment (or

@@ -503,11 +503,13 @@ impl SingleInputGate {
         for channel in &self.channels {
             if let InputChannel::Remote(remote) = channel {
                 let buffers = remote.shared().buffers();
-                credit += buffers.available();
+                // Each free count read once: a recycle between two reads of one count would
+                // count a segment both free and in use.
+                let (exclusive_free, total) = buffers.exclusive_free_and_total();
+                credit += exclusive_free + buffers.floating_free();
                 // A released channel gave its segments back: it has none to count.
                 if !remote.shared().is_released() {
-                    let (used, total) = buffers.exclusive_usage();
-                    exclusive_used += used;
+                    exclusive_used += total - exclusive_free;
                     exclusive_total += total;
                 }
             }

@@ -890,9 +890,10 @@ impl ResultPartition {
         if self.end_of_data_sent {
             return Ok(());
         }
-        self.broadcast_event(&Event::EndOfData(mode), false)?;
+        // Marked first: a broadcast failing part-way has queued it in some subpartitions
+        // already, and a second call must not queue it there again.
         self.end_of_data_sent = true;
-        Ok(())
+        self.broadcast_event(&Event::EndOfData(mode), false)
     }
 
     /// See [`PartitionHandle::is_all_data_processed`].
@@ -935,7 +936,8 @@ impl ResultPartition {
     }
 
     /// [`wait_all_data_processed`](Self::wait_all_data_processed) without blocking the
-    /// thread (any executor) and without a deadline.
+    /// thread (any executor) and without a deadline. One such future at a time per partition
+    /// (the producer's task): a second one's registration takes the first one's wake-up.
     pub async fn until_all_data_processed(&self) -> Result<(), PartitionError> {
         let processed = &self.handle.shared.all_data_processed;
         std::future::poll_fn(|cx| {

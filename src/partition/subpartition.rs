@@ -437,13 +437,13 @@ impl PipelinedSubpartition {
         self.released.load(Ordering::SeqCst)
     }
 
-    /// Drops everything queued (its segments go back to the pool) and refuses more.
     /// Released before its consumer acknowledged every record: that acknowledgement will
     /// not come.
     pub(crate) fn released_unacknowledged(&self) -> bool {
         self.is_released() && !self.data_processed.load(Ordering::SeqCst)
     }
 
+    /// Drops everything queued (its segments go back to the pool) and refuses more.
     pub(crate) fn release(&self) {
         self.released.store(true, Ordering::SeqCst);
         self.drain();

@@ -529,15 +529,17 @@ impl ClientConnection {
                 if resume {
                     encode(&mut self.outbound, &Message::ResumeConsumption { receiver });
                 }
-                if channel.shared.take_acknowledgement() {
-                    encode(
-                        &mut self.outbound,
-                        &Message::AckAllUserRecordsProcessed { receiver },
-                    );
-                }
                 if credit > 0 {
                     encode(&mut self.outbound, &Message::AddCredit { receiver, credit });
                 }
+            }
+            // On a released channel too, ahead of its cancel: a task that acknowledged and
+            // then closed its gate did process every record, and the producer waits for it.
+            if channel.shared.take_acknowledgement() {
+                encode(
+                    &mut self.outbound,
+                    &Message::AckAllUserRecordsProcessed { receiver },
+                );
             }
             // Task events go out on a released channel too, ahead of its cancel, as Flink
             // writes them at once: the producer may be waiting for one.
