@@ -2652,3 +2652,36 @@ fn a_consumer_gone_unacknowledged_fails_the_wait_for_its_acknowledgement() {
     ));
     assert!(f.all_segments_back());
 }
+
+/// A checkpointed gate acknowledges a channel's EndOfData as it hands it to the task, as
+/// Flink's does: the task has taken every record before it by then.
+#[test]
+fn a_checkpointed_gate_acknowledges_end_of_data_as_it_hands_it_out() {
+    let f = fixture();
+    let mut producer = f.producer(84, 1);
+    let mut gate = f.gate(&[(84, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let mut reader = RecordReader::new(
+        CheckpointedInputGate::new(gate, AlignmentMode::Aligned, None),
+        1 << 20,
+    );
+    producer.emit_record(&b"last"[..], 0).unwrap();
+    producer
+        .notify_end_of_data(fluxgate::event::StopMode::Drain)
+        .unwrap();
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"last"),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    assert!(!producer.is_all_data_processed(), "not read as far yet");
+    match reader.next_timeout(LONG).unwrap() {
+        Some(ReaderItem::Event { event, .. }) => {
+            assert_eq!(event, Event::EndOfData(fluxgate::event::StopMode::Drain))
+        }
+        other => panic!("expected EndOfData, got {other:?}"),
+    }
+    assert!(producer.is_all_data_processed());
+    producer.finish().unwrap();
+    drop((reader, producer));
+    assert!(f.all_segments_back());
+}

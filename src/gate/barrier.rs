@@ -764,6 +764,16 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 self.on_end_of_channel_state(channel)?;
                 Ok(Some(item))
             }
+            GateItem::Event {
+                event: Event::EndOfData(_),
+                ..
+            } => {
+                // Read in turn, it comes after every record of its channel, which the task
+                // has taken by now (it reads the gate again only once it processed its last
+                // buffer's records): acknowledged at once, as Flink's checkpointed gate does.
+                self.gate.acknowledge_all_records_processed(channel)?;
+                Ok(Some(item))
+            }
             GateItem::Event { .. } => Ok(Some(item)),
         }
     }
