@@ -938,6 +938,21 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
         }
     }
     v.sink_barrier_delays_ms.sort_unstable();
+    // FLIP-147: with nothing failed, every consumer acknowledged the end of data it read.
+    if reports.values().all(|r| r.failure.is_none()) {
+        let mut unacknowledged: Vec<_> = reports
+            .iter()
+            .filter(|(_, r)| r.unacknowledged_end_of_data)
+            .map(|(&(stage, subtask), _)| format!("{}[{subtask}]", topology.stages[stage].name))
+            .collect();
+        unacknowledged.sort();
+        if !unacknowledged.is_empty() {
+            v.problems.push(format!(
+                "{}: consumers did not acknowledge the end of data (FLIP-147)",
+                unacknowledged.join(", ")
+            ));
+        }
+    }
     let placement = check_barrier_placement(topology, &reports);
     v.barrier_handovers = topology.checkpoints.map(|_| placement.handovers);
     v.barrier_links = placement.links;

@@ -20,7 +20,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, ValueEnum};
-use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event};
+use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event, StopMode};
 use fluxgate::gate::{
     AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, GateError, GateItem, InputGate,
     OutputWait, SingleInputGate,
@@ -309,6 +309,10 @@ pub struct SubtaskReport {
     /// to cross the whole topology.
     #[serde(default)]
     pub barrier_delays_ms: Vec<u64>,
+    /// A consumer of an output did not acknowledge the end of data (FLIP-147) before the
+    /// subtask finished: it went away, or the wait for it ran out.
+    #[serde(default)]
+    pub unacknowledged_end_of_data: bool,
     /// Per output link: what this subtask wrote.
     pub sent: Vec<LinkTally>,
     /// Per input channel: what this subtask read.
@@ -1089,6 +1093,7 @@ impl Subtask {
             (_, None) => Err(Failed::from("no input gate".to_string())),
         };
         let result = result.and_then(|()| {
+            end_of_data(&mut outputs, stall, &mut report)?;
             outputs.iter_mut().try_for_each(|o| {
                 o.writer
                     .finish()
@@ -1952,6 +1957,46 @@ impl Injected {
         }
         Ok(())
     }
+}
+
+/// FLIP-147 before the end: every output says no record follows (EndOfData) and waits, up to
+/// `stall`, for its consumers to acknowledge that they processed every record (their
+/// checkpointed gates do as they read the EndOfData). A consumer gone meanwhile (released
+/// unacknowledged) or a wait that runs out does not fail the subtask, whose finish goes on
+/// as before; the report says so, and the cluster's verdict counts it against a run in which
+/// nothing failed.
+fn end_of_data(
+    outputs: &mut [Output],
+    stall: Duration,
+    report: &mut SubtaskReport,
+) -> Result<(), Failed> {
+    for output in outputs.iter_mut() {
+        let edge = output.edge;
+        let partition = output.writer.partition_mut();
+        partition
+            .notify_end_of_data(StopMode::Drain)
+            .map_err(|e| Failed::writing(&e, format!("ending the data of edge {edge}: {e}")))?;
+    }
+    let deadline = Instant::now() + stall;
+    for output in outputs.iter() {
+        match output
+            .writer
+            .partition()
+            .wait_all_data_processed(Some(deadline))
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                report.unacknowledged_end_of_data = true;
+                report.notes.push(format!(
+                    "edge {}: consumers did not acknowledge the end of data within {:.0} s",
+                    output.edge,
+                    stall.as_secs_f64()
+                ));
+            }
+            Err(_) => report.unacknowledged_end_of_data = true,
+        }
+    }
+    Ok(())
 }
 
 /// The subtask is handed a checkpoint: counted, and its barrier sent on.
