@@ -247,6 +247,15 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         if let Some(item) = self.deferred.take() {
             return Ok(Some(item));
         }
+        self.read_handled(G::poll_next)
+    }
+
+    /// What is due first, then `read`'s items through the barrier handler until one is for
+    /// the task (or `read` has none now).
+    fn read_handled(
+        &mut self,
+        mut read: impl FnMut(&mut G) -> Result<Option<BufferOrEvent>, GateError>,
+    ) -> Result<Option<BufferOrEvent>, GateError> {
         self.persist_taken_ahead()?;
         self.note_announced_barriers();
         if let Some(item) = self.time_out_alignment_if_due() {
@@ -254,7 +263,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
         // Bounded by what the gate can deliver now; swallowed barriers loop.
         loop {
-            let Some(item) = self.gate.poll_next()? else {
+            let Some(item) = read(&mut self.gate)? else {
                 return Ok(None);
             };
             if let Some(item) = self.handle(item)? {
@@ -289,25 +298,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             self.deferred = Some(item);
             return Ok(None);
         }
-        self.persist_taken_ahead()?;
-        self.note_announced_barriers();
-        if let Some(item) = self.time_out_alignment_if_due() {
-            return Ok(Some(item));
-        }
-        // Bounded by the priority events queued now; swallowed barriers loop, as in
-        // `poll_next`.
-        loop {
-            let Some(item) = self.gate.poll_priority_event()? else {
-                return Ok(None);
-            };
-            if let Some(item) = self.handle(item)? {
-                return Ok(Some(item));
-            }
-            self.persist_taken_ahead()?;
-            if let Some(item) = self.time_out_alignment_if_due() {
-                return Ok(Some(item));
-            }
-        }
+        self.read_handled(G::poll_priority_event)
     }
 
     /// Blocks while `output` is back-pressured ([`ResultPartition::is_available`] false),

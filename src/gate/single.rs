@@ -772,6 +772,16 @@ fn send_event(channel: &mut InputChannel, event: &Event) {
 }
 
 impl SingleInputGate {
+    /// One read of channel `index`; `Ok(None)` when it has nothing now.
+    fn read_channel(&mut self, index: usize) -> Result<Option<ChannelRead>, GateError> {
+        self.channels[index].next_read().inspect_err(|_| {
+            // A failed channel keeps its error (a released view, a failed remote channel):
+            // queued again, it fails the next read too, as Flink's channel keeps its cause,
+            // instead of leaving that read waiting for good.
+            self.queue.enqueue(index as u32, false);
+        })
+    }
+
     /// `channel` delivered EndOfData (`mode`), or ended (`None`: no record follows an end
     /// either).
     fn note_end_of_data(&mut self, channel: usize, mode: Option<StopMode>) {
@@ -832,16 +842,8 @@ impl InputGate for SingleInputGate {
             if self.finished[index] {
                 continue;
             }
-            let read = match self.channels[index].next_read() {
-                Ok(Some(read)) => read,
-                Ok(None) => continue,
-                Err(error) => {
-                    // A failed channel keeps its error (a released view, a failed remote
-                    // channel): queued again, it fails the next read too, as Flink's channel
-                    // keeps its cause, instead of leaving that read waiting for good.
-                    self.queue.enqueue(index as u32, false);
-                    return Err(error);
-                }
+            let Some(read) = self.read_channel(index)? else {
+                continue;
             };
             return self.on_read(index, read).map(Some);
         }
@@ -871,14 +873,8 @@ impl InputGate for SingleInputGate {
                 self.queue.enqueue(index as u32, false);
                 continue;
             }
-            let read = match self.channels[index].next_read() {
-                Ok(Some(read)) => read,
-                Ok(None) => continue,
-                Err(error) => {
-                    // As in `poll_next`: the error stays for every later read.
-                    self.queue.enqueue(index as u32, false);
-                    return Err(error);
-                }
+            let Some(read) = self.read_channel(index)? else {
+                continue;
             };
             return self.on_read(index, read).map(Some);
         }
