@@ -948,7 +948,7 @@ pub fn verify(topology: &Topology, outcome: &Outcome) -> Verification {
         unacknowledged.sort();
         if !unacknowledged.is_empty() {
             v.problems.push(format!(
-                "{}: consumers did not acknowledge the end of data (FLIP-147)",
+                "{}: consumers did not acknowledge the end of data (FLIP-147) before the wait ran out or they went away",
                 unacknowledged.join(", ")
             ));
         }
