@@ -2227,20 +2227,6 @@ fn a_released_partition_s_local_reader_gives_back_the_buffer_its_writer_waits_fo
     assert!(f.all_segments_back());
 }
 
-/// Fills subpartition 0 of `output` with 1000-byte records until it takes no more without
-/// waiting for memory (bounded), and makes them readable.
-fn back_pressure(output: &mut ResultPartition) {
-    let record = [7u8; 1000];
-    for _ in 0..10_000 {
-        if !output.is_available() {
-            break;
-        }
-        output.emit_record(&record[..], 0).unwrap();
-    }
-    output.flush_all();
-    assert!(!output.is_available(), "the output is back-pressured");
-}
-
 /// Reads every item `downstream` has now, dropping them (their segments go back).
 fn drain(downstream: &mut SingleInputGate) -> usize {
     let mut items = 0;
@@ -2262,7 +2248,7 @@ fn a_back_pressured_task_takes_an_unaligned_barrier_and_no_data() {
     let mut output = f.producer(62, 1);
     let mut downstream = f.gate(&[(62, 0)], ChannelLocation::Local);
     downstream.request_partitions(Instant::now()).unwrap();
-    back_pressure(&mut output);
+    common::back_pressure(&mut output);
     send(&mut upstream, b"in-flight");
     upstream
         .broadcast_event(&barrier(9, Alignment::Unaligned), true)
@@ -2336,7 +2322,7 @@ fn a_task_waiting_for_its_output_wakes_for_a_barrier_then_for_room() {
     let mut output = f.producer(65, 1);
     let mut downstream = f.gate(&[(65, 0)], ChannelLocation::Local);
     downstream.request_partitions(Instant::now()).unwrap();
-    back_pressure(&mut output);
+    common::back_pressure(&mut output);
     // Data on both members, which the waiting task must leave alone.
     send(&mut a, b"a-data");
     send(&mut b, b"b-data");
@@ -2395,7 +2381,7 @@ fn the_async_wait_for_output_is_woken_by_a_barrier_and_by_room() {
     let mut output = f.producer(68, 1);
     let mut downstream = f.gate(&[(68, 0)], ChannelLocation::Local);
     downstream.request_partitions(Instant::now()).unwrap();
-    back_pressure(&mut output);
+    common::back_pressure(&mut output);
     send(&mut upstream, b"data");
     let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
     let waker = Waker::from(waker_state.clone());
@@ -2487,7 +2473,7 @@ fn a_record_reader_takes_a_barrier_mid_buffer_while_its_output_is_back_pressured
         Some(ReaderItem::Record { bytes, .. }) => assert_eq!(bytes, b"r0"),
         other => panic!("expected r0, got {other:?}"),
     }
-    back_pressure(&mut output);
+    common::back_pressure(&mut output);
     send(&mut upstream, b"overtaken");
     upstream
         .broadcast_event(&barrier(6, Alignment::Unaligned), true)

@@ -640,13 +640,7 @@ fn a_back_pressured_task_takes_an_unaligned_barrier_from_the_wire(transport: Tra
     let mut input = CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, None);
     // No consumer yet: what the task writes stays queued, and its output stays unavailable.
     let mut output = task_env.create_partition(pid(1), 1).unwrap();
-    for _ in 0..10_000 {
-        if !output.is_available() {
-            break;
-        }
-        output.emit_record(&[7u8; 1000][..], 0).unwrap();
-    }
-    assert!(!output.is_available(), "the output is back-pressured");
+    common::back_pressure(&mut output);
     source.emit_record(&b"in-flight"[..], 0).unwrap();
     source.flush(0);
     source.broadcast_event(&barrier, true).unwrap();

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::{Args, ValueEnum};
 use fluxgate::event::{Alignment, CheckpointBarrier, CheckpointKind, Event, StopMode};
 use fluxgate::gate::{
-    AlignmentMode, CheckpointedInputGate, ConsumedSubpartition, EndOfDataStatus, GateError,
-    GateItem, InputGate, OutputWait, SingleInputGate,
+    AlignmentMode, BufferOrEvent, CheckpointedInputGate, ConsumedSubpartition, EndOfDataStatus,
+    GateError, GateItem, InputGate, OutputWait, SingleInputGate,
 };
 use fluxgate::io::Transport;
 use fluxgate::partition::{
@@ -1863,10 +1863,7 @@ fn before_record<G: InputGate>(
         let Some(item) = gate.poll_priority().map_err(Failed::reading)? else {
             break;
         };
-        let GateItem::Event { event, .. } = item.item else {
-            unreachable!("a priority read returns events only");
-        };
-        injected.on_event(consumer, outputs, deserializers, item.channel, event)?;
+        injected.on_priority_item(consumer, outputs, deserializers, item)?;
     }
     for index in 0..outputs.len() {
         // Each round ends at an event handled or with room; the wait, as a blocked write
@@ -1880,10 +1877,7 @@ fn before_record<G: InputGate>(
             {
                 OutputWait::Available => break,
                 OutputWait::Event(item) => {
-                    let GateItem::Event { event, .. } = item.item else {
-                        unreachable!("a priority read returns events only");
-                    };
-                    injected.on_event(consumer, outputs, deserializers, item.channel, event)?;
+                    injected.on_priority_item(consumer, outputs, deserializers, item)?;
                 }
             }
         }
@@ -1915,6 +1909,20 @@ impl Injected {
             handle(consumer, outputs, c, &late)?;
         }
         Ok(())
+    }
+
+    /// An item of a priority read (an event: such reads hand out nothing else).
+    fn on_priority_item(
+        &mut self,
+        consumer: &mut Consumer<'_>,
+        outputs: &mut [Output],
+        deserializers: &mut [RecordDeserializer],
+        item: BufferOrEvent,
+    ) -> Result<(), Failed> {
+        let GateItem::Event { event, .. } = item.item else {
+            unreachable!("a priority read returns events only");
+        };
+        self.on_event(consumer, outputs, deserializers, item.channel, event)
     }
 
     /// An event of `channel`, read in turn or while the task's output was back-pressured.

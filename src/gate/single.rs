@@ -522,7 +522,6 @@ impl SingleInputGate {
             max,
             exclusive_used,
             exclusive_total,
-            floating_used: in_use.saturating_sub(exclusive_used),
             floating_total: max.saturating_sub(exclusive_total + reserved),
         }
     }
@@ -731,7 +730,6 @@ pub(crate) struct SegmentUsage {
     pub(crate) max: usize,
     pub(crate) exclusive_used: usize,
     pub(crate) exclusive_total: usize,
-    pub(crate) floating_used: usize,
     pub(crate) floating_total: usize,
 }
 
@@ -741,7 +739,6 @@ impl SegmentUsage {
         self.max += other.max;
         self.exclusive_used += other.exclusive_used;
         self.exclusive_total += other.exclusive_total;
-        self.floating_used += other.floating_used;
         self.floating_total += other.floating_total;
     }
 
@@ -757,7 +754,9 @@ impl SegmentUsage {
         };
         snapshot.in_pool_usage = ratio(self.in_use, self.max);
         snapshot.input_exclusive_buffers_usage = ratio(self.exclusive_used, self.exclusive_total);
-        snapshot.input_floating_buffers_usage = ratio(self.floating_used, self.floating_total);
+        // Segments holding data are the exclusive ones holding data and floating ones.
+        let floating_used = self.in_use.saturating_sub(self.exclusive_used);
+        snapshot.input_floating_buffers_usage = ratio(floating_used, self.floating_total);
     }
 }
 

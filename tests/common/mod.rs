@@ -410,3 +410,18 @@ pub fn highest_descriptor() -> u64 {
         .max()
         .expect("some descriptor is open")
 }
+
+#[allow(dead_code)]
+/// Fills subpartition 0 of `output` with 1000-byte records until it takes no more without
+/// waiting for memory (bounded), and makes them readable.
+pub fn back_pressure(output: &mut fluxgate::partition::ResultPartition) {
+    let record = [7u8; 1000];
+    for _ in 0..10_000 {
+        if !output.is_available() {
+            break;
+        }
+        output.emit_record(&record[..], 0).unwrap();
+    }
+    output.flush_all();
+    assert!(!output.is_available(), "the output is back-pressured");
+}
