@@ -2671,3 +2671,95 @@ fn a_checkpointed_gate_acknowledges_end_of_data_as_it_hands_it_out() {
     drop((reader, producer));
     assert!(f.all_segments_back());
 }
+
+/// Record `j` of producer `p`: sizes from empty through one-byte and two-byte length prefixes
+/// to records spanning several 4 KiB segments, bytes telling producer and record apart.
+fn batch_test_record(p: u8, j: usize) -> Vec<u8> {
+    const SIZES: [usize; 8] = [5, 0, 127, 128, 300, 9_000, 1, 64];
+    let len = SIZES[j % SIZES.len()];
+    (0..len)
+        .map(|k| p ^ (j as u8).wrapping_add(k as u8))
+        .collect()
+}
+
+#[test]
+fn a_record_reader_s_batches_and_single_reads_give_every_record_once_in_order() {
+    const RECORDS: usize = 400;
+    let f = fixture();
+    let producers = [f.producer(60, 1), f.producer(61, 1)];
+    let mut gate = f.gate(&[(60, 0), (61, 0)], ChannelLocation::Local);
+    gate.request_partitions(Instant::now()).unwrap();
+    let writers: Vec<_> = producers
+        .into_iter()
+        .enumerate()
+        .map(|(p, mut producer)| {
+            thread::spawn(move || {
+                for j in 0..RECORDS {
+                    producer
+                        .emit_record(&batch_test_record(p as u8, j)[..], 0)
+                        .unwrap();
+                    if j % 50 == 49 {
+                        // An event ends the buffer a batch reads from.
+                        producer
+                            .broadcast_event(&Event::Task(vec![j as u8]), false)
+                            .unwrap();
+                    }
+                }
+                producer.finish().unwrap();
+                producer
+            })
+        })
+        .collect();
+    let mut reader = RecordReader::new(gate, f.config.max_record_bytes);
+    let mut got: [Vec<Vec<u8>>; 2] = Default::default();
+    let mut events: [Vec<u8>; 2] = Default::default();
+    let mut batches_taken = 0;
+    // Bounded: each read takes a record, an event or a channel's end, and the producers
+    // write a bounded number of each.
+    for read in 0usize.. {
+        let channel = match reader.next_timeout(LONG).unwrap() {
+            Some(ReaderItem::Record { channel, bytes }) => {
+                got[channel].push(bytes.to_vec());
+                channel
+            }
+            Some(ReaderItem::Event {
+                channel,
+                event: Event::Task(payload),
+            }) => {
+                events[channel].extend(payload);
+                continue;
+            }
+            Some(ReaderItem::Event { .. }) => continue,
+            None => break,
+        };
+        // Take none, one, three or all of the batch after the record; the reader's next
+        // read goes on where the batch was left.
+        let Some(batch) = reader.records_in_buffer() else {
+            continue;
+        };
+        assert_eq!(batch.channel(), channel);
+        let take = [0, 1, 3, usize::MAX][read % 4];
+        for record in batch.take(take) {
+            got[channel].push(record.to_vec());
+            batches_taken += 1;
+        }
+    }
+    for (p, writer) in writers.into_iter().enumerate() {
+        drop(writer.join().unwrap());
+        let sent: Vec<_> = (0..RECORDS)
+            .map(|j| batch_test_record(p as u8, j))
+            .collect();
+        assert!(
+            got[p] == sent,
+            "channel {p}: records differ from those sent"
+        );
+        let marks: Vec<u8> = (0..RECORDS)
+            .filter(|j| j % 50 == 49)
+            .map(|j| j as u8)
+            .collect();
+        assert_eq!(events[p], marks);
+    }
+    assert!(batches_taken > 0, "no record came in a batch");
+    drop(reader);
+    assert!(f.all_segments_back());
+}

@@ -87,12 +87,20 @@ impl SegmentSink for QueueSink<'_> {
     }
 }
 
-/// Feeds every queued buffer to the deserializer and collects the records.
-fn drain(sink: &mut QueueSink<'_>, reader: &mut RecordDeserializer, got: &mut Vec<Vec<u8>>) {
+/// Feeds every queued buffer to the deserializer and collects the records; with `batch`,
+/// each record read singly is followed by up to `batch` records of the same buffer taken
+/// as a batch ([`RecordDeserializer::whole_records`]).
+fn drain(
+    sink: &mut QueueSink<'_>,
+    reader: &mut RecordDeserializer,
+    got: &mut Vec<Vec<u8>>,
+    batch: usize,
+) {
     while let Some(buffer) = sink.out.pop_front() {
         reader.set_next_buffer(buffer).unwrap();
         while let Some(record) = reader.next_record().unwrap() {
             got.push(record.to_vec());
+            got.extend(reader.whole_records().take(batch).map(<[u8]>::to_vec));
         }
     }
 }
@@ -111,6 +119,7 @@ proptest! {
     #[test]
     fn records_survive_segment_boundaries_and_partial_flushes(
         steps in prop::collection::vec((record_bytes(), any::<bool>(), any::<bool>()), 0..60),
+        batch in prop_oneof![Just(0usize), Just(1), Just(2), Just(usize::MAX)],
     ) {
         let (network, config) = network();
         let pool = network
@@ -134,11 +143,11 @@ proptest! {
                 sink.flush();
             }
             if read_now {
-                drain(&mut sink, &mut reader, &mut got);
+                drain(&mut sink, &mut reader, &mut got, batch);
             }
         }
         sink.finish();
-        drain(&mut sink, &mut reader, &mut got);
+        drain(&mut sink, &mut reader, &mut got, batch);
         prop_assert!(reader.finish().is_ok(), "no partial record left");
         prop_assert_eq!(got, sent);
         drop(sink);
@@ -207,6 +216,82 @@ fn a_length_over_the_maximum_is_refused_before_any_allocation() {
             max: 64
         }
     );
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_batch_stops_before_a_record_over_the_maximum_which_the_next_read_refuses() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(16);
+    // Records of 2, 3 and 20 bytes (one-byte prefixes), then one of 1.
+    let mut bytes = vec![2, b'a', b'b', 3, b'c', b'd', b'e', 20];
+    bytes.extend([b'x'; 20]);
+    bytes.extend([1, b'z']);
+    reader
+        .set_next_buffer(one_buffer(&network, &bytes))
+        .unwrap();
+    assert_eq!(reader.next_record().unwrap(), Some(&b"ab"[..]));
+    let batch: Vec<&[u8]> = reader.whole_records().collect();
+    assert_eq!(batch, [&b"cde"[..]]);
+    assert_eq!(
+        reader.next_record().unwrap_err(),
+        RecordError::TooLarge { len: 20, max: 16 }
+    );
+    assert_eq!(
+        reader.whole_records().count(),
+        0,
+        "nothing after a refused length"
+    );
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_batch_before_the_rest_of_a_split_length_prefix_is_empty() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(1 << 10);
+    // "a", then the first byte of 200's two-byte prefix (0xC8 0x01); the second buffer
+    // begins with the prefix's last byte, which a batch must not read as a length.
+    reader
+        .set_next_buffer(one_buffer(&network, &[1, b'a', 0xC8]))
+        .unwrap();
+    assert_eq!(reader.next_record().unwrap(), Some(&b"a"[..]));
+    assert_eq!(reader.next_record().unwrap(), None);
+    let mut second = vec![0x01];
+    second.extend([b'r'; 200]);
+    second.extend([1, b'q']);
+    reader
+        .set_next_buffer(one_buffer(&network, &second))
+        .unwrap();
+    assert_eq!(reader.whole_records().count(), 0);
+    assert_eq!(reader.next_record().unwrap(), Some(&[b'r'; 200][..]));
+    let batch: Vec<&[u8]> = reader.whole_records().collect();
+    assert_eq!(batch, [&b"q"[..]]);
+    drop(reader);
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_batch_before_the_rest_of_a_spanning_record_is_empty() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(1 << 10);
+    // A record of 5 bytes, two in the first buffer; the rest (1, 2, 3) would read as a
+    // record of one byte were a batch to take the second buffer from its start.
+    reader
+        .set_next_buffer(one_buffer(&network, &[5, b'a', b'b']))
+        .unwrap();
+    assert_eq!(reader.next_record().unwrap(), None);
+    reader
+        .set_next_buffer(one_buffer(&network, &[1, 2, 3, 1, b'q']))
+        .unwrap();
+    assert_eq!(reader.whole_records().count(), 0);
+    assert_eq!(
+        reader.next_record().unwrap(),
+        Some(&[b'a', b'b', 1, 2, 3][..])
+    );
+    let batch: Vec<&[u8]> = reader.whole_records().collect();
+    assert_eq!(batch, [&b"q"[..]]);
     drop(reader);
     assert_eq!(network.available_segments(), network.total_segments());
 }
@@ -533,7 +618,7 @@ fn user_types_write_directly_and_a_wrong_length_keeps_the_stream_framed() {
     sink.finish();
     let mut reader = RecordDeserializer::new(64);
     let mut got = Vec::new();
-    drain(&mut sink, &mut reader, &mut got);
+    drain(&mut sink, &mut reader, &mut got, 0);
     assert_eq!(got[0], b"\0\0\0\x07seven");
     assert_eq!(got[1], b"abc\0\0\0\0\0\0\0");
     assert_eq!(got[2], b"after");
@@ -635,7 +720,7 @@ fn around_a_failing_sink(
     sink.inner.finish();
     let mut reader = RecordDeserializer::new(1 << 20);
     let mut got = Vec::new();
-    drain(&mut sink.inner, &mut reader, &mut got);
+    drain(&mut sink.inner, &mut reader, &mut got, 0);
     reader.finish().expect("the stream ends on a record's end");
     drop((reader, sink));
     drop(pool);

@@ -878,6 +878,13 @@ fn consume_throughput(gates: Vec<SingleInputGate>, max_record: usize) -> Result<
                             Ok(Some(ReaderItem::Record { bytes: record, .. })) => {
                                 records += 1;
                                 bytes += record.len() as u64;
+                                // The rest of the buffer's records in one batch.
+                                if let Some(batch) = reader.records_in_buffer() {
+                                    for record in batch {
+                                        records += 1;
+                                        bytes += record.len() as u64;
+                                    }
+                                }
                             }
                             Ok(Some(ReaderItem::Event { .. })) => {}
                             Ok(None) => {

@@ -30,7 +30,7 @@ mod union;
 pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate, OutputWait};
 pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
 pub(crate) use queue::ChannelQueueHandle;
-pub use reader::{ReaderError, ReaderItem, RecordReader};
+pub use reader::{BufferRecords, ReaderError, ReaderItem, RecordReader};
 pub use remote::{
     BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel, UNCREDITED_EVENTS,
 };

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::{CheckpointedInputGate, GateError, GateItem, InputGate, OutputWait};
 use crate::event::Event;
 use crate::partition::ResultPartition;
-use crate::record::{RecordDeserializer, RecordError, SpanningBudget};
+use crate::record::{RecordDeserializer, RecordError, SpanningBudget, WholeRecords};
 
 /// What the reader yields.
 #[derive(Debug)]
@@ -27,6 +27,29 @@ pub enum ReaderItem<'a> {
         /// The event.
         event: Event,
     },
+}
+
+/// A batch of records read from one buffer ([`RecordReader::records_in_buffer`]).
+#[derive(Debug)]
+pub struct BufferRecords<'a> {
+    channel: usize,
+    records: WholeRecords<'a>,
+}
+
+impl BufferRecords<'_> {
+    /// The channel the records came from.
+    pub fn channel(&self) -> usize {
+        self.channel
+    }
+}
+
+impl<'a> Iterator for BufferRecords<'a> {
+    type Item = &'a [u8];
+
+    #[inline]
+    fn next(&mut self) -> Option<&'a [u8]> {
+        self.records.next()
+    }
 }
 
 /// How a read may wait.
@@ -120,6 +143,28 @@ impl<G: InputGate> RecordReader<G> {
     /// The next record or event if one is readable now.
     pub fn poll_next(&mut self) -> Result<Option<ReaderItem<'_>>, ReaderError> {
         self.read(Wait::Poll)
+    }
+
+    /// The records after the last one read that lie whole in the same buffer, as one batch:
+    /// a loop over it costs far less per record than a call of [`next`](Self::next) each
+    /// (nothing is looked up per record, and the read position stays in a register). Read
+    /// on with `next` after it, which takes whatever the batch left (the buffer's end, a
+    /// record spanning on into the next buffer, the channel's next event). `None` when no
+    /// buffer is being read: before the first record, and after an event.
+    ///
+    /// ```ignore
+    /// while let Some(item) = reader.next()? {
+    ///     handle(item);
+    ///     if let Some(batch) = reader.records_in_buffer() {
+    ///         batch.for_each(handle_record);
+    ///     }
+    /// }
+    /// ```
+    #[inline]
+    pub fn records_in_buffer(&mut self) -> Option<BufferRecords<'_>> {
+        let channel = self.current?;
+        let records = self.deserializers.get_mut(channel)?.whole_records();
+        Some(BufferRecords { channel, records })
     }
 
     /// The gate read from.

@@ -12,7 +12,7 @@
 
 mod deserializer;
 
-pub use deserializer::{RecordDeserializer, SpanningBudget};
+pub use deserializer::{RecordDeserializer, SpanningBudget, WholeRecords};
 
 use crate::buffer::BufferBuilder;
 
