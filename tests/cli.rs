@@ -1155,6 +1155,43 @@ fn short_bench(extra: &[&str]) -> Run {
 }
 
 #[test]
+fn bench_moves_every_record_in_batches_and_one_per_call() {
+    // The bench fails a run whose consumers read another count than the producers emitted.
+    for (size, local, per_record) in [
+        ("0", true, false),
+        ("8", true, false),
+        ("300", true, false),
+        ("8", true, true),
+        ("8", false, false),
+        ("8", false, true),
+    ] {
+        let mut args = vec![
+            "bench",
+            "--format",
+            "lines",
+            "--duration",
+            "0.2",
+            "--rate",
+            "0",
+            "--no-baseline",
+            "--record-size",
+            size,
+        ];
+        args.extend(local.then_some("--local"));
+        args.extend(per_record.then_some("--per-record"));
+        let run = fluxgate(&args, LIMIT);
+        assert!(run.status.success(), "{args:?}\n{}", run.all());
+        assert!(
+            run.stdout
+                .lines()
+                .any(|l| l.starts_with("records_per_sec ")),
+            "{args:?}\n{}",
+            run.all()
+        );
+    }
+}
+
+#[test]
 fn bench_plots_latency_by_percentile_to_svg() {
     let path = std::env::temp_dir().join(format!("fluxgate-cli-{}.svg", std::process::id()));
     let path_text = path.to_str().expect("utf-8 temp path").to_owned();

@@ -18,6 +18,7 @@ use fluxgate::partition::{
 };
 use fluxgate::record::{RecordDeserializer, RecordError};
 use fluxgate::NetworkConfig;
+use proptest::prelude::*;
 
 const LONG: Duration = Duration::from_secs(20);
 const ID: ResultPartitionId = ResultPartitionId {
@@ -2967,4 +2968,166 @@ fn empty_buffers_sent_behind_priority_barriers_are_not_counted_as_overtaken() {
         drop((view, partition));
         assert_eq!(network.available_segments(), network.total_segments());
     }
+}
+
+/// A selector following a script of choices, counting its calls.
+struct Scripted {
+    choices: Vec<Option<usize>>,
+    calls: usize,
+}
+
+impl ChannelSelector<[u8]> for Scripted {
+    fn select(&mut self, _record: &[u8], channels: usize) -> Selection {
+        let choice = self.choices[self.calls % self.choices.len()];
+        self.calls += 1;
+        match choice {
+            Some(channel) => Selection::Channel(channel % channels),
+            None => Selection::Broadcast,
+        }
+    }
+}
+
+/// Every subpartition's buffers (records and events as bytes, in order) after `finish`.
+fn subpartition_streams(partition: &ResultPartition, subpartitions: usize) -> Vec<Vec<Vec<u8>>> {
+    (0..subpartitions)
+        .map(|index| {
+            let (mut view, _) = view(partition, index);
+            let mut buffers = Vec::new();
+            while let Some(item) = view.poll_next() {
+                buffers.push(item.buffer.as_slice().to_vec());
+            }
+            buffers
+        })
+        .collect()
+}
+
+fn batch_partition(n: u64, subpartitions: usize) -> (NetworkBufferPool, ResultPartition) {
+    let (network, mut config) = setup(1024);
+    config
+        .set(
+            "taskmanager.network.memory.floating-buffers-per-gate",
+            "600",
+        )
+        .unwrap();
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "600")
+        .unwrap();
+    let id = ResultPartitionId {
+        partition: n,
+        producer: 7,
+    };
+    let partition = ResultPartition::new(id, subpartitions, &network, &config).unwrap();
+    (network, partition)
+}
+
+fn batch_record_len() -> impl Strategy<Value = usize> {
+    // Empty, one-byte and two-byte prefixes, a 4 KiB segment's end, and spanning records.
+    prop_oneof![
+        4 => 0usize..12,
+        2 => 120usize..136,
+        2 => 4_080usize..4_100,
+        1 => 4_100usize..9_000,
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_batch_leaves_every_subpartition_as_records_emitted_one_by_one_do(
+        lens in prop::collection::vec(batch_record_len(), 0..60),
+        choices in prop::collection::vec(prop::option::weighted(0.9, 0usize..3), 1..8),
+        subpartitions in 1usize..4,
+        cuts in prop::collection::vec(0usize..60, 0..4),
+    ) {
+        let records: Vec<Vec<u8>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| vec![i as u8; len])
+            .collect();
+        let streams = |batched: bool| {
+            let (network, partition) = batch_partition(40 + batched as u64, subpartitions);
+            let selector = Scripted { choices: choices.clone(), calls: 0 };
+            let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
+            if batched {
+                // The records in batches cut where `cuts` says.
+                let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(records.len())).collect();
+                cuts.sort_unstable();
+                let mut start = 0;
+                for end in cuts.into_iter().chain([records.len()]) {
+                    writer.emit_all(records[start..end].iter().map(Vec::as_slice)).unwrap();
+                    start = end;
+                }
+            } else {
+                for record in &records {
+                    writer.emit(&record[..]).unwrap();
+                }
+            }
+            writer.finish().unwrap();
+            let streams = subpartition_streams(writer.partition(), subpartitions);
+            let records_out = writer.partition().metrics_snapshot().num_records_out;
+            drop(writer);
+            assert_eq!(network.available_segments(), network.total_segments());
+            (streams, records_out)
+        };
+        let (one_by_one, counted) = streams(false);
+        let (batched, counted_batched) = streams(true);
+        prop_assert!(batched == one_by_one, "the batched streams differ");
+        prop_assert_eq!(counted_batched, counted);
+    }
+}
+
+#[test]
+fn a_batch_stops_at_a_refused_record_having_selected_nothing_after_it() {
+    let (network, partition) = batch_partition(50, 1);
+    let (mut view, _) = view(&partition, 0);
+    let selector = Scripted {
+        choices: vec![Some(0)],
+        calls: 0,
+    };
+    let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
+    let too_large = vec![0u8; 2 << 30];
+    let batch: [&[u8]; 4] = [b"a", b"bc", &too_large, b"d"];
+    let error = writer.emit_all(batch).unwrap_err();
+    assert!(
+        matches!(error, PartitionError::Record(RecordError::TooLarge { .. })),
+        "{error:?}"
+    );
+    assert_eq!(
+        writer.selector().calls,
+        3,
+        "the record after the refused one was selected"
+    );
+    writer.flush_all();
+    let item = view
+        .poll_next()
+        .expect("the records before the refused one");
+    assert_eq!(records_of(&item), [b"a".to_vec(), b"bc".to_vec()]);
+    drop((item, view, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_batch_s_records_are_published_for_a_flush_when_the_call_returns() {
+    let (network, partition) = batch_partition(51, 2);
+    let (mut view, signal) = view(&partition, 1);
+    let mut writer = RecordWriter::new(
+        partition,
+        Scripted {
+            choices: vec![Some(1)],
+            calls: 0,
+        },
+        BufferTimeout::Never,
+    );
+    let records: Vec<Vec<u8>> = (0..100u8).map(|i| vec![i; 7]).collect();
+    writer.emit_all(records.iter().map(Vec::as_slice)).unwrap();
+    // No finish: only what the run published is readable after a flush.
+    let seen = signal.notifications();
+    writer.flush_all();
+    assert!(signal.wait_beyond(seen), "the flush found nothing to read");
+    let item = view.poll_next().expect("the flushed buffer");
+    assert_eq!(records_of(&item), records);
+    assert_eq!(writer.partition().metrics_snapshot().num_records_out, 100);
+    drop((item, view, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
 }

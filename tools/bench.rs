@@ -98,6 +98,11 @@ pub struct BenchArgs {
     /// Print the final metrics of the throughput run's partitions and gates (Flink's names).
     #[arg(long)]
     metrics: bool,
+    /// The throughput run's tasks emit and read one record per call (`RecordWriter::emit`,
+    /// `RecordReader::next`) instead of in batches (`RecordWriter::emit_all` of 64 KiB of
+    /// records, and `RecordReader::records_in_buffer` after each record read).
+    #[arg(long)]
+    per_record: bool,
     /// Internal: run the producer half of a remote benchmark (started by `bench` itself).
     #[arg(long, value_enum, hide = true)]
     producer_process: Option<Phase>,
@@ -813,13 +818,25 @@ fn emit_for<S: ChannelSelector<[u8]>>(
     started: Instant,
 ) -> Result<OutputMetricsSnapshot, String> {
     let duration = Duration::from_secs_f64(args.duration);
-    let mut record = vec![0u8; args.record_size];
+    let size = args.record_size;
     let mut sequence = 0u64;
     // The clock is read every 64 KiB of records or so (at least every record): often enough
     // that large records do not run far past `--duration`, rarely enough to cost nothing.
-    let per_look = (65_536 / args.record_size.max(1)).clamp(1, 1024);
+    // Those records are one batch, written in place and emitted with one call.
+    let per_look = (65_536 / size.max(1)).clamp(1, 1024);
+    let mut batch = vec![0u8; size * per_look];
     while started.elapsed() < duration {
-        for _ in 0..per_look {
+        if size == 0 || args.per_record {
+            for _ in 0..per_look {
+                if let Some(head) = batch.first_chunk_mut::<8>() {
+                    *head = sequence.to_le_bytes();
+                }
+                sequence += 1;
+                writer.emit(&batch[..size]).map_err(|e| e.to_string())?;
+            }
+            continue;
+        }
+        for record in batch.chunks_exact_mut(size) {
             // A fixed-size store when the record has room for the whole sequence number: no
             // `memcpy` call per record in the harness.
             if let Some(head) = record.first_chunk_mut::<8>() {
@@ -828,9 +845,11 @@ fn emit_for<S: ChannelSelector<[u8]>>(
                 let n = record.len();
                 record.copy_from_slice(&sequence.to_le_bytes()[..n]);
             }
-            writer.emit(&record[..]).map_err(|e| e.to_string())?;
             sequence += 1;
         }
+        writer
+            .emit_all(batch.chunks_exact(size))
+            .map_err(|e| e.to_string())?;
     }
     writer.finish().map_err(|e| e.to_string())?;
     Ok(writer.partition().metrics_snapshot())
@@ -865,7 +884,11 @@ struct Consumed {
     gates: Vec<InputMetricsSnapshot>,
 }
 
-fn consume_throughput(gates: Vec<SingleInputGate>, max_record: usize) -> Result<Consumed, String> {
+fn consume_throughput(
+    gates: Vec<SingleInputGate>,
+    max_record: usize,
+    per_record: bool,
+) -> Result<Consumed, String> {
     let results: Vec<Result<(u64, u64, InputMetricsSnapshot), String>> = thread::scope(|scope| {
         let readers: Vec<_> = gates
             .into_iter()
@@ -879,6 +902,9 @@ fn consume_throughput(gates: Vec<SingleInputGate>, max_record: usize) -> Result<
                                 records += 1;
                                 bytes += record.len() as u64;
                                 // The rest of the buffer's records in one batch.
+                                if per_record {
+                                    continue;
+                                }
                                 if let Some(batch) = reader.records_in_buffer() {
                                     for record in batch {
                                         records += 1;
@@ -937,7 +963,7 @@ fn throughput(
         None => {
             let (produced, consumed) = thread::scope(|scope| {
                 let producing = scope.spawn(|| produce_throughput(args, local_partitions));
-                let consumed = consume_throughput(gates, config.max_record_bytes);
+                let consumed = consume_throughput(gates, config.max_record_bytes, args.per_record);
                 let produced = producing
                     .join()
                     .unwrap_or_else(|_| Err("producer panicked".into()));
@@ -948,7 +974,7 @@ fn throughput(
         }
         Some(mut process) => {
             process.go()?;
-            let consumed = consume_throughput(gates, config.max_record_bytes)?;
+            let consumed = consume_throughput(gates, config.max_record_bytes, args.per_record)?;
             // The run ends with the last record read; the producer's report and exit are not
             // part of it.
             let elapsed = started.elapsed();

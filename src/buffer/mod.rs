@@ -22,8 +22,8 @@ pub use network::mark_io_thread;
 pub(crate) use network::pool_of_4k_segments;
 pub use network::{NetworkBufferPool, MOST_POOL_CHANNELS};
 pub use segment::{
-    ArenaRegion, Buffer, BufferBuilder, BufferConsumer, PooledSegment, Recycler, Segment,
-    SegmentMemory, HEADROOM,
+    ArenaRegion, Buffer, BufferBuilder, BufferConsumer, FramedRun, PooledSegment, Recycler,
+    Segment, SegmentMemory, HEADROOM,
 };
 
 /// Pieces other modules of the crate build their own recyclers from.

@@ -572,6 +572,21 @@ impl BufferBuilder {
         self.commit();
     }
 
+    /// A run of framed appends with the write position kept out of the builder until the
+    /// run ends (see [`FramedRun`]); `None` once the builder is finished.
+    #[inline]
+    pub fn framed_run(&mut self) -> Option<FramedRun<'_>> {
+        if self.finished {
+            return None;
+        }
+        Some(FramedRun {
+            dst: self.payload,
+            position: self.position,
+            capacity: self.capacity,
+            builder: self,
+        })
+    }
+
     /// Appends and publishes in one step; returns the bytes taken.
     pub fn append_and_commit(&mut self, bytes: &[u8]) -> usize {
         let n = self.append(bytes);
@@ -715,6 +730,57 @@ impl BufferBuilder {
     #[inline(always)]
     fn assert_writable(&self) {
         assert!(!self.finished, "write to a finished BufferBuilder");
+    }
+}
+
+/// Framed records appended to one builder in a loop: the position lives here, where the
+/// compiler can keep it in a register (through the builder, every byte stored to the payload
+/// might have changed it, so it is loaded and stored again per record), and goes back to the
+/// builder, published with one marker store, when the run is dropped. Consumers see the
+/// run's records only then.
+#[derive(Debug)]
+pub struct FramedRun<'a> {
+    builder: &'a mut BufferBuilder,
+    dst: NonNull<u8>,
+    position: u32,
+    capacity: u32,
+}
+
+impl FramedRun<'_> {
+    /// Appends `[length prefix | bytes]` if it ends strictly before the buffer's end (a
+    /// record filling the buffer exactly is left to the caller's general path, which
+    /// finishes the full buffer at once); false, writing nothing, otherwise.
+    #[inline(always)]
+    pub fn try_append(&mut self, bytes: &[u8]) -> bool {
+        let framed = crate::record::framed_len(bytes.len());
+        if framed >= (self.capacity - self.position) as usize {
+            return false;
+        }
+        // SAFETY: `[position, position + framed)` lies inside the payload (checked above),
+        // above every published byte (the run began at the builder's position, which is at
+        // or above its committed one), and the run borrows the segment's only writer.
+        unsafe {
+            let at = self.dst.as_ptr().add(self.position as usize);
+            let body = if bytes.len() < 0x80 {
+                at.write(bytes.len() as u8);
+                at.add(1)
+            } else {
+                let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
+                let prefix_bytes = crate::record::encode_prefix(bytes.len() as u32, &mut prefix);
+                std::ptr::copy_nonoverlapping(prefix.as_ptr(), at, prefix_bytes);
+                at.add(prefix_bytes)
+            };
+            copy_small(bytes.as_ptr(), body, bytes.len());
+        }
+        self.position += framed as u32;
+        true
+    }
+}
+
+impl Drop for FramedRun<'_> {
+    fn drop(&mut self) {
+        self.builder.position = self.position;
+        self.builder.commit();
     }
 }
 

@@ -11,12 +11,12 @@ use super::subpartition::{
 };
 use super::{AvailabilityListener, PartitionError, PartitionType, ResultPartitionId};
 use crate::buffer::{
-    BufferBuilder, DataType, LocalBufferPool, LocalPoolSpec, NetworkBufferPool, PoolError,
-    PoolWaiters,
+    BufferBuilder, DataType, FramedRun, LocalBufferPool, LocalPoolSpec, NetworkBufferPool,
+    PoolError, PoolWaiters,
 };
 use crate::config::NetworkConfig;
 use crate::event::{CheckpointBarrier, Event, StopMode};
-use crate::metrics::{OutputMetrics, OutputMetricsSnapshot};
+use crate::metrics::{Counter, OutputMetrics, OutputMetricsSnapshot};
 use crate::record::{self, Record, RecordError, SegmentSink};
 use crate::wake_timer::WakeTimer;
 
@@ -179,6 +179,43 @@ pub struct ResultPartition {
     barrier_timer: Option<BarrierTimer>,
     /// Wakes an async emit waiting under back pressure when `barrier_timer` comes due.
     barrier_wake: WakeTimer,
+}
+
+/// Records appended to one subpartition's open buffer in a loop
+/// ([`ResultPartition::unicast_run`]): what [`ResultPartition::emit_record`]'s common case
+/// does per record, with the buffer's position and the records-out count kept here until the
+/// run is dropped (then the records are published and counted).
+pub(crate) struct UnicastRun<'a> {
+    run: FramedRun<'a>,
+    records: u64,
+    max_record_bytes: usize,
+    num_records_out: &'a Counter,
+}
+
+impl UnicastRun<'_> {
+    /// Appends `record` if it is contiguous, within the size limit and fits before the
+    /// buffer's end; false, writing nothing, for anything `emit_record`'s general path must
+    /// handle.
+    #[inline(always)]
+    pub(crate) fn try_emit<R: Record + ?Sized>(&mut self, record: &R) -> bool {
+        let Some(bytes) = record
+            .as_contiguous()
+            .filter(|bytes| bytes.len() == record.encoded_len())
+        else {
+            return false;
+        };
+        if bytes.len() > self.max_record_bytes || !self.run.try_append(bytes) {
+            return false;
+        }
+        self.records += 1;
+        true
+    }
+}
+
+impl Drop for UnicastRun<'_> {
+    fn drop(&mut self) {
+        self.num_records_out.add(self.records);
+    }
 }
 
 /// An aligned barrier with a timeout this partition queued, and when it turns unaligned in
@@ -414,6 +451,28 @@ impl ResultPartition {
             }
         }
         self.emit_record_general(record, target, true)
+    }
+
+    /// A run of records appended to `target`'s open buffer one after another without a call
+    /// of [`emit_record`](Self::emit_record) each ([`RecordWriter::emit_all`]); `None` when
+    /// `target` has no open buffer or the pool is gone, which `emit_record` then reports.
+    /// The destroyed pool is looked at when the run begins, not per record: a release
+    /// racing with a run lets the run fill its buffer, whose records were lost with the
+    /// partition anyway.
+    ///
+    /// [`RecordWriter::emit_all`]: super::RecordWriter::emit_all
+    #[inline]
+    pub(crate) fn unicast_run(&mut self, target: usize) -> Option<UnicastRun<'_>> {
+        if self.pool.is_destroyed() {
+            return None;
+        }
+        let run = self.unicast.get_mut(target)?.as_mut()?.framed_run()?;
+        Some(UnicastRun {
+            run,
+            records: 0,
+            max_record_bytes: self.max_record_bytes,
+            num_records_out: &self.handle.shared.metrics.num_records_out,
+        })
     }
 
     /// [`emit_record`](Self::emit_record) for every case: requests builders, spans segments,

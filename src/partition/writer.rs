@@ -234,6 +234,64 @@ impl<S> RecordWriter<S> {
         Ok(())
     }
 
+    /// Emits every record of `records` in order, as many calls of [`emit`](Self::emit)
+    /// would (the selector is asked once per record, in order, and an error stops the batch
+    /// at the record it reports), at a fraction of their cost for small records: records that
+    /// follow one another to the same subpartition are appended to its buffer in one run,
+    /// which keeps the buffer's position in a register and publishes the run once.
+    ///
+    /// The records of a run become readable when the run ends (the batch ends, the buffer
+    /// fills, or the selector picks another subpartition), so a timed flush during a batch
+    /// sends what was published before it, and the rest goes with the next flush. With
+    /// [`BufferTimeout::Always`] each record is emitted and flushed on its own.
+    pub fn emit_all<'r, R, I>(&mut self, records: I) -> Result<(), PartitionError>
+    where
+        R: Record + ?Sized + 'r,
+        I: IntoIterator<Item = &'r R>,
+        S: ChannelSelector<R>,
+    {
+        let mut records = records.into_iter();
+        if self.flush_always {
+            return records.try_for_each(|record| self.emit(record));
+        }
+        let channels = self.partition.subpartition_count();
+        let selector = &mut self.selector;
+        let mut next = || {
+            records
+                .next()
+                .map(|record| (record, selector.select(record, channels)))
+        };
+        // Bounded by the iterator: every pass takes at least one record from it.
+        let mut pending = next();
+        while let Some((record, selection)) = pending {
+            let target = match selection {
+                Selection::Channel(target) => target,
+                Selection::Broadcast => {
+                    self.partition.broadcast_record(record)?;
+                    pending = next();
+                    continue;
+                }
+            };
+            // The record through the general path (which opens a buffer when needed), then
+            // those after it to the same subpartition into that buffer.
+            self.partition.emit_record(record, target)?;
+            pending = next();
+            if !matches!(pending, Some((_, Selection::Channel(t))) if t == target) {
+                continue;
+            }
+            let Some(mut run) = self.partition.unicast_run(target) else {
+                continue;
+            };
+            while let Some((record, Selection::Channel(t))) = pending {
+                if t != target || !run.try_emit(record) {
+                    break;
+                }
+                pending = next();
+            }
+        }
+        Ok(())
+    }
+
     /// Emits without blocking the thread while waiting for buffers, unicast or broadcast.
     /// The selector is asked once per record, as by [`emit`](Self::emit).
     pub async fn emit_async<R: Record + ?Sized>(&mut self, record: &R) -> Result<(), PartitionError>
