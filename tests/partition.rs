@@ -3012,6 +3012,7 @@ fn batch_partition(n: u64, subpartitions: usize) -> (NetworkBufferPool, ResultPa
     config
         .set("taskmanager.network.memory.max-buffers-per-channel", "600")
         .unwrap();
+    config.set("fluxgate.record.max-size", "64kb").unwrap();
     let id = ResultPartitionId {
         partition: n,
         producer: 7,
@@ -3086,7 +3087,8 @@ fn a_batch_stops_at_a_refused_record_having_selected_nothing_after_it() {
         calls: 0,
     };
     let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
-    let too_large = vec![0u8; 2 << 30];
+    // One byte over the partition's `fluxgate.record.max-size` of 64 KiB.
+    let too_large = vec![0u8; (64 << 10) + 1];
     let batch: [&[u8]; 4] = [b"a", b"bc", &too_large, b"d"];
     let error = writer.emit_all(batch).unwrap_err();
     assert!(

@@ -248,6 +248,47 @@ fn a_batch_stops_before_a_record_over_the_maximum_which_the_next_read_refuses() 
 }
 
 #[test]
+fn a_batch_takes_records_with_longer_prefixes_and_stops_at_a_prefix_cut_by_the_buffer_end() {
+    let (network, _) = network();
+    let mut reader = RecordDeserializer::new(1 << 20);
+    let records: Vec<Vec<u8>> = [3usize, 200, 2_000, 0, 128]
+        .iter()
+        .map(|&len| vec![len as u8; len])
+        .collect();
+    let mut bytes = Vec::new();
+    for record in &records {
+        let mut prefix = [0; fluxgate::record::MAX_LENGTH_PREFIX];
+        let used = fluxgate::record::encode_prefix(record.len() as u32, &mut prefix);
+        bytes.extend_from_slice(&prefix[..used]);
+        bytes.extend_from_slice(record);
+    }
+    // The first byte of 300's two-byte prefix ends the buffer.
+    bytes.push(0xAC);
+    let mut buffer = network
+        .request_segment()
+        .unwrap()
+        .into_builder(fluxgate::buffer::DataType::DataBuffer);
+    let mut consumer = buffer.create_consumer_from_beginning();
+    assert_eq!(
+        buffer.append_and_commit(&bytes),
+        bytes.len(),
+        "one 4 KiB segment"
+    );
+    drop(buffer);
+    reader.set_next_buffer(consumer.build()).unwrap();
+    assert_eq!(reader.next_record().unwrap(), Some(&records[0][..]));
+    let batch: Vec<Vec<u8>> = reader.whole_records().map(<[u8]>::to_vec).collect();
+    assert_eq!(batch, records[1..]);
+    assert_eq!(
+        reader.next_record().unwrap(),
+        None,
+        "the cut prefix is gathered"
+    );
+    drop((reader, consumer));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn a_batch_before_the_rest_of_a_split_length_prefix_is_empty() {
     let (network, _) = network();
     let mut reader = RecordDeserializer::new(1 << 10);

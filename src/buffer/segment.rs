@@ -758,7 +758,9 @@ impl FramedRun<'_> {
         }
         // SAFETY: `[position, position + framed)` lies inside the payload (checked above),
         // above every published byte (the run began at the builder's position, which is at
-        // or above its committed one), and the run borrows the segment's only writer.
+        // or above its committed one), and the run borrows the segment's only writer: while
+        // the `&mut` borrow lasts, nothing else can write, finish or trim the builder (a
+        // finished one gives no run), so `capacity` and the position stay the run's.
         unsafe {
             let at = self.dst.as_ptr().add(self.position as usize);
             let body = if bytes.len() < 0x80 {
@@ -777,10 +779,18 @@ impl FramedRun<'_> {
     }
 }
 
-impl Drop for FramedRun<'_> {
-    fn drop(&mut self) {
+impl FramedRun<'_> {
+    /// Hands the run's position to the builder and publishes it (also when the run drops).
+    #[inline]
+    pub fn publish(&mut self) {
         self.builder.position = self.position;
         self.builder.commit();
+    }
+}
+
+impl Drop for FramedRun<'_> {
+    fn drop(&mut self) {
+        self.publish();
     }
 }
 

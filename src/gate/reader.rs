@@ -147,10 +147,13 @@ impl<G: InputGate> RecordReader<G> {
 
     /// The records after the last one read that lie whole in the same buffer, as one batch:
     /// a loop over it costs far less per record than a call of [`next`](Self::next) each
-    /// (nothing is looked up per record, and the read position stays in a register). Read
-    /// on with `next` after it, which takes whatever the batch left (the buffer's end, a
-    /// record spanning on into the next buffer, the channel's next event). `None` when no
-    /// buffer is being read: before the first record, and after an event.
+    /// (nothing is looked up per record, and the read position stays in a register). The
+    /// batch ends at the buffer's end, or before a record that spans on into the next
+    /// buffer or whose length is refused; read on with `next`, which takes what the batch
+    /// left (that record, the channel's next buffer or event). `None` when no buffer is
+    /// being read: before the first record, and after an event between buffers (a priority
+    /// event handed out mid-buffer by [`wait_for_output`](Self::wait_for_output) leaves the
+    /// buffer's rest to a batch).
     ///
     /// ```ignore
     /// while let Some(item) = reader.next()? {

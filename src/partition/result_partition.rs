@@ -214,7 +214,12 @@ impl UnicastRun<'_> {
 
 impl Drop for UnicastRun<'_> {
     fn drop(&mut self) {
-        self.num_records_out.add(self.records);
+        // Published before counted, as `emit_record` does: a metrics reader never counts
+        // records a consumer cannot read yet.
+        self.run.publish();
+        if self.records > 0 {
+            self.num_records_out.add(self.records);
+        }
     }
 }
 
@@ -456,9 +461,8 @@ impl ResultPartition {
     /// A run of records appended to `target`'s open buffer one after another without a call
     /// of [`emit_record`](Self::emit_record) each ([`RecordWriter::emit_all`]); `None` when
     /// `target` has no open buffer or the pool is gone, which `emit_record` then reports.
-    /// The destroyed pool is looked at when the run begins, not per record: a release
-    /// racing with a run lets the run fill its buffer, whose records were lost with the
-    /// partition anyway.
+    /// The destroyed pool is looked at when the run begins, not per record: only this
+    /// partition's own `&mut` paths destroy it, none of which a run can overlap.
     ///
     /// [`RecordWriter::emit_all`]: super::RecordWriter::emit_all
     #[inline]

@@ -242,8 +242,10 @@ impl<S> RecordWriter<S> {
     ///
     /// The records of a run become readable when the run ends (the batch ends, the buffer
     /// fills, or the selector picks another subpartition), so a timed flush during a batch
-    /// sends what was published before it, and the rest goes with the next flush. With
-    /// [`BufferTimeout::Always`] each record is emitted and flushed on its own.
+    /// sends what was published before it, and the rest goes with the next flush. An
+    /// iterator or selector that blocks (waiting for input, say) holds the open run's
+    /// records back meanwhile, past `execution.buffer-timeout`: give `emit_all` records at
+    /// hand. With [`BufferTimeout::Always`] each record is emitted and flushed on its own.
     pub fn emit_all<'r, R, I>(&mut self, records: I) -> Result<(), PartitionError>
     where
         R: Record + ?Sized + 'r,

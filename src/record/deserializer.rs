@@ -124,20 +124,31 @@ enum Location {
     Scratch,
 }
 
-/// Where the record at `at` of `bytes` lies, `(start, len)`, when its length takes one
-/// prefix byte (every record under 128 bytes) and it ends inside `bytes`; `None` for
-/// everything else (a buffer's end, a longer prefix, a record spanning on, a length over
-/// `max_record_bytes`), which the general read handles.
+/// Where the record at `at` of `bytes` lies, `(start, len)`, when its length prefix and its
+/// bytes are whole in `bytes` and it is within `max_record_bytes`; `None` for everything
+/// else (a buffer's end, a record spanning on, a prefix to refuse or to gather), which the
+/// general read handles.
 #[inline(always)]
-fn short_record_at(bytes: &[u8], at: usize, max_record_bytes: usize) -> Option<(usize, usize)> {
+fn whole_record_at(bytes: &[u8], at: usize, max_record_bytes: usize) -> Option<(usize, usize)> {
     let first = *bytes.get(at)?;
-    if first >= 0x80 {
-        return None;
-    }
-    let len = usize::from(first);
-    let start = at + 1;
-    // `at` is inside `bytes`, so `start` is at most its length.
+    // One prefix byte for every record under 128 bytes: no decoding loop for them.
+    let (start, len) = if first < 0x80 {
+        (at + 1, usize::from(first))
+    } else {
+        longer_prefix_at(bytes, at)?
+    };
+    // The prefix ends inside `bytes`, so `start` is at most its length.
     (len <= max_record_bytes && bytes.len() - start >= len).then_some((start, len))
+}
+
+/// [`whole_record_at`] for a prefix of two bytes or more: where the record starts and its
+/// length, if the prefix is whole in `bytes` and well formed.
+#[inline(never)]
+fn longer_prefix_at(bytes: &[u8], at: usize) -> Option<(usize, usize)> {
+    match decode_prefix(bytes.get(at..)?) {
+        Prefix::Complete { len, size } => Some((at + size, len)),
+        Prefix::Incomplete | Prefix::Malformed => None,
+    }
 }
 
 /// The records lying whole in a deserializer's current buffer
@@ -156,7 +167,7 @@ impl<'a> Iterator for WholeRecords<'a> {
 
     #[inline]
     fn next(&mut self) -> Option<&'a [u8]> {
-        let (start, len) = short_record_at(self.bytes, self.at, self.max_record_bytes)?;
+        let (start, len) = whole_record_at(self.bytes, self.at, self.max_record_bytes)?;
         self.at = start + len;
         *self.position = self.at;
         self.bytes.get(start..self.at)
@@ -309,7 +320,7 @@ impl RecordDeserializer {
             return false;
         };
         let Some((start, len)) =
-            short_record_at(buffer.as_slice(), self.position, self.max_record_bytes)
+            whole_record_at(buffer.as_slice(), self.position, self.max_record_bytes)
         else {
             return false;
         };
@@ -324,7 +335,8 @@ impl RecordDeserializer {
     /// [`advance_within_buffer`](Self::advance_within_buffer) (a load of the position the
     /// last call stored) goes. The iterator stops where `advance_within_buffer` would
     /// return false; the position moves past each record handed out, so whatever the caller
-    /// does with the iterator, [`advance`](Self::advance) goes on after the last one.
+    /// does with the iterator, [`advance`](Self::advance) goes on after the last one. It
+    /// ends the record [`current_record`](Self::current_record) returned (empty after it).
     #[inline]
     pub fn whole_records(&mut self) -> WholeRecords<'_> {
         self.current = None;
