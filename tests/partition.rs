@@ -3046,17 +3046,26 @@ proptest! {
             .enumerate()
             .map(|(i, &len)| vec![i as u8; len])
             .collect();
-        let streams = |batched: bool| {
-            let (network, partition) = batch_partition(40 + batched as u64, subpartitions);
+        // 0: one call per record; 1: `emit_all`; 2: `emit_all_async`.
+        let streams = |mode: u64| {
+            let (network, partition) = batch_partition(40 + mode, subpartitions);
             let selector = Scripted { choices: choices.clone(), calls: 0 };
             let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
-            if batched {
+            if mode > 0 {
                 // The records in batches cut where `cuts` says.
                 let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(records.len())).collect();
                 cuts.sort_unstable();
                 let mut start = 0;
                 for end in cuts.into_iter().chain([records.len()]) {
-                    writer.emit_all(records[start..end].iter().map(Vec::as_slice)).unwrap();
+                    let batch = records[start..end].iter().map(Vec::as_slice);
+                    if mode == 1 {
+                        writer.emit_all(batch).unwrap();
+                    } else {
+                        // The pool has room for every record: nothing waits.
+                        poll_once(writer.emit_all_async(batch))
+                            .expect("no back pressure")
+                            .unwrap();
+                    }
                     start = end;
                 }
             } else {
@@ -3071,10 +3080,12 @@ proptest! {
             assert_eq!(network.available_segments(), network.total_segments());
             (streams, records_out)
         };
-        let (one_by_one, counted) = streams(false);
-        let (batched, counted_batched) = streams(true);
-        prop_assert!(batched == one_by_one, "the batched streams differ");
-        prop_assert_eq!(counted_batched, counted);
+        let (one_by_one, counted) = streams(0);
+        for mode in [1, 2] {
+            let (batched, counted_batched) = streams(mode);
+            prop_assert!(batched == one_by_one, "mode {}: the batched streams differ", mode);
+            prop_assert_eq!(counted_batched, counted);
+        }
     }
 }
 
@@ -3131,5 +3142,68 @@ fn a_batch_s_records_are_published_for_a_flush_when_the_call_returns() {
     assert_eq!(records_of(&item), records);
     assert_eq!(writer.partition().metrics_snapshot().num_records_out, 100);
     drop((item, view, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+/// A waker that remembers it was woken.
+struct Flag(std::sync::atomic::AtomicBool);
+
+impl std::task::Wake for Flag {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_woken() {
+    let (network, config) = setup(16);
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, _) = view(&partition, 0);
+    let mut writer = RecordWriter::new(
+        partition,
+        Scripted {
+            choices: vec![Some(0)],
+            calls: 0,
+        },
+        BufferTimeout::Never,
+    );
+    // About 50 segments of 4 KiB: far more than the partition's pool may hold.
+    let records: Vec<Vec<u8>> = (0..200u32).map(|i| vec![i as u8; 1000]).collect();
+    let flag = Arc::new(Flag(std::sync::atomic::AtomicBool::new(false)));
+    let waker = std::task::Waker::from(flag.clone());
+    let mut context = std::task::Context::from_waker(&waker);
+    let mut got = SpanningReader::new();
+    let mut waits = 0;
+    {
+        let mut emit = std::pin::pin!(writer.emit_all_async(records.iter().map(Vec::as_slice)));
+        // Bounded: each pending poll is followed by reading every queued buffer, which frees
+        // segments; 200 records cannot need more rounds than buffers.
+        for _ in 0..200 {
+            if let std::task::Poll::Ready(done) = emit.as_mut().poll(&mut context) {
+                done.unwrap();
+                break;
+            }
+            waits += 1;
+            flag.0.store(false, Ordering::SeqCst);
+            while let Some(item) = view.poll_next() {
+                got.read(&item);
+            }
+            assert!(
+                flag.0.load(Ordering::SeqCst),
+                "the freed segments did not wake the batch"
+            );
+        }
+    }
+    assert!(waits > 0, "the batch never waited");
+    writer.finish().unwrap();
+    while let Some(item) = view.poll_next() {
+        if item.buffer.data_type() == DataType::DataBuffer {
+            got.read(&item);
+        }
+    }
+    let sent: Vec<(usize, u8)> = records.iter().map(|r| (r.len(), r[0])).collect();
+    assert_eq!(got.records, sent);
+    assert_eq!(writer.partition().metrics_snapshot().num_records_out, 200);
+    drop((view, writer));
     assert_eq!(network.available_segments(), network.total_segments());
 }

@@ -120,6 +120,32 @@ impl<R: ?Sized, F: FnMut(&R) -> u64> ChannelSelector<R> for KeyHashSelector<F> {
     }
 }
 
+/// The records after one that went to `target`, as long as they go there too, appended to
+/// its open buffer in one run ([`RecordWriter::emit_all`]); returns the first record the run
+/// did not take (another target, a broadcast, or one for the general path), with its
+/// selection. `pending` is the record after the one emitted; `next` selects each one after.
+#[inline]
+fn extend_run<'r, R: Record + ?Sized + 'r>(
+    partition: &mut ResultPartition,
+    target: usize,
+    mut pending: Option<(&'r R, Selection)>,
+    next: &mut impl FnMut() -> Option<(&'r R, Selection)>,
+) -> Option<(&'r R, Selection)> {
+    if !matches!(pending, Some((_, Selection::Channel(t))) if t == target) {
+        return pending;
+    }
+    let Some(mut run) = partition.unicast_run(target) else {
+        return pending;
+    };
+    while let Some((record, Selection::Channel(t))) = pending {
+        if t != target || !run.try_emit(record) {
+            break;
+        }
+        pending = next();
+    }
+    pending
+}
+
 /// When partly filled buffers become readable (Flink's `execution.buffer-timeout`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BufferTimeout {
@@ -266,30 +292,58 @@ impl<S> RecordWriter<S> {
         // Bounded by the iterator: every pass takes at least one record from it.
         let mut pending = next();
         while let Some((record, selection)) = pending {
-            let target = match selection {
-                Selection::Channel(target) => target,
+            pending = match selection {
+                Selection::Channel(target) => {
+                    // The record through the general path (which opens a buffer when
+                    // needed), then those after it to the same subpartition into that buffer.
+                    self.partition.emit_record(record, target)?;
+                    extend_run(&mut self.partition, target, next(), &mut next)
+                }
                 Selection::Broadcast => {
                     self.partition.broadcast_record(record)?;
-                    pending = next();
-                    continue;
+                    next()
                 }
             };
-            // The record through the general path (which opens a buffer when needed), then
-            // those after it to the same subpartition into that buffer.
-            self.partition.emit_record(record, target)?;
-            pending = next();
-            if !matches!(pending, Some((_, Selection::Channel(t))) if t == target) {
-                continue;
+        }
+        Ok(())
+    }
+
+    /// [`emit_all`](Self::emit_all) without blocking the thread while waiting for buffers:
+    /// each record that needs the general path goes through
+    /// [`emit_async`](Self::emit_async)'s waits.
+    pub async fn emit_all_async<'r, R, I>(&mut self, records: I) -> Result<(), PartitionError>
+    where
+        R: Record + ?Sized + 'r,
+        I: IntoIterator<Item = &'r R>,
+        S: ChannelSelector<R>,
+    {
+        let mut records = records.into_iter();
+        if self.flush_always {
+            for record in records {
+                self.emit_async(record).await?;
             }
-            let Some(mut run) = self.partition.unicast_run(target) else {
-                continue;
-            };
-            while let Some((record, Selection::Channel(t))) = pending {
-                if t != target || !run.try_emit(record) {
-                    break;
+            return Ok(());
+        }
+        let channels = self.partition.subpartition_count();
+        let selector = &mut self.selector;
+        let mut next = || {
+            records
+                .next()
+                .map(|record| (record, selector.select(record, channels)))
+        };
+        // Bounded by the iterator: every pass takes at least one record from it.
+        let mut pending = next();
+        while let Some((record, selection)) = pending {
+            pending = match selection {
+                Selection::Channel(target) => {
+                    self.partition.emit_record_async(record, target).await?;
+                    extend_run(&mut self.partition, target, next(), &mut next)
                 }
-                pending = next();
-            }
+                Selection::Broadcast => {
+                    self.partition.broadcast_record_async(record).await?;
+                    next()
+                }
+            };
         }
         Ok(())
     }
