@@ -310,7 +310,9 @@ impl<S> RecordWriter<S> {
 
     /// [`emit_all`](Self::emit_all) without blocking the thread while waiting for buffers:
     /// each record that needs the general path goes through
-    /// [`emit_async`](Self::emit_async)'s waits.
+    /// [`emit_async`](Self::emit_async)'s waits. Dropped before it completes (a cancelled
+    /// task), it has emitted the records before the one it waited for, as one `emit_async`
+    /// per record would have.
     pub async fn emit_all_async<'r, R, I>(&mut self, records: I) -> Result<(), PartitionError>
     where
         R: Record + ?Sized + 'r,
