@@ -3207,3 +3207,32 @@ fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_wo
     drop((view, writer));
     assert_eq!(network.available_segments(), network.total_segments());
 }
+
+#[test]
+fn an_async_batch_dropped_while_it_waits_has_emitted_exactly_the_records_before() {
+    let (network, config) = setup(16);
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (mut view, signal) = view(&partition, 0);
+    let mut writer = RecordWriter::new(
+        partition,
+        Scripted {
+            choices: vec![Some(0)],
+            calls: 0,
+        },
+        BufferTimeout::Never,
+    );
+    let records: Vec<Vec<u8>> = (0..200u32).map(|i| vec![i as u8; 1000]).collect();
+    let waited = poll_once(writer.emit_all_async(records.iter().map(Vec::as_slice)));
+    assert!(waited.is_none(), "the batch did not wait for segments");
+    let emitted = writer.partition().metrics_snapshot().num_records_out;
+    assert!(emitted > 0 && emitted < 200, "{emitted} records emitted");
+    writer.finish().unwrap();
+    let (got, _) = read_to_end(&mut view, &signal);
+    let sent: Vec<(usize, u8)> = records[..emitted as usize]
+        .iter()
+        .map(|r| (r.len(), r[0]))
+        .collect();
+    assert_eq!(got.records, sent);
+    drop((view, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
