@@ -2976,6 +2976,16 @@ struct Scripted {
     calls: usize,
 }
 
+impl Scripted {
+    /// Every record to `channel`.
+    fn always(channel: usize) -> Self {
+        Self {
+            choices: vec![Some(channel)],
+            calls: 0,
+        }
+    }
+}
+
 impl ChannelSelector<[u8]> for Scripted {
     fn select(&mut self, _record: &[u8], channels: usize) -> Selection {
         let choice = self.choices[self.calls % self.choices.len()];
@@ -3093,10 +3103,7 @@ proptest! {
 fn a_batch_stops_at_a_refused_record_having_selected_nothing_after_it() {
     let (network, partition) = batch_partition(50, 1);
     let (mut view, _) = view(&partition, 0);
-    let selector = Scripted {
-        choices: vec![Some(0)],
-        calls: 0,
-    };
+    let selector = Scripted::always(0);
     let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
     // One byte over the partition's `fluxgate.record.max-size` of 64 KiB.
     let too_large = vec![0u8; (64 << 10) + 1];
@@ -3124,14 +3131,7 @@ fn a_batch_stops_at_a_refused_record_having_selected_nothing_after_it() {
 fn a_batch_s_records_are_published_for_a_flush_when_the_call_returns() {
     let (network, partition) = batch_partition(51, 2);
     let (mut view, signal) = view(&partition, 1);
-    let mut writer = RecordWriter::new(
-        partition,
-        Scripted {
-            choices: vec![Some(1)],
-            calls: 0,
-        },
-        BufferTimeout::Never,
-    );
+    let mut writer = RecordWriter::new(partition, Scripted::always(1), BufferTimeout::Never);
     let records: Vec<Vec<u8>> = (0..100u8).map(|i| vec![i; 7]).collect();
     writer.emit_all(records.iter().map(Vec::as_slice)).unwrap();
     // No finish: only what the run published is readable after a flush.
@@ -3154,21 +3154,27 @@ impl std::task::Wake for Flag {
     }
 }
 
-#[test]
-fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_woken() {
+/// A one-subpartition partition of the default pool sizes over 4 KiB segments, its view,
+/// a writer, and 200 records of 1000 bytes: about 50 segments, far more than the
+/// partition's pool may hold.
+fn back_pressured_batch() -> (
+    NetworkBufferPool,
+    SubpartitionView,
+    Arc<Signal>,
+    RecordWriter<Scripted>,
+    Vec<Vec<u8>>,
+) {
     let (network, config) = setup(16);
     let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, _) = view(&partition, 0);
-    let mut writer = RecordWriter::new(
-        partition,
-        Scripted {
-            choices: vec![Some(0)],
-            calls: 0,
-        },
-        BufferTimeout::Never,
-    );
-    // About 50 segments of 4 KiB: far more than the partition's pool may hold.
-    let records: Vec<Vec<u8>> = (0..200u32).map(|i| vec![i as u8; 1000]).collect();
+    let (view, signal) = view(&partition, 0);
+    let writer = RecordWriter::new(partition, Scripted::always(0), BufferTimeout::Never);
+    let records = (0..200u32).map(|i| vec![i as u8; 1000]).collect();
+    (network, view, signal, writer, records)
+}
+
+#[test]
+fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_woken() {
+    let (network, mut view, _, mut writer, records) = back_pressured_batch();
     let flag = Arc::new(Flag(std::sync::atomic::AtomicBool::new(false)));
     let waker = std::task::Waker::from(flag.clone());
     let mut context = std::task::Context::from_waker(&waker);
@@ -3210,18 +3216,7 @@ fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_wo
 
 #[test]
 fn an_async_batch_dropped_while_it_waits_has_emitted_exactly_the_records_before() {
-    let (network, config) = setup(16);
-    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
-    let (mut view, signal) = view(&partition, 0);
-    let mut writer = RecordWriter::new(
-        partition,
-        Scripted {
-            choices: vec![Some(0)],
-            calls: 0,
-        },
-        BufferTimeout::Never,
-    );
-    let records: Vec<Vec<u8>> = (0..200u32).map(|i| vec![i as u8; 1000]).collect();
+    let (network, mut view, signal, mut writer, records) = back_pressured_batch();
     let waited = poll_once(writer.emit_all_async(records.iter().map(Vec::as_slice)));
     assert!(waited.is_none(), "the batch did not wait for segments");
     let emitted = writer.partition().metrics_snapshot().num_records_out;

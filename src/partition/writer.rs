@@ -120,6 +120,26 @@ impl<R: ?Sized, F: FnMut(&R) -> u64> ChannelSelector<R> for KeyHashSelector<F> {
     }
 }
 
+/// Takes the next record of `records` with the selector's choice for it: the selector is
+/// asked once per record, as the record is taken.
+#[inline]
+fn selecting<'a, 'r, R, I, S>(
+    records: &'a mut I,
+    selector: &'a mut S,
+    channels: usize,
+) -> impl FnMut() -> Option<(&'r R, Selection)> + 'a
+where
+    R: ?Sized + 'r,
+    I: Iterator<Item = &'r R>,
+    S: ChannelSelector<R>,
+{
+    move || {
+        records
+            .next()
+            .map(|record| (record, selector.select(record, channels)))
+    }
+}
+
 /// The records after one that went to `target`, as long as they go there too, appended to
 /// its open buffer in one run ([`RecordWriter::emit_all`]); returns the first record the run
 /// did not take (another target, a broadcast, or one for the general path), with its
@@ -283,12 +303,7 @@ impl<S> RecordWriter<S> {
             return records.try_for_each(|record| self.emit(record));
         }
         let channels = self.partition.subpartition_count();
-        let selector = &mut self.selector;
-        let mut next = || {
-            records
-                .next()
-                .map(|record| (record, selector.select(record, channels)))
-        };
+        let mut next = selecting(&mut records, &mut self.selector, channels);
         // Bounded by the iterator: every pass takes at least one record from it.
         let mut pending = next();
         while let Some((record, selection)) = pending {
@@ -327,12 +342,7 @@ impl<S> RecordWriter<S> {
             return Ok(());
         }
         let channels = self.partition.subpartition_count();
-        let selector = &mut self.selector;
-        let mut next = || {
-            records
-                .next()
-                .map(|record| (record, selector.select(record, channels)))
-        };
+        let mut next = selecting(&mut records, &mut self.selector, channels);
         // Bounded by the iterator: every pass takes at least one record from it.
         let mut pending = next();
         while let Some((record, selection)) = pending {
