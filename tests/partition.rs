@@ -3050,7 +3050,13 @@ proptest! {
         choices in prop::collection::vec(prop::option::weighted(0.9, 0usize..3), 1..8),
         subpartitions in 1usize..4,
         cuts in prop::collection::vec(0usize..60, 0..4),
+        flush_every_record in prop::bool::weighted(0.25),
     ) {
+        let timeout = if flush_every_record {
+            BufferTimeout::Always
+        } else {
+            BufferTimeout::Never
+        };
         let records: Vec<Vec<u8>> = lens
             .iter()
             .enumerate()
@@ -3060,7 +3066,7 @@ proptest! {
         let streams = |mode: u64| {
             let (network, partition) = batch_partition(40 + mode, subpartitions);
             let selector = Scripted { choices: choices.clone(), calls: 0 };
-            let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
+            let mut writer = RecordWriter::new(partition, selector, timeout);
             if mode > 0 {
                 // The records in batches cut where `cuts` says.
                 let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(records.len())).collect();
@@ -3118,6 +3124,19 @@ fn a_batch_stops_at_a_refused_record_having_selected_nothing_after_it() {
         3,
         "the record after the refused one was selected"
     );
+    // The async batch stops there too.
+    let error = poll_once(writer.emit_all_async(batch[2..].iter().copied()))
+        .expect("no back pressure")
+        .unwrap_err();
+    assert!(
+        matches!(error, PartitionError::Record(RecordError::TooLarge { .. })),
+        "{error:?}"
+    );
+    assert_eq!(
+        writer.selector().calls,
+        4,
+        "the async batch selected past the refused record"
+    );
     writer.flush_all();
     let item = view
         .poll_next()
@@ -3145,15 +3164,6 @@ fn a_batch_s_records_are_published_for_a_flush_when_the_call_returns() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
-/// A waker that remembers it was woken.
-struct Flag(std::sync::atomic::AtomicBool);
-
-impl std::task::Wake for Flag {
-    fn wake(self: Arc<Self>) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
-
 /// A one-subpartition partition of the default pool sizes over 4 KiB segments, its view,
 /// a writer, and 200 records of 1000 bytes: about 50 segments, far more than the
 /// partition's pool may hold.
@@ -3175,13 +3185,17 @@ fn back_pressured_batch() -> (
 #[test]
 fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_woken() {
     let (network, mut view, _, mut writer, records) = back_pressured_batch();
-    let flag = Arc::new(Flag(std::sync::atomic::AtomicBool::new(false)));
-    let waker = std::task::Waker::from(flag.clone());
+    let woken = Arc::new(CountingWaker::default());
+    let waker = std::task::Waker::from(woken.clone());
     let mut context = std::task::Context::from_waker(&waker);
     let mut got = SpanningReader::new();
     let mut waits = 0;
     {
-        let mut emit = std::pin::pin!(writer.emit_all_async(records.iter().map(Vec::as_slice)));
+        let emit = writer.emit_all_async(records.iter().map(Vec::as_slice));
+        // A task may move it between threads.
+        fn require_send<T: Send>(_: &T) {}
+        require_send(&emit);
+        let mut emit = std::pin::pin!(emit);
         // Bounded: each pending poll is followed by reading every queued buffer, which frees
         // segments; 200 records cannot need more rounds than buffers.
         for _ in 0..200 {
@@ -3190,12 +3204,12 @@ fn an_async_batch_waits_under_back_pressure_and_goes_on_where_it_stopped_when_wo
                 break;
             }
             waits += 1;
-            flag.0.store(false, Ordering::SeqCst);
+            let wakes = woken.0.load(Ordering::SeqCst);
             while let Some(item) = view.poll_next() {
                 got.read(&item);
             }
             assert!(
-                flag.0.load(Ordering::SeqCst),
+                woken.0.load(Ordering::SeqCst) > wakes,
                 "the freed segments did not wake the batch"
             );
         }
@@ -3222,7 +3236,10 @@ fn an_async_batch_dropped_while_it_waits_has_emitted_exactly_the_records_before(
     let emitted = writer.partition().metrics_snapshot().num_records_out;
     assert!(emitted > 0 && emitted < 200, "{emitted} records emitted");
     writer.finish().unwrap();
-    let (got, _) = read_to_end(&mut view, &signal);
+    let (mut got, _) = read_to_end(&mut view, &signal);
+    got.reader
+        .finish()
+        .expect("no record begun and not ended: the one waited for has no bytes out");
     let sent: Vec<(usize, u8)> = records[..emitted as usize]
         .iter()
         .map(|r| (r.len(), r[0]))

@@ -323,11 +323,12 @@ impl<S> RecordWriter<S> {
         Ok(())
     }
 
-    /// [`emit_all`](Self::emit_all) without blocking the thread while waiting for buffers:
-    /// each record that needs the general path goes through
-    /// [`emit_async`](Self::emit_async)'s waits. Dropped before it completes (a cancelled
-    /// task), it has emitted the records before the one it waited for, as one `emit_async`
-    /// per record would have.
+    /// [`emit_all`](Self::emit_all) waiting for buffers without blocking the thread: each
+    /// record that needs the general path goes through [`emit_async`](Self::emit_async)'s
+    /// waits (so, as there, a record spanning past its overdraft still waits blocking). Dropped
+    /// before it completes (a cancelled task), it has emitted the records before the one it
+    /// waited for, as one `emit_async` per record would have; that one was taken from the
+    /// iterator and selected, but none of its bytes written.
     pub async fn emit_all_async<'r, R, I>(&mut self, records: I) -> Result<(), PartitionError>
     where
         R: Record + ?Sized + 'r,
