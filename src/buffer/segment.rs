@@ -736,8 +736,8 @@ impl BufferBuilder {
 /// Framed records appended to one builder in a loop: the position lives here, where the
 /// compiler can keep it in a register (through the builder, every byte stored to the payload
 /// might have changed it, so it is loaded and stored again per record), and goes back to the
-/// builder, published with one marker store, when the run is dropped. Consumers see the
-/// run's records only then.
+/// builder, published with one marker store, when the run is published or dropped.
+/// Consumers see the run's records only then.
 #[derive(Debug)]
 pub struct FramedRun<'a> {
     builder: &'a mut BufferBuilder,
@@ -777,9 +777,7 @@ impl FramedRun<'_> {
         self.position += framed as u32;
         true
     }
-}
 
-impl FramedRun<'_> {
     /// Hands the run's position to the builder and publishes it (also when the run drops).
     #[inline]
     pub fn publish(&mut self) {
