@@ -295,6 +295,43 @@ unsafe fn copy_small(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
+/// Writes `[length prefix | bytes]` (see [`crate::record`]) at `at`: the one encoding of a
+/// framed record, for [`BufferBuilder::append_framed`] and [`FramedRun::try_append`].
+///
+/// # Safety
+///
+/// `at` is valid for writes of `record::framed_len(bytes.len())` bytes that no one reads
+/// meanwhile, and does not overlap `bytes`.
+#[inline(always)]
+unsafe fn write_framed(at: *mut u8, bytes: &[u8]) {
+    // SAFETY: the caller's contract covers the prefix and the bytes after it.
+    unsafe {
+        // The common small record: a one-byte prefix, kept small enough to inline.
+        let prefix_bytes = if bytes.len() < 0x80 {
+            at.write(bytes.len() as u8);
+            1
+        } else {
+            write_long_prefix(at, bytes.len())
+        };
+        copy_small(bytes.as_ptr(), at.add(prefix_bytes), bytes.len());
+    }
+}
+
+/// [`write_framed`]'s prefix of two to five bytes (records of 128 bytes and more, whose copy
+/// dominates); returns its length.
+///
+/// # Safety
+///
+/// `at` is valid for writes of `record::prefix_len(len)` bytes.
+#[inline(never)]
+unsafe fn write_long_prefix(at: *mut u8, len: usize) -> usize {
+    let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
+    let prefix_bytes = crate::record::encode_prefix(len as u32, &mut prefix);
+    // SAFETY: `prefix_bytes` is `prefix_len(len)`, which the caller guarantees room for.
+    unsafe { std::ptr::copy_nonoverlapping(prefix.as_ptr(), at, prefix_bytes) };
+    prefix_bytes
+}
+
 /// Where a segment goes when its last lease drops: a local pool, a channel's exclusive set, or
 /// the global pool.
 pub trait Recycler: Send + Sync + 'static {
@@ -535,27 +572,7 @@ impl BufferBuilder {
     /// (`remaining() >= record::framed_len(bytes.len())`).
     #[inline(always)]
     pub fn append_framed(&mut self, bytes: &[u8]) {
-        if bytes.len() >= 0x80 {
-            self.append_framed_long(bytes);
-            return;
-        }
-        // The common small record: a one-byte prefix, kept small enough to inline.
-        self.put_framed(&[bytes.len() as u8], bytes);
-    }
-
-    /// [`append_framed`](Self::append_framed) for records of 128 bytes and more (a prefix of
-    /// two to five bytes; the copy dominates).
-    #[inline(never)]
-    fn append_framed_long(&mut self, bytes: &[u8]) {
-        let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
-        let prefix_bytes = crate::record::encode_prefix(bytes.len() as u32, &mut prefix);
-        self.put_framed(&prefix[..prefix_bytes], bytes);
-    }
-
-    /// Writes `prefix` and `bytes` back to back and publishes them.
-    #[inline(always)]
-    fn put_framed(&mut self, prefix: &[u8], bytes: &[u8]) {
-        let total = prefix.len() + bytes.len();
+        let total = crate::record::framed_len(bytes.len());
         assert!(
             total <= self.remaining(),
             "append_framed past the segment's end"
@@ -563,11 +580,7 @@ impl BufferBuilder {
         self.assert_writable();
         // SAFETY: `[position, position + total)` lies inside the payload (checked above), above
         // every published byte, and this builder is the segment's only writer.
-        unsafe {
-            let dst = self.payload.as_ptr().add(self.position as usize);
-            copy_small(prefix.as_ptr(), dst, prefix.len());
-            copy_small(bytes.as_ptr(), dst.add(prefix.len()), bytes.len());
-        }
+        unsafe { write_framed(self.payload.as_ptr().add(self.position as usize), bytes) }
         self.position += total as u32;
         self.commit();
     }
@@ -761,19 +774,7 @@ impl FramedRun<'_> {
         // or above its committed one), and the run borrows the segment's only writer: while
         // the `&mut` borrow lasts, nothing else can write, finish or trim the builder (a
         // finished one gives no run), so `capacity` and the position stay the run's.
-        unsafe {
-            let at = self.dst.as_ptr().add(self.position as usize);
-            let body = if bytes.len() < 0x80 {
-                at.write(bytes.len() as u8);
-                at.add(1)
-            } else {
-                let mut prefix = [0u8; crate::record::MAX_LENGTH_PREFIX];
-                let prefix_bytes = crate::record::encode_prefix(bytes.len() as u32, &mut prefix);
-                std::ptr::copy_nonoverlapping(prefix.as_ptr(), at, prefix_bytes);
-                at.add(prefix_bytes)
-            };
-            copy_small(bytes.as_ptr(), body, bytes.len());
-        }
+        unsafe { write_framed(self.dst.as_ptr().add(self.position as usize), bytes) }
         self.position += framed as u32;
         true
     }
