@@ -410,7 +410,7 @@ fn channel_queue_notify_races_pop_and_requeue() {
 
         let mut read = 0;
         // What `SingleInputGate::poll_next` and `on_read` do with one channel.
-        let mut read_one = |queue: &ChannelQueue| -> bool {
+        let mut read_one = |queue: &Arc<ChannelQueue>| -> bool {
             let Some((channel, _priority)) = queue.pop() else {
                 return false;
             };

@@ -576,6 +576,8 @@ impl Loop {
             self.read_tls(token, now);
             return;
         }
+        // Readers woken once for this loop's buffers, when it ends (see `hold_wakes`).
+        let _wakes = crate::gate::hold_wakes();
         // Edge-triggered: read until WouldBlock. Bounded per turn so one busy connection
         // cannot starve the others; the rest is read on the next readiness or turn.
         for _ in 0..256 {

@@ -870,10 +870,13 @@ impl Loop {
                 break;
             }
             let now = Instant::now();
+            // Readers woken once for this turn's reads, when they end (see `hold_wakes`).
+            let wakes = crate::gate::hold_wakes();
             if self.reap(now) > 0 {
                 busy_poll.worked(now);
             }
             self.read_on();
+            drop(wakes);
         }
         self.end();
     }
