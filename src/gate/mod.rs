@@ -29,7 +29,7 @@ mod union;
 
 pub use barrier::{AlignmentMode, ChannelStateSink, CheckpointedInputGate, OutputWait};
 pub use channel::{Backoff, ChannelLocation, InputChannel, LocalInputChannel, UnknownInputChannel};
-pub(crate) use queue::{hold_wakes, ChannelQueueHandle};
+pub(crate) use queue::{give_held_wakes, hold_wakes, ChannelQueueHandle};
 pub use reader::{BufferRecords, ReaderError, ReaderItem, RecordReader};
 pub use remote::{
     BufferManager, CreditListener, RemoteChannelShared, RemoteInputChannel, UNCREDITED_EVENTS,

@@ -312,6 +312,13 @@ pub(crate) fn hold_wakes() -> WakeHold {
     }
 }
 
+/// Gives the wake-ups this thread's hold kept so far and goes on holding (nothing without a
+/// hold): a long read loop calls it every so many reads, so the reader of its first buffer
+/// does not wait for the whole loop.
+pub(crate) fn give_held_wakes() {
+    held::give(false);
+}
+
 /// See [`hold_wakes`]. Neither `Send` nor `Sync`: the hold belongs to the thread.
 pub(crate) struct WakeHold {
     outermost: bool,
@@ -321,7 +328,7 @@ pub(crate) struct WakeHold {
 impl Drop for WakeHold {
     fn drop(&mut self) {
         if self.outermost {
-            held::end();
+            held::give(true);
         }
     }
 }
@@ -384,13 +391,16 @@ mod held {
         .unwrap_or(false)
     }
 
-    /// Ends the hold and gives the wake-ups it kept, outside the thread-local's borrow: a
-    /// waker may run code that enqueues again, which then wakes at once.
-    pub(super) fn end() {
+    /// Gives the wake-ups the hold kept (and ends it if `end`), outside the thread-local's
+    /// borrow: a waker may run code that enqueues again, which is then held again, or woken
+    /// at once after the end.
+    pub(super) fn give(end: bool) {
         let mut kept = [const { None }; CAPACITY];
         let len = HELD.with(|held| {
             let mut held = held.borrow_mut();
-            held.active = false;
+            if end {
+                held.active = false;
+            }
             std::mem::swap(&mut kept, &mut held.queues);
             std::mem::take(&mut held.len)
         });
@@ -416,7 +426,7 @@ mod held {
         false
     }
 
-    pub(super) fn end() {}
+    pub(super) fn give(_end: bool) {}
 }
 
 #[cfg(all(test, not(loom)))]
@@ -426,7 +436,7 @@ mod tests {
     use std::task::{Wake, Waker};
     use std::time::Duration;
 
-    use super::{hold_wakes, ChannelQueue};
+    use super::{give_held_wakes, hold_wakes, ChannelQueue};
 
     #[derive(Default)]
     struct CountingWaker(AtomicUsize);
@@ -470,6 +480,21 @@ mod tests {
         // The hold is over: the next enqueue wakes at once again.
         assert!(!queue.register_waker(&Waker::from(woken.clone())));
         queue.enqueue(0, false);
+        assert_eq!(wakes(&woken), 2);
+    }
+
+    #[test]
+    fn a_hold_gives_what_it_held_when_asked_and_holds_on() {
+        let (queue, woken) = watched_queue();
+        let hold = hold_wakes();
+        queue.enqueue(0, false);
+        give_held_wakes();
+        assert_eq!(wakes(&woken), 1, "given when asked");
+        assert_eq!(queue.pop(), Some((0, false)));
+        assert!(!queue.register_waker(&Waker::from(woken.clone())));
+        queue.enqueue(0, false);
+        assert_eq!(wakes(&woken), 1, "still held after giving");
+        drop(hold);
         assert_eq!(wakes(&woken), 2);
     }
 

@@ -576,11 +576,15 @@ impl Loop {
             self.read_tls(token, now);
             return;
         }
-        // Readers woken once for this loop's buffers, when it ends (see `hold_wakes`).
+        // Readers woken once for this loop's buffers, when it ends (see `hold_wakes`), or
+        // every `READS_PER_WAKE` reads of a long loop.
         let _wakes = crate::gate::hold_wakes();
         // Edge-triggered: read until WouldBlock. Bounded per turn so one busy connection
         // cannot starve the others; the rest is read on the next readiness or turn.
-        for _ in 0..256 {
+        for round in 1..=256 {
+            if round % super::READS_PER_WAKE == 0 {
+                crate::gate::give_held_wakes();
+            }
             let (destination, ahead) = conn.connection.read_targets();
             let destination_len = destination.len();
             let asked = destination_len + ahead.len();

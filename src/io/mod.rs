@@ -44,6 +44,11 @@ use crate::sync::ArrayQueue;
 /// fills it), before it is closed anyway.
 pub(crate) const ERROR_RESPONSE_LINGER: Duration = Duration::from_secs(5);
 
+/// Reads after which an I/O thread gives the gate wake-ups it holds (see
+/// `gate::hold_wakes`): at 32 KiB buffers, half a MiB, so a reader whose buffer came first in
+/// a long read loop waits for at most that much more reading, not for the whole loop.
+pub(crate) const READS_PER_WAKE: usize = 16;
+
 /// Pause before accepting again after an accept error other than a transient one (out of
 /// file descriptors or memory): the connections the kernel queued meanwhile are taken then.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);

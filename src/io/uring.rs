@@ -565,6 +565,8 @@ struct Loop {
     /// Slots whose last read filled every byte it offered (the socket likely holds more),
     /// and the reused list a read round works through.
     full_reads: Vec<usize>,
+    /// Reads since the gate wake-ups the loop holds were last given (see `READS_PER_WAKE`).
+    reads_held: usize,
     read_round: Vec<usize>,
     /// Reused storage for reaped completions.
     cqe_scratch: Vec<(u64, i32, u32)>,
@@ -706,6 +708,7 @@ impl Loop {
             cqe_scratch: Vec::with_capacity(CQ_ENTRIES as usize),
             cqe_next: 0,
             full_reads: Vec::with_capacity(16),
+            reads_held: 0,
             read_round: Vec::with_capacity(16),
             shutting_down: false,
             stats: DriverStats::default(),
@@ -877,6 +880,7 @@ impl Loop {
             }
             self.read_on();
             drop(wakes);
+            self.reads_held = 0;
         }
         self.end();
     }
@@ -1772,6 +1776,12 @@ impl Loop {
                     conn.close_after_write = true;
                     conn.close_by = Some(now + super::ERROR_RESPONSE_LINGER);
                     self.stats.protocol_errors += 1;
+                }
+                self.reads_held += 1;
+                if self.reads_held == super::READS_PER_WAKE {
+                    // A long turn of reads wakes the readers of its buffers so far.
+                    self.reads_held = 0;
+                    crate::gate::give_held_wakes();
                 }
                 if full {
                     // `read_on` reads it again this turn (unless it stopped reading above).
