@@ -2419,6 +2419,121 @@ fn the_async_wait_for_output_is_woken_by_a_barrier_and_by_room() {
     assert!(f.all_segments_back());
 }
 
+/// Flink's task waits for all of its writers together (`RecordWriterDelegate`): the wait
+/// for several outputs hands out the barrier that comes while one is back-pressured, and
+/// after the task handled it (here, with writes that filled the other output again) it
+/// waits for that one too, whichever of the two it is; it ends only at a look at which
+/// both take records. Each wake-up is counted, with no time involved.
+#[test]
+fn a_task_with_two_outputs_waits_until_both_take_records_at_one_look() {
+    let f = fixture();
+    let ([mut upstream], mut input, _sink) = unaligned_gate::<1>(&f, 300);
+    let mut first = f.producer(301, 1);
+    let mut second = f.producer(302, 1);
+    let mut first_downstream = f.gate(&[(301, 0)], ChannelLocation::Local);
+    let mut second_downstream = f.gate(&[(302, 0)], ChannelLocation::Local);
+    first_downstream.request_partitions(Instant::now()).unwrap();
+    second_downstream
+        .request_partitions(Instant::now())
+        .unwrap();
+    common::back_pressure(&mut second);
+    send(&mut upstream, b"data");
+    let waker_state = Arc::new(ThreadWaker(thread::current(), AtomicUsize::new(0)));
+    let waker = Waker::from(waker_state.clone());
+    let mut cx = Context::from_waker(&waker);
+    let woken = || waker_state.1.load(Ordering::SeqCst);
+
+    {
+        let mut outputs = [&mut first, &mut second];
+        let mut wait = Box::pin(input.wait_for_outputs_async(&mut outputs));
+        assert!(
+            wait.as_mut().poll(&mut cx).is_pending(),
+            "the second output is back-pressured, though the first takes records"
+        );
+        let before = woken();
+        upstream
+            .broadcast_event(&barrier(5, Alignment::Unaligned), true)
+            .unwrap();
+        assert!(woken() > before, "the barrier woke the wait");
+        match wait.as_mut().poll(&mut cx) {
+            Poll::Ready(Ok(OutputWait::Event(item))) => {
+                assert_eq!(event(&item.item), &barrier(5, Alignment::Unaligned));
+            }
+            other => panic!("expected the barrier, got {other:?}"),
+        }
+    }
+    // Handling the barrier filled the first output; the second got room meanwhile.
+    common::back_pressure(&mut first);
+    assert!(drain(&mut second_downstream) > 0);
+    assert!(second.is_available());
+    {
+        let mut outputs = [&mut first, &mut second];
+        let mut wait = Box::pin(input.wait_for_outputs_async(&mut outputs));
+        assert!(
+            wait.as_mut().poll(&mut cx).is_pending(),
+            "the first output is back-pressured now"
+        );
+        let before = woken();
+        assert!(drain(&mut first_downstream) > 0);
+        assert!(woken() > before, "room in the first output woke the wait");
+        assert!(matches!(
+            wait.as_mut().poll(&mut cx),
+            Poll::Ready(Ok(OutputWait::Available))
+        ));
+    }
+    assert!(first.is_available() && second.is_available());
+    let item = next_item(&mut input);
+    assert_eq!(data(&item.item), common::framed_record(b"data"));
+    drop((item, input, upstream, first, second));
+    drop((first_downstream, second_downstream));
+    assert!(f.all_segments_back());
+}
+
+/// The blocking wait for several outputs, through a record reader: it returns once every
+/// output takes records, not when the first of them does.
+#[test]
+fn a_record_reader_waits_for_all_its_outputs_before_it_reads_on() {
+    let f = fixture();
+    let ([mut upstream], input, _sink) = unaligned_gate::<1>(&f, 303);
+    let first = f.producer(304, 1);
+    let mut second = f.producer(305, 1);
+    let mut second_downstream = f.gate(&[(305, 0)], ChannelLocation::Local);
+    second_downstream
+        .request_partitions(Instant::now())
+        .unwrap();
+    common::back_pressure(&mut second);
+    send(&mut upstream, b"data");
+    let second_handle = second.handle();
+    let task = thread::spawn(move || {
+        let mut reader = RecordReader::new(input, 1 << 16);
+        let mut outputs = [first, second];
+        let waited = reader
+            .wait_for_outputs(&mut outputs, Some(Instant::now() + LONG))
+            .map(|item| item.is_none());
+        let all_available = outputs.iter().all(ResultPartition::is_available);
+        let record = match reader.next() {
+            Ok(Some(ReaderItem::Record { bytes, .. })) => bytes.to_vec(),
+            other => panic!("expected the record, got {other:?}"),
+        };
+        drop(reader);
+        (waited, all_available, record, outputs)
+    });
+    assert!(
+        common::wait_until(LONG, || second_handle.is_back_pressured()),
+        "the task waits for its second output"
+    );
+    assert!(drain(&mut second_downstream) > 0);
+    let (waited, all_available, record, outputs) = task.join().unwrap();
+    assert!(waited.expect("no error"), "room, not an event");
+    assert!(
+        all_available,
+        "both outputs took records when the wait ended"
+    );
+    assert_eq!(record, b"data");
+    drop((upstream, outputs, second_downstream));
+    assert!(f.all_segments_back());
+}
+
 /// Flink's `unavailableSubpartitionsCount`: one subpartition holding `max-buffers-per-channel`
 /// segments makes the output unavailable although its pool has segments free (the task's
 /// next record may go there), and a segment its reader frees makes it available again.

@@ -1230,6 +1230,12 @@ struct Output {
     barriers_written: u64,
 }
 
+impl AsMut<ResultPartition> for Output {
+    fn as_mut(&mut self) -> &mut ResultPartition {
+        self.writer.partition_mut()
+    }
+}
+
 impl Output {
     fn new(topology: &Topology, edge: usize, producer: usize, partition: ResultPartition) -> Self {
         let last = Rc::new(Cell::new(Selection::Channel(0)));
@@ -1865,24 +1871,21 @@ fn before_record<G: InputGate>(
         };
         injected.on_priority_item(consumer, outputs, deserializers, item)?;
     }
-    for index in 0..outputs.len() {
-        // Each round ends at an event handled or with room; the wait, as a blocked write
-        // would, lasts while the consumer downstream frees nothing (a stalled one is
-        // reported by its own node) and ends when the partition is released.
-        loop {
-            let partition = outputs[index].writer.partition_mut();
-            match gate
-                .wait_for_output(partition, None)
-                .map_err(Failed::reading)?
-            {
-                OutputWait::Available => break,
-                OutputWait::Event(item) => {
-                    injected.on_priority_item(consumer, outputs, deserializers, item)?;
-                }
+    // Each round ends at an event handled or with room in every output at once (an event
+    // written to all may fill one again); the wait, as a blocked write would, lasts while a
+    // consumer downstream frees nothing (a stalled one is reported by its own node) and ends
+    // when a partition is released.
+    loop {
+        match gate
+            .wait_for_outputs(outputs, None)
+            .map_err(Failed::reading)?
+        {
+            OutputWait::Available => return Ok(()),
+            OutputWait::Event(item) => {
+                injected.on_priority_item(consumer, outputs, deserializers, item)?;
             }
         }
     }
-    Ok(())
 }
 
 /// The faults injected into the subtask's input (hidden `--inject`) and what they hold back.

@@ -344,6 +344,57 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         }
     }
 
+    /// [`wait_for_output`](Self::wait_for_output) for a task with several outputs, as
+    /// Flink's task waits for its `RecordWriterDelegate`, which is available when all of its
+    /// writers are: [`OutputWait::Available`] comes only from a look at which every output
+    /// takes records. Waiting for the outputs one after another would not do: an event the
+    /// task handles while it waits for one (a barrier it writes to all) can fill another that
+    /// had room, and the next record would then block in its write. Takes anything that
+    /// gives its partition (a [`ResultPartition`], a `&mut` one, a
+    /// [`RecordWriter`](crate::partition::RecordWriter)).
+    pub fn wait_for_outputs<O: AsMut<ResultPartition>>(
+        &mut self,
+        outputs: &mut [O],
+        deadline: Option<Instant>,
+    ) -> Result<OutputWait, GateError> {
+        // Each pass blocks until the output it found back-pressured takes records, an event
+        // comes, or the deadline passes: a wait, not a spin.
+        loop {
+            let Some(output) = outputs
+                .iter_mut()
+                .map(AsMut::as_mut)
+                .find(|output| !output.is_available())
+            else {
+                return Ok(OutputWait::Available);
+            };
+            match self.wait_for_output(output, deadline)? {
+                OutputWait::Available => {}
+                event => return Ok(event),
+            }
+        }
+    }
+
+    /// [`wait_for_outputs`](Self::wait_for_outputs) without blocking the thread (any
+    /// executor).
+    pub async fn wait_for_outputs_async<O: AsMut<ResultPartition>>(
+        &mut self,
+        outputs: &mut [O],
+    ) -> Result<OutputWait, GateError> {
+        loop {
+            let Some(output) = outputs
+                .iter_mut()
+                .map(AsMut::as_mut)
+                .find(|output| !output.is_available())
+            else {
+                return Ok(OutputWait::Available);
+            };
+            match self.wait_for_output_async(output).await? {
+                OutputWait::Available => {}
+                event => return Ok(event),
+            }
+        }
+    }
+
     /// [`wait_for_output`](Self::wait_for_output) without blocking the thread (any executor).
     pub async fn wait_for_output_async(
         &mut self,

@@ -302,7 +302,27 @@ impl<G: InputGate> RecordReader<CheckpointedInputGate<G>> {
         output: &mut ResultPartition,
         deadline: Option<Instant>,
     ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
-        match self.gate.wait_for_output(output, deadline)? {
+        let waited = self.gate.wait_for_output(output, deadline)?;
+        self.on_output_wait(waited)
+    }
+
+    /// [`wait_for_output`](Self::wait_for_output) for several outputs: `Ok(None)` only from a
+    /// look at which every output takes records
+    /// ([`CheckpointedInputGate::wait_for_outputs`]).
+    pub fn wait_for_outputs<O: AsMut<ResultPartition>>(
+        &mut self,
+        outputs: &mut [O],
+        deadline: Option<Instant>,
+    ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        let waited = self.gate.wait_for_outputs(outputs, deadline)?;
+        self.on_output_wait(waited)
+    }
+
+    fn on_output_wait(
+        &mut self,
+        waited: OutputWait,
+    ) -> Result<Option<ReaderItem<'_>>, ReaderError> {
+        match waited {
             OutputWait::Available => Ok(None),
             OutputWait::Event(item) => {
                 let GateItem::Event { event, .. } = item.item else {

@@ -1154,6 +1154,14 @@ impl ResultPartition {
     }
 }
 
+/// Itself, so a slice of partitions (or of `&mut` ones) is a task's outputs for
+/// [`CheckpointedInputGate::wait_for_outputs`](crate::gate::CheckpointedInputGate::wait_for_outputs).
+impl AsMut<ResultPartition> for ResultPartition {
+    fn as_mut(&mut self) -> &mut ResultPartition {
+        self
+    }
+}
+
 impl Drop for ResultPartition {
     fn drop(&mut self) {
         if self.finished {

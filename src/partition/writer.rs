@@ -421,6 +421,14 @@ impl<S> RecordWriter<S> {
     }
 }
 
+/// The partition written to, for the waits that take any output
+/// ([`CheckpointedInputGate::wait_for_outputs`](crate::gate::CheckpointedInputGate::wait_for_outputs)).
+impl<S> AsMut<ResultPartition> for RecordWriter<S> {
+    fn as_mut(&mut self) -> &mut ResultPartition {
+        &mut self.partition
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
