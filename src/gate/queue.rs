@@ -35,6 +35,10 @@ pub struct ChannelQueue {
     /// A lock, not a `OnceLock`: a close that finds it empty has set `closed` before the
     /// setup's store here, so the setup's wait sees `closed` when it looks.
     pool_waiters: Mutex<Option<PoolWaiters>>,
+    /// A gate's queue, whose data wake-ups a [`hold_wakes`] may hold; not the protocol's
+    /// ready queues ([`ChannelQueueHandle`]), whose owner (an I/O thread, perhaps another
+    /// one) sends credit and requests and must not wait for this thread's reads.
+    holdable: bool,
 }
 
 impl fmt::Debug for ChannelQueue {
@@ -48,6 +52,10 @@ impl fmt::Debug for ChannelQueue {
 
 impl ChannelQueue {
     pub fn new(channels: usize) -> Arc<Self> {
+        Self::with_holdable(channels, true)
+    }
+
+    fn with_holdable(channels: usize, holdable: bool) -> Arc<Self> {
         let flags = || (0..channels).map(|_| AtomicBool::new(false)).collect();
         Arc::new(Self {
             data: ArrayQueue::new(channels.max(1)),
@@ -62,6 +70,7 @@ impl ChannelQueue {
             parent: OnceLock::new(),
             announced: AtomicBool::new(false),
             pool_waiters: Mutex::new(None),
+            holdable,
         })
     }
 
@@ -77,8 +86,8 @@ impl ChannelQueue {
     }
 
     /// Puts `channel` at the tail of a lane unless it is already in it, and wakes a waiting
-    /// reader (or leaves that to the end of this thread's [`hold_wakes`]). Called from any
-    /// thread.
+    /// reader (for data on a gate, perhaps at the end of this thread's [`hold_wakes`]; a
+    /// priority event, which is to overtake, at once). Called from any thread.
     pub fn enqueue(self: &Arc<Self>, channel: u32, priority: bool) {
         let (lane, flags) = if priority {
             (&self.priority, &self.in_priority)
@@ -106,7 +115,7 @@ impl ChannelQueue {
         match self.parent.get() {
             Some((parent, gate)) => parent.enqueue(*gate, priority),
             None => {
-                if !held::hold(self) {
+                if priority || !self.holdable || !held::hold(self) {
                     self.wake_after_fence();
                 }
             }
@@ -262,7 +271,7 @@ pub struct ChannelQueueHandle(Arc<ChannelQueue>);
 
 impl ChannelQueueHandle {
     pub fn new(capacity: usize) -> Self {
-        Self(ChannelQueue::new(capacity))
+        Self(ChannelQueue::with_holdable(capacity, false))
     }
 
     pub fn enqueue(&self, slot: u32) {
@@ -298,13 +307,16 @@ impl ChannelQueueHandle {
     }
 }
 
-/// Holds back, until the returned guard drops, the wake-ups this thread's enqueues owe to
-/// readers waiting on a gate: an I/O thread takes it around one socket's reads, so a reader
-/// that drained its gate is woken once for the buffers of that read loop, not once per buffer
-/// (each wake-up of a sleeping reader costs a futex call on both sides and, on a guest whose
-/// idle vCPU halts, a halted vCPU's wake; measured in the README under the 1 KiB figures).
-/// A short read ends the loop, so a lone buffer's reader is woken as soon as before, after
-/// the read that brought it. Nested holds are one hold, ended by the outermost guard.
+/// Holds back, until the returned guard drops, the wake-ups this thread's enqueues of data
+/// owe to readers waiting on a gate (not those of priority events, nor of the protocol's
+/// ready queues). An I/O thread takes it around its reads (epoll: one socket's read loop;
+/// io_uring: one turn's completions and read-on rounds), and gives what it holds every
+/// `READS_PER_WAKE` reads: a reader that drained its gate is then woken once for several
+/// buffers, not once per buffer (each wake-up of a sleeping reader costs a futex call on
+/// both sides and, on a guest whose idle vCPU halts, a halted vCPU's wake; measured in the
+/// README under the 1 KiB figures). A short read ends an epoll read loop and leaves io_uring
+/// nothing to read on, so a lone buffer's reader waits only for the rest of that loop or
+/// turn's completions. Nested holds are one hold, ended by the outermost guard.
 pub(crate) fn hold_wakes() -> WakeHold {
     WakeHold {
         outermost: held::begin(),
@@ -404,8 +416,21 @@ mod held {
             std::mem::swap(&mut kept, &mut held.queues);
             std::mem::take(&mut held.len)
         });
+        // Every kept wake-up is given even if one panics (a poisoned lock, a user's waker):
+        // the first panic goes on after the others, unless the thread is unwinding already
+        // (a hold dropped by a panic), where a second one would abort the process.
+        let mut first_panic = None;
         for queue in kept[..len].iter().flatten() {
-            queue.wake_after_fence();
+            let woken =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| queue.wake_after_fence()));
+            if let Err(panic) = woken {
+                first_panic.get_or_insert(panic);
+            }
+        }
+        if let Some(panic) = first_panic {
+            if !std::thread::panicking() {
+                std::panic::resume_unwind(panic);
+            }
         }
     }
 }
@@ -467,16 +492,88 @@ mod tests {
     }
 
     #[test]
+    fn a_priority_event_and_a_ready_queue_wake_at_once_under_a_hold() {
+        let (queue, woken) = watched_queue();
+        let ready = super::ChannelQueueHandle::new(1);
+        let ready_woken = Arc::new(CountingWaker::default());
+        assert!(!ready.register_waker(&Waker::from(ready_woken.clone())));
+        let hold = hold_wakes();
+        queue.enqueue(0, true);
+        assert_eq!(wakes(&woken), 1, "a priority event overtakes: not held");
+        ready.enqueue(0);
+        assert_eq!(wakes(&ready_woken), 1, "a ready queue's owner is not held");
+        drop(hold);
+    }
+
+    #[test]
+    fn a_union_s_wake_up_is_held_too() {
+        let member = ChannelQueue::new(1);
+        let (union, woken) = watched_queue();
+        member.set_parent(union.clone(), 1);
+        let hold = hold_wakes();
+        member.enqueue(0, false);
+        assert_eq!(wakes(&woken), 0);
+        drop(hold);
+        assert_eq!(wakes(&woken), 1);
+        assert_eq!(union.pop(), Some((1, false)));
+    }
+
+    #[test]
+    fn a_hold_keeps_a_queue_once_however_often_it_is_enqueued() {
+        // One queue enqueued again and again, and then as many others as a hold keeps less
+        // one: if the first took a place per enqueue, the others would not fit, and their
+        // wake-ups would be given at once.
+        let (again, again_woken) = watched_queue();
+        let others: Vec<_> = (1..super::held::CAPACITY)
+            .map(|_| watched_queue())
+            .collect();
+        let hold = hold_wakes();
+        for _ in 0..super::held::CAPACITY + 4 {
+            again.enqueue(0, false);
+            assert_eq!(again.pop(), Some((0, false)));
+        }
+        for (queue, _) in &others {
+            queue.enqueue(0, false);
+        }
+        assert_eq!(wakes(&again_woken), 0);
+        assert!(others.iter().all(|(_, woken)| wakes(woken) == 0));
+        drop(hold);
+        assert_eq!(wakes(&again_woken), 1);
+        assert!(others.iter().all(|(_, woken)| wakes(woken) == 1));
+    }
+
+    struct PanickingWaker;
+
+    impl Wake for PanickingWaker {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics");
+        }
+    }
+
+    #[test]
+    fn a_panicking_wake_up_leaves_none_of_the_others_ungiven() {
+        let panicking = ChannelQueue::new(1);
+        assert!(!panicking.register_waker(&Waker::from(Arc::new(PanickingWaker))));
+        let (queue, woken) = watched_queue();
+        let hold = hold_wakes();
+        panicking.enqueue(0, false);
+        queue.enqueue(0, false);
+        let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(hold)));
+        assert!(ended.is_err(), "the waker's panic goes on");
+        assert_eq!(wakes(&woken), 1, "the wake-up after it was given");
+    }
+
+    #[test]
     fn a_held_wake_up_is_given_once_when_the_hold_ends() {
         let (queue, woken) = watched_queue();
         let hold = hold_wakes();
         queue.enqueue(0, false);
-        queue.enqueue(1, true);
+        queue.enqueue(1, false);
         assert_eq!(wakes(&woken), 0, "held while the hold is on");
         drop(hold);
-        assert_eq!(wakes(&woken), 1, "one wake-up for both channels");
-        assert_eq!(queue.pop(), Some((1, true)));
+        assert_eq!(wakes(&woken), 1);
         assert_eq!(queue.pop(), Some((0, false)));
+        assert_eq!(queue.pop(), Some((1, false)));
         // The hold is over: the next enqueue wakes at once again.
         assert!(!queue.register_waker(&Waker::from(woken.clone())));
         queue.enqueue(0, false);
@@ -526,13 +623,29 @@ mod tests {
         assert!(watched.iter().all(|(_, woken)| wakes(woken) == 1));
     }
 
+    /// The scheduler's state of a thread of this process (`S`: asleep), from `/proc`.
+    fn thread_state(tid: i32) -> Option<char> {
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+        // `pid (comm) state …`: the name may hold spaces and parentheses, the state follows
+        // the last parenthesis.
+        stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+    }
+
     #[test]
     fn the_end_of_a_hold_wakes_a_blocked_reader() {
         let queue = ChannelQueue::new(1);
         let (done, finished) = mpsc::channel();
+        let (told_tid, tid) = mpsc::channel();
         let reader = {
             let queue = queue.clone();
             std::thread::spawn(move || {
+                // `/proc/thread-self` links to `PID/task/TID`.
+                let link = std::fs::read_link("/proc/thread-self").expect("procfs");
+                let tid: i32 = link
+                    .file_name()
+                    .and_then(|name| name.to_str()?.parse().ok())
+                    .expect("a thread id");
+                let _ = told_tid.send(tid);
                 // Bounded: a reader nobody wakes comes back only after an hour, and the
                 // assertion below has long failed by then.
                 while !queue.has_channels() {
@@ -541,13 +654,16 @@ mod tests {
                 let _ = done.send(());
             })
         };
-        // The reader counts itself as waiting before its last look: once it does, an
-        // enqueue must wake it.
+        // Asleep in its wait (counted as waiting, and off the CPU): only a wake-up ends it.
+        let tid = tid
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the reader's id");
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while queue.waiting.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
+        let asleep = || queue.waiting.load(Ordering::SeqCst) > 0 && thread_state(tid) == Some('S');
+        while !asleep() && std::time::Instant::now() < deadline {
             std::thread::yield_now();
         }
-        assert!(queue.waiting.load(Ordering::SeqCst) > 0, "the reader waits");
+        assert!(asleep(), "the reader sleeps in its wait");
         let hold = hold_wakes();
         queue.enqueue(0, false);
         drop(hold);

@@ -581,8 +581,8 @@ impl Loop {
         let _wakes = crate::gate::hold_wakes();
         // Edge-triggered: read until WouldBlock. Bounded per turn so one busy connection
         // cannot starve the others; the rest is read on the next readiness or turn.
-        for round in 1..=256 {
-            if round % super::READS_PER_WAKE == 0 {
+        for round in 0..256 {
+            if round > 0 && round % super::READS_PER_WAKE == 0 {
                 crate::gate::give_held_wakes();
             }
             let (destination, ahead) = conn.connection.read_targets();

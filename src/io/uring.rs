@@ -565,9 +565,9 @@ struct Loop {
     /// Slots whose last read filled every byte it offered (the socket likely holds more),
     /// and the reused list a read round works through.
     full_reads: Vec<usize>,
+    read_round: Vec<usize>,
     /// Reads since the gate wake-ups the loop holds were last given (see `READS_PER_WAKE`).
     reads_held: usize,
-    read_round: Vec<usize>,
     /// Reused storage for reaped completions.
     cqe_scratch: Vec<(u64, i32, u32)>,
     /// The next of `cqe_scratch` to handle (past 0 only while a reap runs, or after a panic
@@ -873,7 +873,9 @@ impl Loop {
                 break;
             }
             let now = Instant::now();
-            // Readers woken once for this turn's reads, when they end (see `hold_wakes`).
+            // Readers woken once for this turn's reads (and every `READS_PER_WAKE` of them),
+            // when its completions and read-on rounds are handled (see `hold_wakes`); the
+            // other completions handled meanwhile (writes, accepts, closes) do not block.
             let wakes = crate::gate::hold_wakes();
             if self.reap(now) > 0 {
                 busy_poll.worked(now);
