@@ -1855,8 +1855,8 @@ fn consume(
 /// buffer's last record), then, while an output is back-pressured, no input but priority
 /// events: the task waits for room, taking unaligned barriers as they come instead of
 /// blocking in a record's write until the consumer downstream frees a buffer. The outputs are
-/// waited for one after another: an event handled while waiting for a later one may fill an
-/// earlier one again, and the record then waits in its write (availability is best effort).
+/// waited for together (`wait_for_outputs`): the task reads on only from a look at which every
+/// output takes records, as an event handled meanwhile may have filled one again.
 fn before_record<G: InputGate>(
     gate: &mut CheckpointedInputGate<G>,
     consumer: &mut Consumer<'_>,
