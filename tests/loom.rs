@@ -260,7 +260,7 @@ use std::time::Duration;
 
 use fluxgate::buffer::{BufferListener, LocalBufferPool, PooledSegment};
 use fluxgate::gate::lane::SpillQueue;
-use fluxgate::gate::queue::{ChannelQueue, ChannelQueueHandle};
+use fluxgate::gate::queue::{hold_wakes, ChannelQueue, ChannelQueueHandle};
 use fluxgate::gate::BufferManager;
 use fluxgate::io::waker::IoWaker;
 use fluxgate::sync::ArrayQueue;
@@ -360,6 +360,36 @@ fn gate_blocking_wait_races_enqueue() {
         };
         producer.join().unwrap();
         assert_eq!(channel, 0);
+        assert!(!queue.has_channels());
+    });
+}
+
+/// (q2b) The same race with the notifier holding its wake-up, as an I/O thread does over its
+/// reads (`hold_wakes`): the enqueue's wake-up comes only when the hold ends, and the two
+/// channels it brings wake the reader once. The reader must still never sleep through it
+/// (a missed one deadlocks), whether it looks before the push, between the push and the
+/// hold's end, or after.
+#[test]
+fn gate_blocking_wait_races_a_held_enqueue() {
+    bounded_model(|| {
+        let queue = ChannelQueue::new(2);
+        let notifier = queue.clone();
+        let producer = loom::thread::spawn(move || {
+            let hold = hold_wakes();
+            notifier.enqueue(0, false);
+            notifier.enqueue(1, false);
+            drop(hold);
+        });
+        let mut channels = Vec::new();
+        // Bounded: two channels, each popped once.
+        while channels.len() < 2 {
+            match queue.pop() {
+                Some((channel, _)) => channels.push(channel),
+                None => queue.wait(FOREVER),
+            }
+        }
+        producer.join().unwrap();
+        assert_eq!(channels, [0, 1]);
         assert!(!queue.has_channels());
     });
 }

@@ -14,11 +14,12 @@ use crate::buffer::Buffer;
 use crate::event::{Alignment, CheckpointBarrier, Event};
 use crate::partition::ResultPartition;
 
-/// How a task's wait for its back-pressured output ended
-/// ([`CheckpointedInputGate::wait_for_output`]).
+/// How a task's wait for its back-pressured output, or outputs, ended
+/// ([`CheckpointedInputGate::wait_for_output`], [`CheckpointedInputGate::wait_for_outputs`]).
 #[derive(Debug)]
 pub enum OutputWait {
-    /// The output takes the next record without waiting for memory: read input again.
+    /// The output (every output, for `wait_for_outputs`) takes the next record without
+    /// waiting for memory: read input again.
     Available,
     /// An event the task handles now, while its output is still back-pressured: a checkpoint
     /// barrier that came as a priority event (unaligned, or turned unaligned at its
@@ -351,7 +352,10 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     /// task handles while it waits for one (a barrier it writes to all) can fill another that
     /// had room, and the next record would then block in its write. Takes anything that
     /// gives its partition (a [`ResultPartition`], a `&mut` one, a
-    /// [`RecordWriter`](crate::partition::RecordWriter)).
+    /// [`RecordWriter`](crate::partition::RecordWriter)). [`GateError::TimedOut`] at
+    /// `deadline`, as the single wait gives it. Each pass waits for the one output it found
+    /// back-pressured, so it is that output's pending aligned barrier whose timeout this
+    /// wait turns unaligned; the others' turn at their own waits and writes.
     pub fn wait_for_outputs<O: AsMut<ResultPartition>>(
         &mut self,
         outputs: &mut [O],

@@ -310,14 +310,15 @@ impl ChannelQueueHandle {
 /// Holds back, until the returned guard drops, the wake-ups this thread's enqueues of data
 /// owe to readers waiting on a gate (not those of priority events, nor of the protocol's
 /// ready queues). An I/O thread takes it around its reads (epoll: one socket's read loop;
-/// io_uring: one turn's completions and read-on rounds), and gives what it holds every
-/// `READS_PER_WAKE` reads: a reader that drained its gate is then woken once for several
-/// buffers, not once per buffer (each wake-up of a sleeping reader costs a futex call on
-/// both sides and, on a guest whose idle vCPU halts, a halted vCPU's wake; measured in the
-/// README under the 1 KiB figures). A short read ends an epoll read loop and leaves io_uring
-/// nothing to read on, so a lone buffer's reader waits only for the rest of that loop or
-/// turn's completions. Nested holds are one hold, ended by the outermost guard.
-pub(crate) fn hold_wakes() -> WakeHold {
+/// io_uring: one turn's completions and read-on rounds, of all its connections), and gives
+/// what it holds every `READS_PER_WAKE` reads: a reader that drained its gate is then woken
+/// once for several buffers, not once per buffer (each wake-up of a sleeping reader costs a
+/// futex call on both sides and, on a guest whose idle vCPU halts, a halted vCPU's wake;
+/// measured in the README under the 1 KiB figures). A short read ends an epoll read loop,
+/// so a lone buffer's reader waits only for the rest of that loop, or under io_uring for
+/// the rest of the turn's completions and the read-on rounds of sockets still full. Nested
+/// holds are one hold, ended by the outermost guard.
+pub fn hold_wakes() -> WakeHold {
     WakeHold {
         outermost: held::begin(),
         _not_send: std::marker::PhantomData,
@@ -327,12 +328,13 @@ pub(crate) fn hold_wakes() -> WakeHold {
 /// Gives the wake-ups this thread's hold kept so far and goes on holding (nothing without a
 /// hold): a long read loop calls it every so many reads, so the reader of its first buffer
 /// does not wait for the whole loop.
-pub(crate) fn give_held_wakes() {
+pub fn give_held_wakes() {
     held::give(false);
 }
 
 /// See [`hold_wakes`]. Neither `Send` nor `Sync`: the hold belongs to the thread.
-pub(crate) struct WakeHold {
+#[derive(Debug)]
+pub struct WakeHold {
     outermost: bool,
     _not_send: std::marker::PhantomData<*const ()>,
 }
@@ -345,7 +347,8 @@ impl Drop for WakeHold {
     }
 }
 
-#[cfg(not(loom))]
+/// The hold is a thread-local (loom's under `--cfg loom`, so the models in `tests/loom.rs`
+/// explore a held wake-up against a reader's wait).
 mod held {
     use std::cell::RefCell;
     use std::sync::Arc;
@@ -362,10 +365,20 @@ mod held {
         queues: [Option<Arc<ChannelQueue>>; CAPACITY],
     }
 
-    thread_local! {
-        static HELD: RefCell<Held> = const {
-            RefCell::new(Held { active: false, len: 0, queues: [const { None }; CAPACITY] })
-        };
+    const IDLE: Held = Held {
+        active: false,
+        len: 0,
+        queues: [const { None }; CAPACITY],
+    };
+
+    #[cfg(not(loom))]
+    std::thread_local! {
+        static HELD: RefCell<Held> = const { RefCell::new(IDLE) };
+    }
+
+    #[cfg(loom)]
+    loom::thread_local! {
+        static HELD: RefCell<Held> = RefCell::new(IDLE);
     }
 
     /// Starts a hold unless one is on; true if this call started it.
@@ -433,25 +446,6 @@ mod held {
             }
         }
     }
-}
-
-/// Under loom no thread holds wake-ups: the models check the wake-up protocol itself, and the
-/// I/O threads that hold them are not modelled.
-#[cfg(loom)]
-mod held {
-    use std::sync::Arc;
-
-    use super::ChannelQueue;
-
-    pub(super) fn begin() -> bool {
-        false
-    }
-
-    pub(super) fn hold(_queue: &Arc<ChannelQueue>) -> bool {
-        false
-    }
-
-    pub(super) fn give(_end: bool) {}
 }
 
 #[cfg(all(test, not(loom)))]
