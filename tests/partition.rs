@@ -3048,7 +3048,8 @@ proptest! {
     fn a_batch_leaves_every_subpartition_as_records_emitted_one_by_one_do(
         lens in prop::collection::vec(batch_record_len(), 0..60),
         choices in prop::collection::vec(prop::option::weighted(0.9, 0usize..3), 1..8),
-        subpartitions in 1usize..4,
+        // Runs in every subpartition at once up to 16 subpartitions; beyond, one at a time.
+        subpartitions in prop_oneof![3 => 1usize..4, 1 => Just(17usize)],
         cuts in prop::collection::vec(0usize..60, 0..4),
         flush_every_record in prop::bool::weighted(0.25),
     ) {

@@ -223,6 +223,58 @@ impl Drop for UnicastRun<'_> {
     }
 }
 
+/// Most subpartitions whose open buffers [`UnicastRuns`] keeps runs in at once: a task's
+/// output to more consumers than this batches only records that follow one another to the
+/// same one ([`UnicastRun`]). 16 runs are a few hundred bytes on the stack.
+pub(crate) const RUN_SUBPARTITIONS: usize = 16;
+
+/// A run in every subpartition's open buffer at once ([`ResultPartition::unicast_runs`]):
+/// records going round robin or by key over a few subpartitions are appended to their
+/// targets' buffers as [`UnicastRun`] appends one target's, each run's position kept out of
+/// its builder until the runs are dropped (then every run is published, and the records
+/// counted).
+pub(crate) struct UnicastRuns<'a> {
+    runs: [Option<FramedRun<'a>>; RUN_SUBPARTITIONS],
+    records: u64,
+    max_record_bytes: usize,
+    num_records_out: &'a Counter,
+}
+
+impl UnicastRuns<'_> {
+    /// Appends `record` to `target`'s run if that subpartition has an open buffer and the
+    /// record is contiguous, within the size limit and fits before the buffer's end; false,
+    /// writing nothing, for anything `emit_record`'s general path must handle.
+    #[inline(always)]
+    pub(crate) fn try_emit<R: Record + ?Sized>(&mut self, target: usize, record: &R) -> bool {
+        let Some(Some(run)) = self.runs.get_mut(target) else {
+            return false;
+        };
+        let Some(bytes) = record
+            .as_contiguous()
+            .filter(|bytes| bytes.len() == record.encoded_len())
+        else {
+            return false;
+        };
+        if bytes.len() > self.max_record_bytes || !run.try_append(bytes) {
+            return false;
+        }
+        self.records += 1;
+        true
+    }
+}
+
+impl Drop for UnicastRuns<'_> {
+    fn drop(&mut self) {
+        // Published before counted, as `emit_record` does.
+        for run in self.runs.iter_mut().flatten() {
+            run.publish();
+        }
+        if self.records > 0 {
+            self.num_records_out.add(self.records);
+        }
+    }
+}
+
 /// An aligned barrier with a timeout this partition queued, and when it turns unaligned in
 /// the subpartitions whose readers have not taken it by then (Flink's producer-side
 /// `alignedBarrierTimeout`).
@@ -473,6 +525,27 @@ impl ResultPartition {
         let run = self.unicast.get_mut(target)?.as_mut()?.framed_run()?;
         Some(UnicastRun {
             run,
+            records: 0,
+            max_record_bytes: self.max_record_bytes,
+            num_records_out: &self.handle.shared.metrics.num_records_out,
+        })
+    }
+
+    /// A run in each subpartition's open buffer at once ([`UnicastRuns`]); `None` with more
+    /// than [`RUN_SUBPARTITIONS`] subpartitions or once the pool is gone (as
+    /// [`unicast_run`](Self::unicast_run)). A subpartition without an open buffer has no run:
+    /// its next record takes the general path, which opens one.
+    #[inline]
+    pub(crate) fn unicast_runs(&mut self) -> Option<UnicastRuns<'_>> {
+        if self.pool.is_destroyed() || self.unicast.len() > RUN_SUBPARTITIONS {
+            return None;
+        }
+        let mut runs = [const { None }; RUN_SUBPARTITIONS];
+        for (run, builder) in runs.iter_mut().zip(self.unicast.iter_mut()) {
+            *run = builder.as_mut().and_then(BufferBuilder::framed_run);
+        }
+        Some(UnicastRuns {
+            runs,
             records: 0,
             max_record_bytes: self.max_record_bytes,
             num_records_out: &self.handle.shared.metrics.num_records_out,
