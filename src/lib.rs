@@ -44,8 +44,8 @@
 //!   server, one shared connection per peer, partitions and gates.
 //!
 //! Small records cost least in batches: [`RecordWriter::emit_all`](partition::RecordWriter::emit_all)
-//! (or `emit_all_async`) appends the records that follow one another to the same subpartition
-//! in one run, and [`RecordReader::records_in_buffer`](gate::RecordReader::records_in_buffer)
+//! (or `emit_all_async`) appends records to their subpartitions' open buffers in runs (one
+//! per subpartition at once, up to 16 subpartitions), and [`RecordReader::records_in_buffer`](gate::RecordReader::records_in_buffer)
 //! hands out the rest of a buffer's records after the one just read; both keep the buffer's
 //! position in a register instead of storing and reloading it per record. One call per
 //! record (`emit`, `next`) works the same, at about twice the tasks' CPU per 8-byte record.
