@@ -47,7 +47,8 @@
 //! (or `emit_all_async`) appends records to their subpartitions' open buffers in runs (one
 //! per subpartition at once, up to 16 subpartitions), and [`RecordReader::records_in_buffer`](gate::RecordReader::records_in_buffer)
 //! hands out the rest of a buffer's records after the one just read; both keep the buffer's
-//! position in a register instead of storing and reloading it per record. One call per
+//! position out of the buffer's shared state (in a register, for one subpartition or one
+//! buffer) instead of storing and reloading it there per record. One call per
 //! record (`emit`, `next`) works the same, at about twice the tasks' CPU per 8-byte record.
 //!
 //! Failures are typed: a broken connection fails every channel on it with

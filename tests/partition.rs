@@ -3047,9 +3047,10 @@ proptest! {
     #[test]
     fn a_batch_leaves_every_subpartition_as_records_emitted_one_by_one_do(
         lens in prop::collection::vec(batch_record_len(), 0..60),
-        choices in prop::collection::vec(prop::option::weighted(0.9, 0usize..3), 1..8),
+        // Taken modulo the subpartitions.
+        choices in prop::collection::vec(prop::option::weighted(0.9, 0usize..17), 1..8),
         // Runs in every subpartition at once up to 16 subpartitions; beyond, one at a time.
-        subpartitions in prop_oneof![3 => 1usize..4, 1 => Just(17usize)],
+        subpartitions in prop_oneof![3 => 1usize..4, 1 => Just(16usize), 1 => Just(17usize)],
         cuts in prop::collection::vec(0usize..60, 0..4),
         flush_every_record in prop::bool::weighted(0.25),
     ) {
@@ -3104,6 +3105,93 @@ proptest! {
             prop_assert_eq!(counted_batched, counted);
         }
     }
+}
+
+/// Records of a type serialized in pieces (no contiguous bytes: `u64`), round robin over
+/// several subpartitions: a batch leaves every subpartition as one call per record does, and
+/// counts them all.
+#[test]
+fn a_batch_of_records_without_contiguous_bytes_goes_out_as_one_by_one() {
+    let streams = |batched: bool| {
+        let (network, partition) = batch_partition(60 + u64::from(batched), 3);
+        let mut writer = RecordWriter::new(
+            partition,
+            RoundRobinSelector::default(),
+            BufferTimeout::Never,
+        );
+        let records: Vec<u64> = (0..2_000).collect();
+        if batched {
+            writer.emit_all(&records).unwrap();
+        } else {
+            for record in &records {
+                writer.emit(record).unwrap();
+            }
+        }
+        writer.finish().unwrap();
+        let streams = subpartition_streams(writer.partition(), 3);
+        let out = writer.partition().metrics_snapshot().num_records_out;
+        drop(writer);
+        assert_eq!(network.available_segments(), network.total_segments());
+        (streams, out)
+    };
+    let (one_by_one, out) = streams(false);
+    assert_eq!(out, 2_000);
+    assert_eq!(streams(true), (one_by_one, out));
+}
+
+/// A refused record in a batch round robin over three subpartitions: the records before it
+/// are in their subpartitions (published, with the runs of the others), it and the records
+/// after it are not, and nothing after it was selected.
+#[test]
+fn a_batch_over_several_subpartitions_stops_at_a_refused_record_with_the_rest_published() {
+    let (network, partition) = batch_partition(62, 3);
+    let mut views: Vec<_> = (0..3).map(|index| view(&partition, index).0).collect();
+    let selector = Scripted {
+        choices: vec![Some(0), Some(1), Some(2)],
+        calls: 0,
+    };
+    let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
+    // One byte over the partition's `fluxgate.record.max-size` of 64 KiB.
+    let too_large = vec![0u8; (64 << 10) + 1];
+    let batch: [&[u8]; 7] = [b"a", b"b", b"c", b"d", b"e", &too_large, b"f"];
+    let error = writer.emit_all(batch).unwrap_err();
+    assert!(
+        matches!(error, PartitionError::Record(RecordError::TooLarge { .. })),
+        "{error:?}"
+    );
+    assert_eq!(
+        writer.selector().calls,
+        6,
+        "nothing after the refused record"
+    );
+    assert_eq!(writer.partition().metrics_snapshot().num_records_out, 5);
+    writer.flush_all();
+    let read: Vec<Vec<u8>> = views
+        .iter_mut()
+        .map(|view| {
+            let mut bytes = Vec::new();
+            while let Some(item) = view.poll_next() {
+                bytes.extend_from_slice(item.buffer.as_slice());
+            }
+            bytes
+        })
+        .collect();
+    let framed = |records: &[&[u8]]| -> Vec<u8> {
+        records
+            .iter()
+            .flat_map(|record| common::framed_record(record))
+            .collect()
+    };
+    assert_eq!(
+        read,
+        [
+            framed(&[b"a", b"d"]),
+            framed(&[b"b", b"e"]),
+            framed(&[b"c"])
+        ]
+    );
+    drop((views, writer));
+    assert_eq!(network.available_segments(), network.total_segments());
 }
 
 #[test]

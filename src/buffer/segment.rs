@@ -592,6 +592,12 @@ impl BufferBuilder {
         if self.finished {
             return None;
         }
+        // The run publishes everything up to its position: nothing half-written may be
+        // there when it opens (see `UnicastRuns`).
+        debug_assert_eq!(
+            self.committed, self.position,
+            "a run over uncommitted bytes"
+        );
         Some(FramedRun {
             dst: self.payload,
             position: self.position,

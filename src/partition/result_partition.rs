@@ -232,7 +232,10 @@ pub(crate) const RUN_SUBPARTITIONS: usize = 16;
 /// records going round robin or by key over a few subpartitions are appended to their
 /// targets' buffers as [`UnicastRun`] appends one target's, each run's position kept out of
 /// its builder until the runs are dropped (then every run is published, and the records
-/// counted).
+/// counted). A run also opens in builders no record of the batch reaches: publishing it
+/// publishes nothing, because between records every open builder has committed all it
+/// holds (a record's bytes are committed or discarded before its emit returns;
+/// `BufferBuilder::framed_run` asserts it in debug builds).
 pub(crate) struct UnicastRuns<'a> {
     runs: [Option<FramedRun<'a>>; RUN_SUBPARTITIONS],
     records: u64,
@@ -529,6 +532,12 @@ impl ResultPartition {
             max_record_bytes: self.max_record_bytes,
             num_records_out: &self.handle.shared.metrics.num_records_out,
         })
+    }
+
+    /// Whether `target` has an open buffer its next record could be appended to.
+    #[inline]
+    pub(crate) fn has_open_buffer(&self, target: usize) -> bool {
+        self.unicast.get(target).is_some_and(Option::is_some)
     }
 
     /// A run in each subpartition's open buffer at once ([`UnicastRuns`]); `None` with more

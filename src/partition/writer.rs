@@ -154,7 +154,13 @@ fn extend_run<'r, R: Record + ?Sized + 'r>(
     mut pending: Option<(&'r R, Selection)>,
     next: &mut impl FnMut() -> Option<(&'r R, Selection)>,
 ) -> Option<(&'r R, Selection)> {
-    if !matches!(pending, Some((_, Selection::Channel(_)))) {
+    // Runs only for a record they can take: contiguous bytes (not a record type serialized
+    // in pieces, which takes the general path each time) to a subpartition with an open
+    // buffer. Else opening and publishing them per record would cost more than it saves.
+    let Some((record, Selection::Channel(first))) = pending else {
+        return pending;
+    };
+    if record.as_contiguous().is_none() || !partition.has_open_buffer(first) {
         return pending;
     }
     // One subpartition: its run alone, whose position the compiler keeps in a register
@@ -312,8 +318,9 @@ impl<S> RecordWriter<S> {
     /// takes the general path: a buffer fills, a record spans, a broadcast; with more than 16
     /// subpartitions also when the selector picks another one), so a timed flush during a batch
     /// sends what was published before it, and the rest goes with the next flush. An
-    /// iterator or selector that blocks (waiting for input, say) holds the open run's
-    /// records back meanwhile, past `execution.buffer-timeout`: give `emit_all` records at
+    /// iterator or selector that blocks (waiting for input, say) holds the records of every
+    /// open run back meanwhile, in every subpartition, past `execution.buffer-timeout`
+    /// (a job whose records come back around a loop could wait on itself): give `emit_all` records at
     /// hand. With [`BufferTimeout::Always`] each record is emitted and flushed on its own.
     pub fn emit_all<'r, R, I>(&mut self, records: I) -> Result<(), PartitionError>
     where
@@ -333,7 +340,7 @@ impl<S> RecordWriter<S> {
             pending = match selection {
                 Selection::Channel(target) => {
                     // The record through the general path (which opens a buffer when
-                    // needed), then those after it to the same subpartition into that buffer.
+                    // needed), then those after it into their subpartitions' open buffers.
                     self.partition.emit_record(record, target)?;
                     extend_run(&mut self.partition, target, next(), &mut next)
                 }
