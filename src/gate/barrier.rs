@@ -30,6 +30,16 @@ pub enum OutputWait {
     Event(BufferOrEvent),
 }
 
+/// The first of `outputs` that does not take records now (`None`: they all do).
+fn first_back_pressured<O: AsMut<ResultPartition>>(
+    outputs: &mut [O],
+) -> Option<&mut ResultPartition> {
+    outputs
+        .iter_mut()
+        .map(AsMut::as_mut)
+        .find(|output| !output.is_available())
+}
+
 /// Unparks the thread blocked in [`CheckpointedInputGate::wait_for_output`].
 struct UnparkThread(Thread);
 
@@ -364,11 +374,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         // Each pass blocks until the output it found back-pressured takes records, an event
         // comes, or the deadline passes: a wait, not a spin.
         loop {
-            let Some(output) = outputs
-                .iter_mut()
-                .map(AsMut::as_mut)
-                .find(|output| !output.is_available())
-            else {
+            let Some(output) = first_back_pressured(outputs) else {
                 return Ok(OutputWait::Available);
             };
             match self.wait_for_output(output, deadline)? {
@@ -385,11 +391,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         outputs: &mut [O],
     ) -> Result<OutputWait, GateError> {
         loop {
-            let Some(output) = outputs
-                .iter_mut()
-                .map(AsMut::as_mut)
-                .find(|output| !output.is_available())
-            else {
+            let Some(output) = first_back_pressured(outputs) else {
                 return Ok(OutputWait::Available);
             };
             match self.wait_for_output_async(output).await? {

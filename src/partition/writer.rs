@@ -143,10 +143,11 @@ where
 /// The records after one that went to `target` through the general path, appended to their
 /// subpartitions' open buffers in runs ([`RecordWriter::emit_all`]): in all subpartitions'
 /// at once (more than one and up to `RUN_SUBPARTITIONS` of them), so records spread round
-/// robin or by key batch too, or else in `target`'s alone, while the records go there. Returns the first
-/// record the runs did not take (a broadcast, or one for the general path: no open buffer,
-/// a full one, a spanning record), with its selection. `pending` is the record after the
-/// one emitted; `next` selects each one after. The runs end (and publish) before it returns.
+/// robin or by key batch too, or else in `target`'s alone, while the records go there.
+/// Returns the first record the runs did not take (a broadcast, or one for the general
+/// path: no open buffer, a full one, a spanning record), with its selection. `pending` is
+/// the record after the one emitted; `next` selects each one after. The runs end (and
+/// publish) before it returns.
 #[inline]
 fn extend_run<'r, R: Record + ?Sized + 'r>(
     partition: &mut ResultPartition,
