@@ -198,13 +198,10 @@ impl UnicastRun<'_> {
     /// handle.
     #[inline(always)]
     pub(crate) fn try_emit<R: Record + ?Sized>(&mut self, record: &R) -> bool {
-        let Some(bytes) = record
-            .as_contiguous()
-            .filter(|bytes| bytes.len() == record.encoded_len())
-        else {
+        let Some(bytes) = fast_path_bytes(record, self.max_record_bytes) else {
             return false;
         };
-        if bytes.len() > self.max_record_bytes || !self.run.try_append(bytes) {
+        if !self.run.try_append(bytes) {
             return false;
         }
         self.records += 1;
@@ -221,6 +218,17 @@ impl Drop for UnicastRun<'_> {
             self.num_records_out.add(self.records);
         }
     }
+}
+
+/// A record's bytes if the fast paths (`emit_record`'s common case, the runs of
+/// [`UnicastRun`] and [`UnicastRuns`]) may append them as they are: contiguous, of the length
+/// the record declares (other bytes go to the general path, to be refused), and within
+/// `max_record_bytes`.
+#[inline(always)]
+fn fast_path_bytes<R: Record + ?Sized>(record: &R, max_record_bytes: usize) -> Option<&[u8]> {
+    record
+        .as_contiguous()
+        .filter(|bytes| bytes.len() == record.encoded_len() && bytes.len() <= max_record_bytes)
 }
 
 /// Most subpartitions whose open buffers [`UnicastRuns`] keeps runs in at once: a task's
@@ -252,13 +260,10 @@ impl UnicastRuns<'_> {
         let Some(Some(run)) = self.runs.get_mut(target) else {
             return false;
         };
-        let Some(bytes) = record
-            .as_contiguous()
-            .filter(|bytes| bytes.len() == record.encoded_len())
-        else {
+        let Some(bytes) = fast_path_bytes(record, self.max_record_bytes) else {
             return false;
         };
-        if bytes.len() > self.max_record_bytes || !run.try_append(bytes) {
+        if !run.try_append(bytes) {
             return false;
         }
         self.records += 1;
@@ -489,10 +494,7 @@ impl ResultPartition {
         // general path, which checks the same conditions again. Bytes of another length than
         // declared go there too, to be refused (for `[u8]` the two lengths are one value, and
         // the comparison folds away).
-        if let Some(bytes) = record
-            .as_contiguous()
-            .filter(|bytes| bytes.len() == record.encoded_len())
-        {
+        if let Some(bytes) = fast_path_bytes(record, self.max_record_bytes) {
             if let Some(Some(builder)) = self.unicast.get_mut(target) {
                 // A unicast builder exists only while the partition is unfinished and not
                 // broadcasting (finish and broadcast close them all), so neither is looked at.
@@ -501,7 +503,6 @@ impl ResultPartition {
                 // path, which finishes the full buffer at once (as Flink does), so this path
                 // needs no check after the append.
                 if record::framed_len(bytes.len()) < builder.remaining()
-                    && bytes.len() <= self.max_record_bytes
                     && !self.pool.is_destroyed()
                 {
                     builder.append_framed(bytes);
