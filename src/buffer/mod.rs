@@ -21,6 +21,7 @@ pub use network::mark_io_thread;
 #[cfg(test)]
 pub(crate) use network::pool_of_4k_segments;
 pub use network::{NetworkBufferPool, MOST_POOL_CHANNELS};
+pub(crate) use segment::prefetch_for_read;
 pub use segment::{
     ArenaRegion, Buffer, BufferBuilder, BufferConsumer, FramedRun, PooledSegment, Recycler,
     Segment, SegmentMemory, HEADROOM,

@@ -332,6 +332,57 @@ unsafe fn write_long_prefix(at: *mut u8, len: usize) -> usize {
     prefix_bytes
 }
 
+/// How far ahead of a sequential writer or reader of segment bytes the CPU is asked to fetch
+/// their cache line: eight lines, far enough to cover a line's transfer from the other core
+/// while the records before it are written or read (256 to 1 024 measured the same here).
+pub(crate) const PREFETCH_AHEAD: usize = 512;
+
+/// Records this long or longer get no prefetch: their own copy streams whole lines, which the
+/// hardware prefetcher follows.
+pub(crate) const PREFETCH_RECORDS_BELOW: usize = 128;
+
+/// Asks the CPU to fetch, for writing, the cache line `PREFETCH_AHEAD` bytes past `at`.
+///
+/// A recycled segment's lines were last touched by another core: the kernel's copy out of it
+/// on the I/O thread, or a consumer's reads. Without this, the producer's first store to each
+/// line waits for the line to come over (a read-for-ownership); in the 8-byte-record stream
+/// that wait was a third of the serializing loop's samples. The hint never faults, so `at`
+/// may point anywhere: past the segment's end it only fetches a line nobody uses.
+#[inline(always)]
+pub(crate) fn prefetch_for_write(at: *const u8, record_len: usize) {
+    if record_len >= PREFETCH_RECORDS_BELOW {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `prefetchw` (`ET0`) is a hint: it reads and writes no memory the program can
+    // observe and does not fault on any address; the pointer is formed with `wrapping_add`,
+    // which is defined for any offset.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        _mm_prefetch::<_MM_HINT_ET0>(at.wrapping_add(PREFETCH_AHEAD).cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
+}
+
+/// Asks the CPU to fetch, for reading, the cache line `PREFETCH_AHEAD` bytes past `at` (a
+/// received segment's bytes were written by the kernel on its I/O thread's core).
+#[inline(always)]
+pub(crate) fn prefetch_for_read(at: *const u8, record_len: usize) {
+    if record_len >= PREFETCH_RECORDS_BELOW {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as in `prefetch_for_write`: a hint that touches no observable memory and
+    // never faults.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_AHEAD).cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
+}
+
 /// Where a segment goes when its last lease drops: a local pool, a channel's exclusive set, or
 /// the global pool.
 pub trait Recycler: Send + Sync + 'static {
@@ -582,6 +633,10 @@ impl BufferBuilder {
         // every published byte, and this builder is the segment's only writer.
         unsafe { write_framed(self.payload.as_ptr().add(self.position as usize), bytes) }
         self.position += total as u32;
+        prefetch_for_write(
+            self.payload.as_ptr().wrapping_add(self.position as usize),
+            bytes.len(),
+        );
         self.commit();
     }
 
@@ -782,6 +837,10 @@ impl FramedRun<'_> {
         // finished one gives no run), so `capacity` and the position stay the run's.
         unsafe { write_framed(self.dst.as_ptr().add(self.position as usize), bytes) }
         self.position += framed as u32;
+        prefetch_for_write(
+            self.dst.as_ptr().wrapping_add(self.position as usize),
+            bytes.len(),
+        );
         true
     }
 
@@ -1088,5 +1147,31 @@ impl Clone for Buffer {
 impl Drop for Buffer {
     fn drop(&mut self) {
         release(&self.recycler, self.state, self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hints are called with addresses past a segment's end (the last records of a
+    /// buffer), so they must not touch memory: any address, even null or the top of the
+    /// address space, is a no-op for the program.
+    #[test]
+    fn a_prefetch_of_any_address_neither_faults_nor_writes() {
+        let bytes = [7u8; 64];
+        for at in [
+            std::ptr::null::<u8>(),
+            usize::MAX as *const u8,
+            (usize::MAX - PREFETCH_AHEAD / 2) as *const u8,
+            bytes.as_ptr(),
+            bytes.as_ptr().wrapping_add(bytes.len()),
+        ] {
+            for len in [0, 8, PREFETCH_RECORDS_BELOW - 1, PREFETCH_RECORDS_BELOW] {
+                prefetch_for_write(at, len);
+                prefetch_for_read(at, len);
+            }
+        }
+        assert!(bytes.iter().all(|&b| b == 7), "a hint changed memory");
     }
 }

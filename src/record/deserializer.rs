@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{decode_prefix, encode_prefix, Prefix, RecordError, MAX_LENGTH_PREFIX};
-use crate::buffer::Buffer;
+use crate::buffer::{prefetch_for_read, Buffer};
 
 /// Scratch capacity a deserializer keeps between spanning records.
 const SCRATCH_KEPT: usize = 64 * 1024;
@@ -168,6 +168,7 @@ impl<'a> Iterator for WholeRecords<'a> {
     #[inline]
     fn next(&mut self) -> Option<&'a [u8]> {
         let (start, len) = whole_record_at(self.bytes, self.at, self.max_record_bytes)?;
+        prefetch_for_read(self.bytes.as_ptr().wrapping_add(start), len);
         self.at = start + len;
         *self.position = self.at;
         self.bytes.get(start..self.at)
@@ -324,6 +325,7 @@ impl RecordDeserializer {
         else {
             return false;
         };
+        prefetch_for_read(buffer.as_slice().as_ptr().wrapping_add(start), len);
         self.position = start + len;
         self.current = Some(Location::Buffer { start, len });
         true
