@@ -168,7 +168,7 @@ impl<'a> Iterator for WholeRecords<'a> {
     #[inline]
     fn next(&mut self) -> Option<&'a [u8]> {
         let (start, len) = whole_record_at(self.bytes, self.at, self.max_record_bytes)?;
-        prefetch_for_read(self.bytes.as_ptr().wrapping_add(start), len);
+        prefetch_for_read(self.bytes.as_ptr(), start, self.bytes.len(), len);
         self.at = start + len;
         *self.position = self.at;
         self.bytes.get(start..self.at)
@@ -325,7 +325,8 @@ impl RecordDeserializer {
         else {
             return false;
         };
-        prefetch_for_read(buffer.as_slice().as_ptr().wrapping_add(start), len);
+        let bytes = buffer.as_slice();
+        prefetch_for_read(bytes.as_ptr(), start, bytes.len(), len);
         self.position = start + len;
         self.current = Some(Location::Buffer { start, len });
         true
