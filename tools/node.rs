@@ -7,7 +7,7 @@
 //! and found wrong. It stays up until every partition it produced was consumed (or its consumer
 //! went away), so its server outlives the readers of its data.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::Write;
@@ -1222,7 +1222,8 @@ struct Output {
     edge: usize,
     targets: Vec<usize>,
     writer: RecordWriter<Tap>,
-    last: Rc<Cell<Selection>>,
+    /// Where the records of the last `emit` or `emit_batch` went, in order.
+    chosen: Rc<RefCell<Vec<Selection>>>,
     tallies: Vec<LinkCount>,
     /// Per channel: where each barrier written fell in its records.
     barrier_marks: Vec<Vec<BarrierMark>>,
@@ -1238,7 +1239,7 @@ impl AsMut<ResultPartition> for Output {
 
 impl Output {
     fn new(topology: &Topology, edge: usize, producer: usize, partition: ResultPartition) -> Self {
-        let last = Rc::new(Cell::new(Selection::Channel(0)));
+        let chosen = Rc::new(RefCell::new(Vec::with_capacity(GENERATOR_BATCH)));
         let channels = topology.subpartitions(edge);
         let e = &topology.edges[edge];
         let tap = Tap {
@@ -1248,14 +1249,14 @@ impl Output {
                 record_key as fn(&[u8]) -> u64,
                 max_parallelism(topology.stages[e.to].parallelism),
             ),
-            last: last.clone(),
+            chosen: chosen.clone(),
         };
         let timeout = topology.buffer_timeout(edge, producer);
         Self {
             edge,
             targets: topology.targets(edge, producer),
             writer: RecordWriter::new(partition, tap, timeout),
-            last,
+            chosen,
             tallies: vec![LinkCount::default(); channels],
             barrier_marks: vec![Vec::new(); channels],
             barriers_written: 0,
@@ -1263,14 +1264,39 @@ impl Output {
     }
 
     fn emit(&mut self, record: &[u8], checksum: u64) -> Result<(), Failed> {
+        self.chosen.borrow_mut().clear();
         self.writer
             .emit(record)
             .map_err(|e| Failed::writing(&e, format!("writing to edge {}: {e}", self.edge)))?;
-        match self.last.get() {
-            Selection::Channel(i) => self.tallies[i].add(checksum),
-            Selection::Broadcast => self.tallies.iter_mut().for_each(|t| t.add(checksum)),
-        }
+        self.count_chosen(&[checksum], 1);
         Ok(())
+    }
+
+    /// `records` through one `emit_all`, each with its checksum in `checksums`. On an error
+    /// the records before the refused one (the last the selector saw) count as written, as
+    /// one `emit` each would have counted them.
+    fn emit_batch(&mut self, records: &[Vec<u8>], checksums: &[u64]) -> Result<(), Failed> {
+        self.chosen.borrow_mut().clear();
+        let written = self.writer.emit_all(records.iter().map(Vec::as_slice));
+        let selected = self.chosen.borrow().len();
+        let counted = if written.is_ok() {
+            selected
+        } else {
+            selected.saturating_sub(1)
+        };
+        self.count_chosen(checksums, counted);
+        written.map_err(|e| Failed::writing(&e, format!("writing to edge {}: {e}", self.edge)))
+    }
+
+    /// Adds the first `records` of the records the selector chose channels for to their
+    /// channels' tallies.
+    fn count_chosen(&mut self, checksums: &[u64], records: usize) {
+        for (selection, &checksum) in self.chosen.borrow().iter().zip(checksums).take(records) {
+            match *selection {
+                Selection::Channel(i) => self.tallies[i].add(checksum),
+                Selection::Broadcast => self.tallies.iter_mut().for_each(|t| t.add(checksum)),
+            }
+        }
     }
 
     fn barrier(&mut self, barrier: CheckpointBarrier) -> Result<(), Failed> {
@@ -1306,7 +1332,7 @@ struct Tap {
     partitioner: Partitioner,
     round_robin: RoundRobinSelector,
     hash: KeyHashSelector<fn(&[u8]) -> u64>,
-    last: Rc<Cell<Selection>>,
+    chosen: Rc<RefCell<Vec<Selection>>>,
 }
 
 impl ChannelSelector<[u8]> for Tap {
@@ -1317,7 +1343,7 @@ impl ChannelSelector<[u8]> for Tap {
             Partitioner::Hash => self.hash.select(record, channels),
             Partitioner::Broadcast => Selection::Broadcast,
         };
-        self.last.set(selection);
+        self.chosen.borrow_mut().push(selection);
         selection
     }
 }
@@ -1347,6 +1373,10 @@ fn barrier_for(mode: CheckpointMode, id: u64) -> CheckpointBarrier {
     }
 }
 
+/// Records a generator subtask that emits in batches hands each output per `emit_all`; also
+/// how often every generator looks at the clock for its end and its checkpoints.
+const GENERATOR_BATCH: usize = 16;
+
 fn generate(
     topology: &Topology,
     stage: usize,
@@ -1366,12 +1396,21 @@ fn generate(
         .checkpoints
         .map(|c| (1u64, start + c.interval, c.interval, c.mode));
     let mut emitted = Tally::default();
-    let mut record = Vec::with_capacity(generator.max_size);
+    // Even subtasks hand their outputs GENERATOR_BATCH records per `emit_all` (its runs over
+    // several subpartitions), odd ones one record per `emit`: every run with two generator
+    // subtasks or more checks both paths end to end.
+    let batch = if subtask % 2 == 0 { GENERATOR_BATCH } else { 1 };
+    let mut records: Vec<Vec<u8>> = (0..batch)
+        .map(|_| Vec::with_capacity(generator.max_size))
+        .collect();
+    let mut checksums = [0u64; GENERATOR_BATCH];
     let mut unreported = 0u64;
     let mut result = Ok(());
     let mut seq = 0u64;
     while seq < limit {
-        if seq % 16 == 0 && (end.is_some() || next_checkpoint.is_some()) {
+        // Every GENERATOR_BATCH records, whichever way they go out: the barriers fall where
+        // they fell when every subtask emitted record by record.
+        if seq % GENERATOR_BATCH as u64 == 0 && (end.is_some() || next_checkpoint.is_some()) {
             let now = Instant::now();
             if end.is_some_and(|end| now >= end) {
                 break;
@@ -1388,19 +1427,35 @@ fn generate(
                 }
             }
         }
-        make_record(&generator, origin, seq, &mut record);
-        let checksum = record_checksum(&record);
-        if let Err(e) = outputs
-            .iter_mut()
-            .try_for_each(|o| o.emit(&record, checksum))
-        {
+        // Up to the next multiple of GENERATOR_BATCH (or the limit), so a batch never
+        // crosses a barrier's place.
+        let count = (batch as u64)
+            .min(limit - seq)
+            .min(GENERATOR_BATCH as u64 - seq % GENERATOR_BATCH as u64)
+            as usize;
+        for (i, record) in records.iter_mut().take(count).enumerate() {
+            make_record(&generator, origin, seq + i as u64, record);
+            checksums[i] = record_checksum(record);
+        }
+        let written = if batch == 1 {
+            outputs
+                .iter_mut()
+                .try_for_each(|o| o.emit(&records[0], checksums[0]))
+        } else {
+            outputs
+                .iter_mut()
+                .try_for_each(|o| o.emit_batch(&records[..count], &checksums[..count]))
+        };
+        if let Err(e) = written {
             result = Err(e);
             break;
         }
-        emitted.add(checksum);
-        seq += 1;
-        unreported += 1;
-        if unreported == 32 {
+        for &checksum in &checksums[..count] {
+            emitted.add(checksum);
+        }
+        seq += count as u64;
+        unreported += count as u64;
+        if unreported >= 32 {
             progress.generated.fetch_add(unreported, Ordering::Relaxed);
             unreported = 0;
         }
