@@ -1272,10 +1272,15 @@ impl Output {
         Ok(())
     }
 
-    /// `records` through one `emit_all`, each with its checksum in `checksums`. On an error
-    /// the records before the refused one (the last the selector saw) count as written, as
+    /// `records` through one `emit_all`, each with its checksum in `checksums`; returns how
+    /// many were written, with the error if one stopped the batch. On an error the records
+    /// before the refused one (the last the selector saw) were written, and are counted, as
     /// one `emit` each would have counted them.
-    fn emit_batch(&mut self, records: &[Vec<u8>], checksums: &[u64]) -> Result<(), Failed> {
+    fn emit_batch(
+        &mut self,
+        records: &[Vec<u8>],
+        checksums: &[u64],
+    ) -> (usize, Result<(), Failed>) {
         self.chosen.borrow_mut().clear();
         let written = self.writer.emit_all(records.iter().map(Vec::as_slice));
         let selected = self.chosen.borrow().len();
@@ -1285,7 +1290,9 @@ impl Output {
             selected.saturating_sub(1)
         };
         self.count_chosen(checksums, counted);
-        written.map_err(|e| Failed::writing(&e, format!("writing to edge {}: {e}", self.edge)))
+        let written =
+            written.map_err(|e| Failed::writing(&e, format!("writing to edge {}: {e}", self.edge)));
+        (counted, written)
     }
 
     /// Adds the first `records` of the records the selector chose channels for to their
@@ -1327,7 +1334,8 @@ impl Output {
     }
 }
 
-/// The edge's partitioner, remembering where the last record went.
+/// The edge's partitioner, remembering where each record of the last `emit` or `emit_batch`
+/// went.
 struct Tap {
     partitioner: Partitioner,
     round_robin: RoundRobinSelector,
@@ -1396,9 +1404,9 @@ fn generate(
         .checkpoints
         .map(|c| (1u64, start + c.interval, c.interval, c.mode));
     let mut emitted = Tally::default();
-    // Even subtasks hand their outputs GENERATOR_BATCH records per `emit_all` (its runs over
-    // several subpartitions), odd ones one record per `emit`: every run with two generator
-    // subtasks or more checks both paths end to end.
+    // Even subtasks hand their outputs GENERATOR_BATCH records per `emit_all` (its runs in
+    // up to 16 subpartitions at once), odd ones one record per `emit`: a generator stage of
+    // two subtasks or more checks both paths end to end.
     let batch = if subtask % 2 == 0 { GENERATOR_BATCH } else { 1 };
     let mut records: Vec<Vec<u8>> = (0..batch)
         .map(|_| Vec::with_capacity(generator.max_size))
@@ -1437,24 +1445,34 @@ fn generate(
             make_record(&generator, origin, seq + i as u64, record);
             checksums[i] = record_checksum(record);
         }
-        let written = if batch == 1 {
-            outputs
-                .iter_mut()
-                .try_for_each(|o| o.emit(&records[0], checksums[0]))
-        } else {
-            outputs
-                .iter_mut()
-                .try_for_each(|o| o.emit_batch(&records[..count], &checksums[..count]))
-        };
+        // The records that went out to at least one output count as emitted, also when an
+        // output refused one: sinks may then receive fewer than the tally says, never more.
+        let mut reached = 0;
+        let mut written = Ok(());
+        for output in outputs.iter_mut() {
+            let (counted, result) = if batch == 1 {
+                match output.emit(&records[0], checksums[0]) {
+                    Ok(()) => (1, Ok(())),
+                    Err(e) => (0, Err(e)),
+                }
+            } else {
+                output.emit_batch(&records[..count], &checksums[..count])
+            };
+            reached = reached.max(counted);
+            if result.is_err() {
+                written = result;
+                break;
+            }
+        }
+        for &checksum in &checksums[..reached] {
+            emitted.add(checksum);
+        }
+        seq += reached as u64;
+        unreported += reached as u64;
         if let Err(e) = written {
             result = Err(e);
             break;
         }
-        for &checksum in &checksums[..count] {
-            emitted.add(checksum);
-        }
-        seq += count as u64;
-        unreported += count as u64;
         if unreported >= 32 {
             progress.generated.fetch_add(unreported, Ordering::Relaxed);
             unreported = 0;
