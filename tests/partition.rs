@@ -2127,12 +2127,12 @@ fn refusing_records_over_1024() -> (NetworkBufferPool, ResultPartition, Subparti
     (network, partition, view)
 }
 
-/// `result` refused a record of `len` bytes as over the 1024 allowed.
-fn assert_too_large(result: Result<(), PartitionError>, len: usize) {
+/// `result` refused a record of `len` bytes as over the `max` allowed.
+fn assert_too_large(result: Result<(), PartitionError>, len: usize, max: usize) {
     assert!(
         matches!(
             result,
-            Err(PartitionError::Record(RecordError::TooLarge { len: l, max: 1024 })) if l == len
+            Err(PartitionError::Record(RecordError::TooLarge { len: l, max: m })) if l == len && m == max
         ),
         "{result:?}"
     );
@@ -2154,7 +2154,7 @@ fn an_async_emit_refuses_a_record_too_large_without_waiting() {
         poll_once(partition.emit_record_async(&[0u8; 1025][..], 0)),
         poll_once(partition.broadcast_record_async(&[0u8; 1025][..])),
     ] {
-        assert_too_large(attempt.expect("refused at once"), 1025);
+        assert_too_large(attempt.expect("refused at once"), 1025, 1024);
     }
     drop((view, partition));
     assert_eq!(network.available_segments(), network.total_segments());
@@ -2184,7 +2184,7 @@ fn a_blocking_emit_refuses_a_record_too_large_without_waiting() {
         .recv_timeout(LONG)
         .expect("a record too large waited for room");
     for result in results {
-        assert_too_large(result, 2000);
+        assert_too_large(result, 2000, 1024);
     }
     let partition = writer.join().unwrap();
     drop((view, partition));
@@ -3139,6 +3139,14 @@ fn a_batch_of_records_without_contiguous_bytes_goes_out_as_one_by_one() {
     assert_eq!(streams(true), (one_by_one, out));
 }
 
+/// The batch partitions' `fluxgate.record.max-size`: 64 KiB.
+const MAX_RECORD: usize = 64 << 10;
+
+/// A record one byte over [`MAX_RECORD`].
+fn one_byte_over_max_record() -> Vec<u8> {
+    vec![0u8; MAX_RECORD + 1]
+}
+
 /// A refused record in a batch round robin over three subpartitions: the records before it
 /// are in their subpartitions (published, with the runs of the others), it and the records
 /// after it are not, and nothing after it was selected.
@@ -3151,14 +3159,9 @@ fn a_batch_over_several_subpartitions_stops_at_a_refused_record_with_the_rest_pu
         calls: 0,
     };
     let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
-    // One byte over the partition's `fluxgate.record.max-size` of 64 KiB.
-    let too_large = vec![0u8; (64 << 10) + 1];
+    let too_large = one_byte_over_max_record();
     let batch: [&[u8]; 7] = [b"a", b"b", b"c", b"d", b"e", &too_large, b"f"];
-    let error = writer.emit_all(batch).unwrap_err();
-    assert!(
-        matches!(error, PartitionError::Record(RecordError::TooLarge { .. })),
-        "{error:?}"
-    );
+    assert_too_large(writer.emit_all(batch), too_large.len(), MAX_RECORD);
     assert_eq!(
         writer.selector().calls,
         6,
@@ -3200,27 +3203,18 @@ fn a_batch_stops_at_a_refused_record_having_selected_nothing_after_it() {
     let (mut view, _) = view(&partition, 0);
     let selector = Scripted::always(0);
     let mut writer = RecordWriter::new(partition, selector, BufferTimeout::Never);
-    // One byte over the partition's `fluxgate.record.max-size` of 64 KiB.
-    let too_large = vec![0u8; (64 << 10) + 1];
+    let too_large = one_byte_over_max_record();
     let batch: [&[u8]; 4] = [b"a", b"bc", &too_large, b"d"];
-    let error = writer.emit_all(batch).unwrap_err();
-    assert!(
-        matches!(error, PartitionError::Record(RecordError::TooLarge { .. })),
-        "{error:?}"
-    );
+    assert_too_large(writer.emit_all(batch), too_large.len(), MAX_RECORD);
     assert_eq!(
         writer.selector().calls,
         3,
         "the record after the refused one was selected"
     );
     // The async batch stops there too.
-    let error = poll_once(writer.emit_all_async(batch[2..].iter().copied()))
-        .expect("no back pressure")
-        .unwrap_err();
-    assert!(
-        matches!(error, PartitionError::Record(RecordError::TooLarge { .. })),
-        "{error:?}"
-    );
+    let result =
+        poll_once(writer.emit_all_async(batch[2..].iter().copied())).expect("no back pressure");
+    assert_too_large(result, too_large.len(), MAX_RECORD);
     assert_eq!(
         writer.selector().calls,
         4,
