@@ -1995,8 +1995,14 @@ impl Injected {
         deserializers: &mut [RecordDeserializer],
         item: BufferOrEvent,
     ) -> Result<(), Failed> {
+        // The library's priority reads hand out events only; should that ever change, the
+        // subtask fails with a report instead of taking the whole node down.
         let GateItem::Event { event, .. } = item.item else {
-            unreachable!("a priority read returns events only");
+            return Err(format!(
+                "channel {}: a priority read handed out data, not an event",
+                item.channel
+            )
+            .into());
         };
         self.on_event(consumer, outputs, deserializers, item.channel, event)
     }
