@@ -14,7 +14,7 @@ use fluxgate::gate::{
     ConsumedSubpartition, GateError, GateItem, InputGate, SingleInputGate,
 };
 use fluxgate::partition::{
-    PartitionManager, ResultPartition, ResultPartitionId, TaskEventListener,
+    PartitionError, PartitionManager, ResultPartition, ResultPartitionId, TaskEventListener,
 };
 use fluxgate::protocol::auth::{Nonce, Transcript};
 use fluxgate::protocol::frame::{
@@ -1029,6 +1029,54 @@ fn frames_for_a_request_answered_not_found_do_not_reach_the_channel() {
         s.pair.client.channel_count(),
         1,
         "the channel waits to ask again"
+    );
+    drop(shared);
+    all_back(s);
+}
+
+/// PartitionNotFound after the producer sent the channel data contradicts it: the channel
+/// fails with that answer at once, and asks no more (a re-request would announce its
+/// exclusive credit again while a segment of it holds the unread buffer).
+#[test]
+fn partition_not_found_after_data_fails_the_channel_without_asking_again() {
+    let (mut s, result) = forge(|receiver, out| {
+        data_frame(out, receiver, 0, b"\x05hello");
+        Message::ErrorResponse {
+            receiver: Some(receiver),
+            kind: ErrorKind::PartitionNotFound,
+            message: "gone".into(),
+        }
+        .encode(out);
+    });
+    assert_eq!(result, Ok(()));
+    assert_eq!(
+        s.pair.client.channel_count(),
+        0,
+        "the channel left the connection instead of waiting to ask again"
+    );
+    let shared = s.gate.remote_channel(0).unwrap().shared().clone();
+    assert_eq!(shared.request_retries(), 0, "no request went out again");
+    // The buffer that came first is read, then the failure.
+    let mut failure = None;
+    for _ in 0..4 {
+        match s.gate.poll_next() {
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(error) => {
+                failure = Some(error);
+                break;
+            }
+        }
+    }
+    assert!(
+        matches!(
+            failure,
+            Some(GateError::Partition {
+                source: PartitionError::PartitionNotFound(_),
+                ..
+            })
+        ),
+        "{failure:?}"
     );
     drop(shared);
     all_back(s);

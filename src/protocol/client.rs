@@ -1074,7 +1074,15 @@ impl ClientConnection {
         let Some(Some(channel)) = self.channels.get_mut(slot) else {
             return false;
         };
-        if channel.retry != Retry::No || channel.shared.is_released() || !channel.backoff.increase()
+        // A producer that already sent this channel data has the partition: PartitionNotFound
+        // now contradicts it (a broken or forged peer). Asking again would announce the
+        // exclusive credit a second time while those segments hold unread data, so the
+        // channel fails here, with the producer's answer, instead of later with a credit or
+        // sequence error.
+        if channel.retry != Retry::No
+            || channel.shared.is_released()
+            || channel.shared.expected_sequence() > 0
+            || !channel.backoff.increase()
         {
             return false;
         }
