@@ -1268,6 +1268,46 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once_uring
 );
 
+/// A listener handed over non-blocking (a service manager's socket often is) serves as any
+/// other. The io_uring driver makes it blocking: its ring's Accept waits on its own, and on
+/// kernels before 5.19 a non-blocking listener's Accept completed at once with EAGAIN, so
+/// the I/O thread re-armed it every turn and never slept. (The epoll driver wants it
+/// non-blocking and makes it so.)
+fn a_listener_handed_over_non_blocking_serves(transport: Transport) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    // The same open file: its status flags are the listener's.
+    let same_socket = listener.try_clone().unwrap();
+    let producer_env =
+        ShuffleEnvironment::start_on(listener, config_for(1, transport, &[])).unwrap();
+    assert_eq!(
+        producer_env.transport(),
+        transport,
+        "the requested driver runs"
+    );
+    let non_blocking = socket2::SockRef::from(&same_socket).nonblocking().unwrap();
+    assert_eq!(
+        non_blocking,
+        transport == Transport::Epoll,
+        "the listener's mode is the one its driver's accept needs"
+    );
+    let consumer_env = env(2, transport);
+    let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
+    partition.emit_record(&b"handed over"[..], 0).unwrap();
+    partition.finish().unwrap();
+    read_one(
+        remote_gate(&consumer_env, producer_env.local_addr()),
+        b"handed over",
+    );
+    drop((partition, same_socket));
+    assert!(common::pools_full(&[&producer_env, &consumer_env]));
+}
+on_both_drivers!(
+    a_listener_handed_over_non_blocking_serves,
+    a_listener_handed_over_non_blocking_serves_epoll,
+    a_listener_handed_over_non_blocking_serves_uring
+);
+
 /// A listener that stops listening (shut down under the environment here) fails every accept
 /// for good: the driver gives it up and says so, rather than retrying every 10 ms for as
 /// long as the process lives, and the connections already open go on.

@@ -350,6 +350,11 @@ impl UringDriver {
                 "TLS runs on the epoll driver only",
             ));
         }
+        // The ring's Accept waits for a connection on its own. A listener handed over
+        // non-blocking (`ShuffleEnvironment::start_on`, e.g. a service manager's socket) made
+        // kernels before 5.19 complete it at once with EAGAIN, and the loop, re-arming it
+        // every turn, would never sleep.
+        listener.set_nonblocking(false)?;
         let local_addr = listener.local_addr()?;
         let wake_file = Arc::new(eventfd()?);
         let writer = wake_file.clone();
