@@ -254,7 +254,9 @@ impl ShuffleEnvironment {
     /// As [`start`](Self::start), serving on `listener`, which the caller bound (a socket
     /// handed over by a service manager, a port a resource manager reserved); `config.bind`
     /// is not used. Whether connections must authenticate (`fluxgate.security.auth = auto`)
-    /// follows the listener's address.
+    /// follows the listener's address. Blocking or not, it serves: the driver sets the mode
+    /// its accept needs (blocking for io_uring, non-blocking for epoll) on the socket, which
+    /// a copy of it the caller kept shares.
     pub fn start_on(listener: std::net::TcpListener, config: EnvConfig) -> Result<Self, EnvError> {
         check_timeouts(&config)?;
         let security = Security::from_config(&config, listener.local_addr()?)?;
