@@ -1880,6 +1880,80 @@ fn a_barrier_arriving_after_its_alignment_timed_out_goes_ahead_of_the_data_befor
 }
 
 #[test]
+fn a_barrier_received_behind_data_while_the_checkpoint_is_unaligned_goes_ahead_for_a_back_pressured_task(
+) {
+    // Flink's processBarrierAnnouncement while unaligned: channel 1's barrier arrives behind
+    // data after the checkpoint turned unaligned, while the task, its output back-pressured,
+    // reads priority events only. The barrier goes ahead of the data at once and the
+    // checkpoint completes; before, it waited until the task read a buffer of channel 1,
+    // that is, until a consumer downstream freed a buffer.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let first = unaligned_barrier_first(&mut gate, 5);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    assert!(
+        gate.poll_priority().unwrap().is_none(),
+        "nothing for the task: the barrier was its checkpoint's last"
+    );
+    assert_eq!(persisted(&sink), [(5, 1, b"one".to_vec())]);
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    assert_eq!(gate.pending_checkpoint(), None);
+    // The data is still the task's, once, in order; the barrier is not read again.
+    let one = gate.poll_next().unwrap().expect("data");
+    assert_eq!(data(&one.item), b"one");
+    assert!(gate.poll_next().unwrap().is_none());
+    assert_eq!(persisted(&sink).len(), 1, "persisted once");
+    drop((first, one, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
+fn a_newer_checkpoint_announced_while_one_runs_unaligned_gets_its_timer_after_it() {
+    // While 5 runs unaligned, channel 2 (past its barrier 5) receives 7's barrier behind
+    // data, and channel 1 receives 5's: the look that moves 5's ahead (completing 5) takes
+    // the gate's announcement flag, so it must leave 7 to be found once 5 ended, or 7's timer
+    // would wait until the task read as far as 7.
+    let f = fixture();
+    let gate = f.remote_gate(3);
+    let mut senders: Vec<Sender> = (0..3).map(|i| Sender::new(&attach(&gate, i).0)).collect();
+    let sink = Arc::new(common::RecordingSink::default());
+    let mut gate = CheckpointedInputGate::new(gate, AlignmentMode::Unaligned, Some(sink.clone()));
+    // 5 starts unaligned (no announcement is noted before it).
+    let unaligned_five = Event::CheckpointBarrier(CheckpointBarrier {
+        id: 5,
+        timestamp: 0,
+        kind: CheckpointKind::Checkpoint,
+        alignment: Alignment::Unaligned,
+    });
+    senders[0].send_event(&unaligned_five, DataType::PrioritizedEventBuffer, 0);
+    let first = gate.poll_next().unwrap().expect("5, unaligned");
+    assert_eq!(gate.pending_checkpoint(), Some(5));
+    let five = common::timeoutable_barrier(5, 3_600_000, 0);
+    senders[2].send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    assert!(
+        gate.poll_next().unwrap().is_none(),
+        "channel 2's 5, swallowed"
+    );
+    senders[2].send(b"two", DataType::DataBuffer, 0).unwrap();
+    let seven = common::timeoutable_barrier(7, 10_800_000, 0);
+    senders[2].send_event(&seven, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    senders[1].send(b"one", DataType::DataBuffer, 0).unwrap();
+    senders[1].send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    assert!(gate.poll_priority().unwrap().is_none());
+    assert_eq!(persisted(&sink), [(5, 1, b"one".to_vec())]);
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    // The next look finds 7, announced while 5 ran unaligned.
+    assert!(gate.poll_priority().unwrap().is_none());
+    let deadline = gate.alignment_deadline().expect("7's timer runs");
+    assert!(deadline > Instant::now() + Duration::from_secs(2 * 3_600));
+    drop((first, gate, senders));
+    assert_eq!(f.leased(), 0);
+}
+
+#[test]
 fn an_alignment_times_out_at_a_barrier_received_behind_data_the_task_has_not_read() {
     // Flink's barrier announcement: a timeoutable barrier received behind data starts the
     // alignment's timer when it arrives, not when the task reads as far as it. Here the

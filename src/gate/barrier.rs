@@ -269,6 +269,8 @@ impl<G: InputGate> CheckpointedInputGate<G> {
     ) -> Result<Option<BufferOrEvent>, GateError> {
         self.persist_taken_ahead()?;
         self.note_announced_barriers();
+        // What an announcement took ahead just now, before a read takes any of it.
+        self.persist_taken_ahead()?;
         if let Some(item) = self.time_out_alignment_if_due() {
             return Ok(Some(item));
         }
@@ -482,6 +484,7 @@ impl<G: InputGate> CheckpointedInputGate<G> {
         loop {
             self.persist_taken_ahead()?;
             self.note_announced_barriers();
+            self.persist_taken_ahead()?;
             if let Some(item) = self.time_out_alignment_if_due() {
                 return Ok(Some(item));
             }
@@ -541,7 +544,11 @@ impl<G: InputGate> CheckpointedInputGate<G> {
                 self.alignment_deadline = None;
             }
         }
-        if self.unaligned || self.alignment_deadline.is_some() {
+        if self.unaligned {
+            self.convert_announced_barriers();
+            return;
+        }
+        if self.alignment_deadline.is_some() {
             return;
         }
         let mut oldest = self.announced;
@@ -565,6 +572,35 @@ impl<G: InputGate> CheckpointedInputGate<G> {
             return;
         }
         self.alignment_deadline = barrier.alignment_deadline(Instant::now());
+    }
+
+    /// The running checkpoint is unaligned: a barrier of it that a channel received behind
+    /// data since the last look goes ahead of that data now (Flink's
+    /// `processBarrierAnnouncement` while unaligned), not only once the task reads a buffer of
+    /// that channel, which a back-pressured task, reading priority events only, does not do
+    /// until its output frees a buffer. The checkpoint can then complete meanwhile. What was
+    /// taken ahead is persisted by the caller's next `persist_taken_ahead`. Announcements of
+    /// other checkpoints are looked at again once this one ends (the flag is taken here).
+    fn convert_announced_barriers(&mut self) {
+        let Some(current) = self.current else {
+            return;
+        };
+        let mut ours = false;
+        let mut others = false;
+        self.gate
+            .for_each_new_announcement(false, &mut |_, barrier| {
+                if barrier.id == current {
+                    ours = true;
+                } else {
+                    others = true;
+                }
+            });
+        if others {
+            self.rescan_announcements = true;
+        }
+        if ours {
+            self.convert_received_barriers(current);
+        }
     }
 
     /// [`time_out_alignment`](Self::time_out_alignment) now, reading the clock only while an
