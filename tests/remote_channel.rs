@@ -1911,6 +1911,47 @@ fn a_barrier_received_behind_data_while_the_checkpoint_is_unaligned_goes_ahead_f
 }
 
 #[test]
+fn a_barrier_received_behind_queued_data_wakes_a_task_waiting_for_priority_events() {
+    // A back-pressured task waits for priority events only, with channel 1 queued for data
+    // it does not read: the barrier arriving behind that data queues nothing new, so only
+    // its announcement can wake the task to move it ahead (or start its timer). Before, the
+    // task slept on until its output freed a buffer (async), or its 100 ms re-check.
+    let f = fixture();
+    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let first = unaligned_barrier_first(&mut gate, 5);
+    sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
+    assert!(gate.poll_priority().unwrap().is_none(), "data only");
+    let woken = Arc::new(WakeCount::default());
+    let waker = std::task::Waker::from(woken.clone());
+    assert!(
+        InputGate::register_waker(&gate, &waker),
+        "channel 1 is queued (for data)"
+    );
+    let before = woken.0.load(Ordering::SeqCst);
+    sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    assert!(
+        woken.0.load(Ordering::SeqCst) > before,
+        "the barrier's arrival woke the task"
+    );
+    assert!(gate.poll_priority().unwrap().is_none());
+    assert_eq!(*sink.complete.lock().unwrap(), [5]);
+    let one = gate.poll_next().unwrap().expect("data");
+    drop((first, one, gate, sender0, sender1));
+    assert_eq!(f.leased(), 0);
+}
+
+#[derive(Default)]
+struct WakeCount(AtomicUsize);
+
+impl std::task::Wake for WakeCount {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
 fn a_newer_checkpoint_announced_while_one_runs_unaligned_gets_its_timer_after_it() {
     // While 5 runs unaligned, channel 2 (past its barrier 5) receives 7's barrier behind
     // data, and channel 1 receives 5's: the look that moves 5's ahead (completing 5) takes
@@ -1931,12 +1972,13 @@ fn a_newer_checkpoint_announced_while_one_runs_unaligned_gets_its_timer_after_it
     senders[0].send_event(&unaligned_five, DataType::PrioritizedEventBuffer, 0);
     let first = gate.poll_next().unwrap().expect("5, unaligned");
     assert_eq!(gate.pending_checkpoint(), Some(5));
-    let five = common::timeoutable_barrier(5, 3_600_000, 0);
-    senders[2].send_event(&five, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    // Channel 2's 5, unaligned too: its sender goes on (an aligned one would stop it).
+    senders[2].send_event(&unaligned_five, DataType::PrioritizedEventBuffer, 0);
     assert!(
         gate.poll_next().unwrap().is_none(),
         "channel 2's 5, swallowed"
     );
+    let five = common::timeoutable_barrier(5, 3_600_000, 0);
     senders[2].send(b"two", DataType::DataBuffer, 0).unwrap();
     let seven = common::timeoutable_barrier(7, 10_800_000, 0);
     senders[2].send_event(&seven, DataType::TimeoutableAlignedCheckpointBarrier, 0);

@@ -75,9 +75,25 @@ impl ChannelQueue {
     }
 
     /// A channel of this gate received an aligned barrier with a timeout (called before the
-    /// channel is queued, so the read it wakes sees this).
+    /// channel is queued, so the read it wakes sees this). Wakes the reader itself: behind
+    /// data the channel is queued already, so the enqueue that follows wakes no one, and a
+    /// task whose output is back-pressured reads priority events only. Woken, it starts the
+    /// alignment's timer, or moves the barrier ahead of the data when its checkpoint runs
+    /// unaligned. Once per such barrier; a reader of a union is woken through the union.
     pub fn announce(&self) {
         self.announced.store(true, Ordering::Release);
+        self.wake_readers();
+    }
+
+    /// Wakes whoever reads this queue (through the union it reports to, if any) without
+    /// queueing anything: they look at what changed besides the lanes.
+    fn wake_readers(&self) {
+        // Pairs with a reader's look after it counts itself waiting or registers its waker.
+        fence(Ordering::SeqCst);
+        match self.parent.get() {
+            Some((parent, _)) => parent.wake_readers(),
+            None => self.wake_after_fence(),
+        }
     }
 
     /// Whether a channel announced a barrier since the last call.
