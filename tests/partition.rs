@@ -2829,6 +2829,76 @@ fn a_writer_waiting_for_the_segment_its_reader_holds_fails_once_the_subpartition
 }
 
 #[test]
+fn a_writer_waiting_for_a_segment_a_consumer_keeps_fails_once_the_partition_is_released() {
+    // As above, but the consumer task keeps the buffer it read (a local channel's reader in
+    // the middle of it, or one that stopped): the release cannot make it give the segment
+    // back. The writer's wait must still end with Released at the release (the environment's
+    // shutdown releases every partition so), not when that buffer is dropped, if ever.
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let handle = partition.handle();
+    let (mut view, _signal) = view(&partition, 0);
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    partition.flush(0);
+    let kept = view.poll_next().expect("the flushed record");
+    let (writer, done_rx) = common::writer_until_failure(partition);
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    handle.release();
+    let result = done_rx
+        .recv_timeout(LONG)
+        .expect("the writer still waits for the kept segment");
+    assert!(
+        matches!(result, Err(PartitionError::Released)),
+        "{result:?}"
+    );
+    drop((kept, view, writer.join().unwrap()));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn a_writer_waiting_before_a_record_for_segments_a_consumer_keeps_fails_once_released() {
+    // The same with two buffers per subpartition: the writer waits before its next record for
+    // a segment to start it in (Flink's output availability), while the consumer keeps what
+    // it read of both buffers. The release must end that wait too.
+    let (network, mut config) = setup(64);
+    config
+        .set("taskmanager.network.memory.max-buffers-per-channel", "2")
+        .unwrap();
+    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let handle = partition.handle();
+    let (mut view, _signal) = view(&partition, 0);
+    // Past the first buffer: it is finished and readable.
+    for _ in 0..50 {
+        partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    }
+    let first = view.poll_next().expect("the first, finished buffer");
+    let (writer, done_rx) = common::writer_until_failure(partition);
+    assert!(
+        common::wait_until(LONG, || handle.is_back_pressured()),
+        "the writer never waited"
+    );
+    // What the writer put in its open second buffer, flushed (as the flusher would).
+    handle.flush_all();
+    let second = view.poll_next().expect("the second buffer, flushed");
+    handle.release();
+    let result = done_rx
+        .recv_timeout(LONG)
+        .expect("the writer still waits for the kept segments");
+    assert!(
+        matches!(result, Err(PartitionError::Released)),
+        "{result:?}"
+    );
+    drop((first, second, view, writer.join().unwrap()));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn a_record_failing_in_its_second_buffer_releases_the_partition_for_every_reader() {
     // The record crosses into a second buffer and fails there: the partition is released,
     // its reader sees the release (no second buffer padded with zeros), and the writer's next

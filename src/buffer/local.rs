@@ -239,7 +239,24 @@ impl LocalBufferPool {
         subpartition: usize,
         timeout: Duration,
     ) -> Result<BufferBuilder, PoolError> {
-        self.wait_for(timeout, || self.try_builder(subpartition))
+        self.request_buffer_builder_blocking_unless(subpartition, timeout, &|| false)
+    }
+
+    /// [`request_buffer_builder_blocking`](Self::request_buffer_builder_blocking) that ends
+    /// with [`PoolError::Cancelled`] once `cancelled` holds, looked at before each look for a
+    /// segment (whoever makes it true wakes this pool's waiters, [`PoolWaiters::wake`]).
+    pub(crate) fn request_buffer_builder_blocking_unless(
+        &self,
+        subpartition: usize,
+        timeout: Duration,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<BufferBuilder, PoolError> {
+        self.wait_for(timeout, || {
+            if cancelled() {
+                return Err(PoolError::Cancelled);
+            }
+            self.try_builder(subpartition)
+        })
     }
 
     /// A builder for the rest of a record that `subpartition` already started (Flink's
@@ -258,8 +275,29 @@ impl LocalBufferPool {
         max_overdraft: usize,
         timeout: Duration,
     ) -> Result<BufferBuilder, PoolError> {
+        self.request_continuation_builder_blocking_unless(
+            subpartition,
+            max_overdraft,
+            timeout,
+            &|| false,
+        )
+    }
+
+    /// [`request_continuation_builder_blocking`](Self::request_continuation_builder_blocking)
+    /// that ends with [`PoolError::Cancelled`] once `cancelled` holds, as
+    /// [`request_buffer_builder_blocking_unless`](Self::request_buffer_builder_blocking_unless).
+    pub(crate) fn request_continuation_builder_blocking_unless(
+        &self,
+        subpartition: usize,
+        max_overdraft: usize,
+        timeout: Duration,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<BufferBuilder, PoolError> {
         let channel = self.shared.channel_tag(subpartition);
         self.wait_for(timeout, || {
+            if cancelled() {
+                return Err(PoolError::Cancelled);
+            }
             let segment = match self.shared.take_past_channel_limit(channel)? {
                 Some(segment) => PooledSegment::new(self.shared.clone(), segment),
                 None => match self.overdraft_segment_within(max_overdraft) {
@@ -311,16 +349,6 @@ impl LocalBufferPool {
         &self,
     ) -> impl Future<Output = Result<(), PoolError>> + Unpin + '_ {
         self.until_ready(move || self.is_available_to_any())
-    }
-
-    /// [`wait_until_segment_at_hand`](Self::wait_until_segment_at_hand) as a future (the
-    /// partition's single writer's, like [`request_builder`](Self::request_builder)).
-    pub(crate) fn until_segment_at_hand(
-        &self,
-        subpartition: usize,
-    ) -> UntilReady<'_, impl FnMut() -> bool + Unpin + '_> {
-        let channel = self.shared.channel_tag(subpartition);
-        self.until_ready(move || self.shared.stock_one(channel).unwrap_or(true))
     }
 
     /// A segment, waiting up to `timeout` while none is free and the pool cannot grow (the

@@ -752,7 +752,11 @@ impl ResultPartition {
             if !crosses || timed.pool.segment_at_hand(channel) {
                 return Ok(());
             }
-            let at_hand = timed.pool.until_segment_at_hand(channel);
+            // Ends at a release too, as the blocking wait does.
+            let pool = timed.pool;
+            let at_hand = pool.until_ready(|| {
+                readers.iter().all(|s| s.is_released()) || pool.segment_at_hand(channel)
+            });
             timed.wait(at_hand).await.map_err(released_if_destroyed)?;
         }
     }
@@ -862,12 +866,19 @@ impl ResultPartition {
         if !crosses {
             return Ok(());
         }
+        // Released meanwhile: the wait ends at the release's wake-up and the write then fails
+        // as Released, whether or not a consumer gives the segments back.
+        let channel = target.channel();
         until_available_timed(
             &mut self.barrier_timer,
             pool,
             subpartitions,
             self.request_timeout,
-            |wait| pool.wait_until_segment_at_hand(target.channel(), wait),
+            |wait| {
+                pool.wait_until(wait, || {
+                    readers.iter().all(|s| s.is_released()) || pool.segment_at_hand(channel)
+                })
+            },
         )
     }
 
@@ -1471,7 +1482,8 @@ fn until_available<T>(
 /// The pool's destruction is the partition's release (as the blocking paths report it).
 fn released_if_destroyed(error: PoolError) -> PartitionError {
     match error {
-        PoolError::Destroyed => PartitionError::Released,
+        // Cancelled: a wait that ended because its subpartitions were released.
+        PoolError::Destroyed | PoolError::Cancelled => PartitionError::Released,
         other => other.into(),
     }
 }
@@ -1559,6 +1571,11 @@ impl SegmentSink for PartitionSink<'_> {
             }
             .and_then(|()| {
                 let max_overdraft = self.max_overdraft_for_records;
+                // Released while the writer waits (the environment's shutdown, a cancelled
+                // consumer): the wait ends at the release's wake-up, as Released, rather than
+                // when a segment comes back, which a consumer still holding the pool's
+                // segments may never do.
+                let released = || readers.iter().all(|s| s.is_released());
                 until_available_timed(
                     self.barrier_timer,
                     pool,
@@ -1566,9 +1583,14 @@ impl SegmentSink for PartitionSink<'_> {
                     self.request_timeout,
                     |wait| {
                         if continuing {
-                            pool.request_continuation_builder_blocking(channel, max_overdraft, wait)
+                            pool.request_continuation_builder_blocking_unless(
+                                channel,
+                                max_overdraft,
+                                wait,
+                                &released,
+                            )
                         } else {
-                            pool.request_buffer_builder_blocking(channel, wait)
+                            pool.request_buffer_builder_blocking_unless(channel, wait, &released)
                         }
                     },
                 )
