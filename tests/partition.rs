@@ -2796,34 +2796,69 @@ fn a_priority_barrier_does_not_count_a_turned_barrier_its_reader_drops() {
     assert_eq!(network.available_segments(), network.total_segments());
 }
 
-#[test]
-fn a_writer_waiting_for_the_segment_its_reader_holds_fails_once_the_subpartition_is_released() {
-    // With one buffer per subpartition, the writer waits for the one the reader is reading.
-    // A release (the consumer went away) must end that wait with Released: the reader gives
-    // the buffer back when it sees the release, not only when its view is dropped.
+/// One subpartition whose pool lets it hold `per_channel` segments
+/// (`max-buffers-per-channel`), its view, and the network it draws from.
+fn subpartition_holding(
+    per_channel: usize,
+) -> (
+    NetworkBufferPool,
+    ResultPartition,
+    SubpartitionView,
+    Arc<Signal>,
+) {
     let (network, mut config) = setup(64);
     config
-        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
+        .set(
+            "taskmanager.network.memory.max-buffers-per-channel",
+            &per_channel.to_string(),
+        )
         .unwrap();
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (view, signal) = view(&partition, 0);
+    (network, partition, view, signal)
+}
+
+/// A writer emitting on `partition` on its own thread, once it waits under back pressure,
+/// and where its result comes.
+fn writer_waiting(
+    partition: ResultPartition,
+) -> (
+    thread::JoinHandle<ResultPartition>,
+    mpsc::Receiver<Result<(), PartitionError>>,
+) {
     let handle = partition.handle();
-    let (mut view, _signal) = view(&partition, 0);
-    partition.emit_record(&[1u8; 100][..], 0).unwrap();
-    partition.flush(0);
-    drop(view.poll_next().expect("the flushed record"));
-    // More than the rest of the buffer: the writer needs the next one.
     let (writer, done_rx) = common::writer_until_failure(partition);
     assert!(
         common::wait_until(LONG, || handle.is_back_pressured()),
         "the writer never waited"
     );
-    handle.release();
-    assert!(view.poll_next().is_none());
+    (writer, done_rx)
+}
+
+/// The released writer's result: its wait ended, with Released.
+fn assert_writer_released(done_rx: &mpsc::Receiver<Result<(), PartitionError>>) {
     let result = done_rx.recv_timeout(LONG).expect("the writer still waits");
     assert!(
         matches!(result, Err(PartitionError::Released)),
         "{result:?}"
     );
+}
+
+#[test]
+fn a_writer_waiting_for_the_segment_its_reader_holds_fails_once_the_subpartition_is_released() {
+    // With one buffer per subpartition, the writer waits for the one the reader is reading.
+    // A release (the consumer went away) must end that wait with Released: the reader gives
+    // the buffer back when it sees the release, not only when its view is dropped.
+    let (network, mut partition, mut view, _signal) = subpartition_holding(1);
+    let handle = partition.handle();
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    partition.flush(0);
+    drop(view.poll_next().expect("the flushed record"));
+    // More than the rest of the buffer: the writer needs the next one.
+    let (writer, done_rx) = writer_waiting(partition);
+    handle.release();
+    assert!(view.poll_next().is_none());
+    assert_writer_released(&done_rx);
     drop((view, writer.join().unwrap()));
     assert_eq!(network.available_segments(), network.total_segments());
 }
@@ -2834,29 +2869,14 @@ fn a_writer_waiting_for_a_segment_a_consumer_keeps_fails_once_the_partition_is_r
     // the middle of it, or one that stopped): the release cannot make it give the segment
     // back. The writer's wait must still end with Released at the release (the environment's
     // shutdown releases every partition so), not when that buffer is dropped, if ever.
-    let (network, mut config) = setup(64);
-    config
-        .set("taskmanager.network.memory.max-buffers-per-channel", "1")
-        .unwrap();
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (network, mut partition, mut view, _signal) = subpartition_holding(1);
     let handle = partition.handle();
-    let (mut view, _signal) = view(&partition, 0);
     partition.emit_record(&[1u8; 100][..], 0).unwrap();
     partition.flush(0);
     let kept = view.poll_next().expect("the flushed record");
-    let (writer, done_rx) = common::writer_until_failure(partition);
-    assert!(
-        common::wait_until(LONG, || handle.is_back_pressured()),
-        "the writer never waited"
-    );
+    let (writer, done_rx) = writer_waiting(partition);
     handle.release();
-    let result = done_rx
-        .recv_timeout(LONG)
-        .expect("the writer still waits for the kept segment");
-    assert!(
-        matches!(result, Err(PartitionError::Released)),
-        "{result:?}"
-    );
+    assert_writer_released(&done_rx);
     drop((kept, view, writer.join().unwrap()));
     assert_eq!(network.available_segments(), network.total_segments());
 }
@@ -2866,34 +2886,19 @@ fn a_writer_waiting_before_a_record_for_segments_a_consumer_keeps_fails_once_rel
     // The same with two buffers per subpartition: the writer waits before its next record for
     // a segment to start it in (Flink's output availability), while the consumer keeps what
     // it read of both buffers. The release must end that wait too.
-    let (network, mut config) = setup(64);
-    config
-        .set("taskmanager.network.memory.max-buffers-per-channel", "2")
-        .unwrap();
-    let mut partition = ResultPartition::new(ID, 1, &network, &config).unwrap();
+    let (network, mut partition, mut view, _signal) = subpartition_holding(2);
     let handle = partition.handle();
-    let (mut view, _signal) = view(&partition, 0);
     // Past the first buffer: it is finished and readable.
     for _ in 0..50 {
         partition.emit_record(&[1u8; 100][..], 0).unwrap();
     }
     let first = view.poll_next().expect("the first, finished buffer");
-    let (writer, done_rx) = common::writer_until_failure(partition);
-    assert!(
-        common::wait_until(LONG, || handle.is_back_pressured()),
-        "the writer never waited"
-    );
+    let (writer, done_rx) = writer_waiting(partition);
     // What the writer put in its open second buffer, flushed (as the flusher would).
     handle.flush_all();
     let second = view.poll_next().expect("the second buffer, flushed");
     handle.release();
-    let result = done_rx
-        .recv_timeout(LONG)
-        .expect("the writer still waits for the kept segments");
-    assert!(
-        matches!(result, Err(PartitionError::Released)),
-        "{result:?}"
-    );
+    assert_writer_released(&done_rx);
     drop((first, second, view, writer.join().unwrap()));
     assert_eq!(network.available_segments(), network.total_segments());
 }

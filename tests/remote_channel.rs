@@ -1634,6 +1634,25 @@ fn unaligned_remote_gate(
     (gate, sink, senders)
 }
 
+/// Checkpoint 5 running unaligned: channel 0's timeoutable barrier, past its timeout, was
+/// the first read (returned, as the task has it); channel 1 sent nothing yet. Also the
+/// barrier, for channel 1 to send.
+fn checkpoint_5_unaligned(
+    f: &Fixture,
+) -> (
+    CheckpointedInputGate<SingleInputGate>,
+    Arc<common::RecordingSink>,
+    [Sender; 2],
+    BufferOrEvent,
+    Event,
+) {
+    let (mut gate, sink, [mut sender0, sender1]) = unaligned_remote_gate(f);
+    let barrier = common::timeoutable_barrier(5, 10, 60_000);
+    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
+    let first = unaligned_barrier_first(&mut gate, 5);
+    (gate, sink, [sender0, sender1], first, barrier)
+}
+
 /// The first read: checkpoint `id`'s barrier, unaligned, as the timed-out alignment hands it
 /// to the task.
 fn unaligned_barrier_first(
@@ -1888,10 +1907,7 @@ fn a_barrier_received_behind_data_while_the_checkpoint_is_unaligned_goes_ahead_f
     // checkpoint completes; before, it waited until the task read a buffer of channel 1,
     // that is, until a consumer downstream freed a buffer.
     let f = fixture();
-    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
-    let barrier = common::timeoutable_barrier(5, 10, 60_000);
-    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
-    let first = unaligned_barrier_first(&mut gate, 5);
+    let (mut gate, sink, [sender0, mut sender1], first, barrier) = checkpoint_5_unaligned(&f);
     sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
     sender1.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
     assert!(
@@ -1917,10 +1933,7 @@ fn a_barrier_received_behind_queued_data_wakes_a_task_waiting_for_priority_event
     // its announcement can wake the task to move it ahead (or start its timer). Before, the
     // task slept on until its output freed a buffer (async), or its 100 ms re-check.
     let f = fixture();
-    let (mut gate, sink, [mut sender0, mut sender1]) = unaligned_remote_gate(&f);
-    let barrier = common::timeoutable_barrier(5, 10, 60_000);
-    sender0.send_event(&barrier, DataType::TimeoutableAlignedCheckpointBarrier, 0);
-    let first = unaligned_barrier_first(&mut gate, 5);
+    let (mut gate, sink, [sender0, mut sender1], first, barrier) = checkpoint_5_unaligned(&f);
     sender1.send(b"one", DataType::DataBuffer, 0).unwrap();
     assert!(gate.poll_priority().unwrap().is_none(), "data only");
     let woken = Arc::new(WakeCount::default());

@@ -1268,6 +1268,18 @@ on_both_drivers!(
     a_channel_located_twice_is_connected_once_uring
 );
 
+/// Environment 1 serving on `listener` (`start_on`) with `transport`, and a copy of the
+/// listener's descriptor: the same open socket, whose status flags and state are its.
+fn env_on(
+    listener: std::net::TcpListener,
+    transport: Transport,
+) -> (ShuffleEnvironment, std::net::TcpListener) {
+    let same_socket = listener.try_clone().unwrap();
+    let env = ShuffleEnvironment::start_on(listener, config_for(1, transport, &[])).unwrap();
+    assert_eq!(env.transport(), transport, "the requested driver runs");
+    (env, same_socket)
+}
+
 /// A listener handed over non-blocking (a service manager's socket often is) serves as any
 /// other. The io_uring driver makes it blocking: its ring's Accept waits on its own, and on
 /// kernels before 5.19 a non-blocking listener's Accept completed at once with EAGAIN, so
@@ -1276,15 +1288,7 @@ on_both_drivers!(
 fn a_listener_handed_over_non_blocking_serves(transport: Transport) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
-    // The same open file: its status flags are the listener's.
-    let same_socket = listener.try_clone().unwrap();
-    let producer_env =
-        ShuffleEnvironment::start_on(listener, config_for(1, transport, &[])).unwrap();
-    assert_eq!(
-        producer_env.transport(),
-        transport,
-        "the requested driver runs"
-    );
+    let (producer_env, same_socket) = env_on(listener, transport);
     let non_blocking = socket2::SockRef::from(&same_socket).nonblocking().unwrap();
     assert_eq!(
         non_blocking,
@@ -1313,14 +1317,7 @@ on_both_drivers!(
 /// long as the process lives, and the connections already open go on.
 fn a_listener_that_failed_for_good_is_given_up(transport: Transport) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let same_socket = listener.try_clone().unwrap();
-    let producer_env =
-        ShuffleEnvironment::start_on(listener, config_for(1, transport, &[])).unwrap();
-    assert_eq!(
-        producer_env.transport(),
-        transport,
-        "the requested driver runs"
-    );
+    let (producer_env, same_socket) = env_on(listener, transport);
     let consumer_env = env(2, transport);
     let mut partition = producer_env.create_partition(pid(0), 1).unwrap();
     let mut reader = RecordReader::new(
