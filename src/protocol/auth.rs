@@ -60,8 +60,9 @@ const ORIGIN_LEN: usize = 8;
 #[derive(Clone)]
 pub struct Secret {
     bytes: Box<[u8]>,
-    /// What this value's nonces begin with; `None` if the OS's random source failed (no
-    /// nonce can be drawn then either, and every connection is refused).
+    /// What this value's nonces begin with; `None` if the OS's random source failed when it
+    /// was made: it draws no nonce then ([`fresh_nonce`](Self::fresh_nonce) fails, and every
+    /// connection is refused), even once the source works again.
     origin: Option<[u8; ORIGIN_LEN]>,
 }
 
@@ -99,11 +100,14 @@ impl Secret {
     /// A fresh nonce from the operating system's random source: this value's origin bytes,
     /// then random ones (192 bits).
     pub fn fresh_nonce(&self) -> Result<Nonce, getrandom::Error> {
+        // Without an origin, this environment could not tell its own consumer's nonce from a
+        // peer's, and a relay could make it vouch for itself: no nonce rather than that.
+        let Some(origin) = self.origin else {
+            return Err(getrandom::Error::UNEXPECTED);
+        };
         let mut nonce = [0; NONCE_LEN];
         getrandom::fill(&mut nonce[ORIGIN_LEN..])?;
-        if let Some(origin) = self.origin {
-            nonce[..ORIGIN_LEN].copy_from_slice(&origin);
-        }
+        nonce[..ORIGIN_LEN].copy_from_slice(&origin);
         Ok(nonce)
     }
 
@@ -178,6 +182,21 @@ impl Transcript {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_whose_origin_could_not_be_drawn_draws_no_nonce() {
+        // The random source failed when the secret was loaded: its nonces would carry no
+        // origin, and the check against our own consumer's nonce would pass every relay.
+        let secret = Secret {
+            bytes: vec![7; MIN_SECRET_LEN].into(),
+            origin: None,
+        };
+        assert!(secret.fresh_nonce().is_err());
+        let drawn = Secret::new(&[7; MIN_SECRET_LEN]).expect("long enough");
+        let nonce = drawn.fresh_nonce().expect("the random source works here");
+        assert!(drawn.drew(&nonce));
+        assert!(!secret.drew(&nonce));
+    }
 
     fn transcript() -> Transcript {
         Transcript {
