@@ -1606,6 +1606,56 @@ fn stress_takes_a_config_file_and_flags_win() {
     assert!(run.stdout.contains("segments 4 KiB"), "{}", run.all());
 }
 
+/// Stress checks a config file together with what it sets itself (8 KiB segments unless
+/// told otherwise) and all at once: a frame size that fits its segments but not the library's
+/// default 32 KiB ones is taken. It was refused, checked alone against the default first.
+#[test]
+fn stress_checks_a_config_file_against_the_segments_it_runs() {
+    let config = temp_file(
+        "stress-frame.toml",
+        "\"fluxgate.network.max-frame-size\" = \"16kb\"\n",
+    );
+    let run = fluxgate(
+        &[
+            "stress",
+            "--nodes",
+            "2",
+            "--channels",
+            "2",
+            "--duration",
+            "0.5",
+            "--seed",
+            "5",
+            "--timeout",
+            "60",
+            "--config",
+            config.to_str().expect("utf-8 path"),
+        ],
+        LIMIT,
+    );
+    let _ = std::fs::remove_file(&config);
+    assert!(run.status.success(), "{}", run.all());
+    assert!(run.stdout.contains("segments 8 KiB"), "{}", run.all());
+    assert!(run.stdout.contains("result: OK"), "{}", run.all());
+}
+
+/// Sizes the tools would allocate by are refused before they allocate: a record above
+/// `fluxgate.record.max-size` (the bench's batch of them aborted the process), and more
+/// stress channels than a stage may have.
+#[test]
+fn tools_refuse_sizes_beyond_their_bounds_before_allocating() {
+    let run = fluxgate(
+        &["bench", "--record-size", "1000000000000", "--no-baseline"],
+        LIMIT,
+    );
+    assert_clean_failure(
+        &run,
+        &["--record-size 1000000000000: above the largest record, fluxgate.record.max-size"],
+    );
+    let run = fluxgate(&["stress", "--channels", "5000"], LIMIT);
+    assert_clean_failure(&run, &["--channels 5000: at most 4096"]);
+}
+
 #[test]
 fn stress_config_file_errors_are_clear() {
     let bad = temp_file(

@@ -202,6 +202,14 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         return Err("--pin-cpus pins the two processes of a remote run; --local has one".into());
     }
     let config = network_config(args)?;
+    if args.record_size > config.max_record_bytes {
+        // Refused before the harness sizes its record batches by it (a terabyte record would
+        // abort the process on that allocation, not fail its first emit).
+        return Err(format!(
+            "--record-size {}: above the largest record, fluxgate.record.max-size ({} bytes)",
+            args.record_size, config.max_record_bytes
+        ));
+    }
     if let Some(phase) = args.producer_process {
         if let Some(pinning) = args.pin_cpus {
             // Before the environment starts its I/O thread, which inherits the pinning.
@@ -309,14 +317,27 @@ fn network_config(args: &BenchArgs) -> Result<NetworkConfig, String> {
     }
     if !from_file.contains("taskmanager.memory.network.max") {
         // Room for every partition's and gate's pool.
-        let pools =
-            args.producers * (args.consumers * 2 + 8) + args.consumers * (args.producers * 2 + 9);
-        let memory = (pools * config.segment_size * 2).max(64 << 20);
+        let memory = bench_memory(args.producers, args.consumers, config.segment_size)
+            .ok_or("--producers and --consumers: their pools do not fit in memory")?;
         config
             .set("taskmanager.memory.network.max", &memory.to_string())
             .map_err(|e| e.to_string())?;
     }
     Ok(config)
+}
+
+/// Network memory for every partition's and gate's pool of a run, twice over (at least
+/// 64 MiB); `None` when it overflows.
+fn bench_memory(producers: usize, consumers: usize, segment_size: usize) -> Option<usize> {
+    let partitions = producers.checked_mul(consumers.checked_mul(2)?.checked_add(8)?)?;
+    let gates = consumers.checked_mul(producers.checked_mul(2)?.checked_add(9)?)?;
+    let pools = partitions.checked_add(gates)?;
+    Some(
+        pools
+            .checked_mul(segment_size)?
+            .checked_mul(2)?
+            .max(64 << 20),
+    )
 }
 
 fn baseline_figures(

@@ -61,17 +61,10 @@ pub fn apply_config_file(
     Ok(options.into_iter().map(|(key, _)| key).collect())
 }
 
-/// A config file's options, checked against a default [`NetworkConfig`] first, to hand on to
-/// other processes (the `[network]` table of a generated topology).
-pub fn checked_options(path: &Path) -> Result<Vec<(String, String)>, String> {
-    let options = read_options(path)?;
-    apply(path, &options, &mut NetworkConfig::default())?;
-    Ok(options)
-}
-
-/// Sets `options` (read from `path`) on `config`, all at once: the relations between them
-/// are checked after every one is set, so their order in the file does not matter.
-fn apply(
+/// Sets `options` (read from `path`, perhaps with options added to them) on `config`, all at
+/// once: the relations between them are checked after every one is set, so their order (in
+/// the file, or the added ones against the file's) does not matter.
+pub fn apply(
     path: &Path,
     options: &[(String, String)],
     config: &mut NetworkConfig,

@@ -23,7 +23,7 @@ use fluxgate::io::Transport;
 use fluxgate::NetworkConfig;
 
 use crate::cluster::{print_summary, secs, verify, Launch, Namespaced, PlannedKill, TempDir};
-use crate::config_file::checked_options;
+use crate::config_file;
 use crate::faults;
 use crate::netns::{self, Impairments, Lab, SecretFile};
 use crate::node::{Fault, ProgressLine};
@@ -162,6 +162,14 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     if args.nodes == 0 || args.channels == 0 {
         return Err("--nodes and --channels must be at least 1".into());
     }
+    // Before anything is sized by it (a stage's parallelism is bounded so).
+    if args.channels > crate::topology::MAX_PARALLELISM {
+        return Err(format!(
+            "--channels {}: at most {}",
+            args.channels,
+            crate::topology::MAX_PARALLELISM
+        ));
+    }
     if args.max_record_segments == 0 {
         return Err("--max-record-segments must be at least 1".into());
     }
@@ -186,7 +194,10 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
     };
     // The config file's options, then the flags (flags win); all of them go to every node.
     let mut options: BTreeMap<String, String> = match &args.config {
-        Some(path) => checked_options(path)?.into_iter().collect(),
+        // Checked below, with the flags' options, all at once: a file may set what only
+        // holds beside the segment size stress runs (8 KiB unless set), or several options
+        // whose relation only holds once all of them are set.
+        Some(path) => config_file::read_options(path)?.into_iter().collect(),
         None => BTreeMap::new(),
     };
     let segment_size = match (
@@ -220,11 +231,12 @@ pub fn run(args: &StressArgs) -> Result<(), String> {
         }
     }
     let mut network = NetworkConfig::default();
-    for (key, value) in &options {
-        network.set(key, value).map_err(|e| match key.as_str() {
-            "taskmanager.memory.segment-size" => format!("--segment-size: {e}"),
-            _ => e.to_string(),
-        })?;
+    let listed: Vec<(String, String)> = options.clone().into_iter().collect();
+    match &args.config {
+        Some(path) => config_file::apply(path, &listed, &mut network)?,
+        None => network
+            .set_all(listed.iter().map(|(key, value)| (key, value)))
+            .map_err(|e| format!("--segment-size: {e}"))?,
     }
     let max_size = network
         .segment_size

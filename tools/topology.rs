@@ -50,7 +50,7 @@ pub const HEADER: usize = 12;
 /// Most nodes of one cluster.
 const MAX_NODES: usize = 256;
 /// Most subtasks of one stage.
-const MAX_PARALLELISM: usize = 4096;
+pub(crate) const MAX_PARALLELISM: usize = 4096;
 
 // ---------------------------------------------------------------------------------------------
 // The file as written.

@@ -765,7 +765,11 @@ impl Loop {
                 1024
             }
         };
-        let size = (self.config.max_connections + 256)
+        // Saturating: `max-connections` is only bounded below.
+        let size = self
+            .config
+            .max_connections
+            .saturating_add(256)
             .min(FILE_TABLE_MAX)
             .min(nofile / 2)
             .max(1);
