@@ -1572,15 +1572,10 @@ fn a_producer_process_left_alone_exits_with_an_error() {
     assert_clean_failure(&run, &["went away before the run"]);
 }
 
-#[test]
-fn stress_takes_a_config_file_and_flags_win() {
-    let config = temp_file(
-        "stress-config.toml",
-        "\"taskmanager.memory.segment-size\" = \"16kb\"\n\
-         \"taskmanager.network.memory.buffers-per-channel\" = 3\n",
-    );
-    let config = config.to_str().expect("utf-8 path");
-    let short = [
+/// A half-second stress run of 2 nodes and 2 channels with `seed` and the config file at
+/// `config`.
+fn short_stress_with_config<'a>(seed: &'a str, config: &'a str) -> Vec<&'a str> {
+    vec![
         "stress",
         "--nodes",
         "2",
@@ -1589,12 +1584,23 @@ fn stress_takes_a_config_file_and_flags_win() {
         "--duration",
         "0.5",
         "--seed",
-        "3",
+        seed,
         "--timeout",
         "60",
         "--config",
         config,
-    ];
+    ]
+}
+
+#[test]
+fn stress_takes_a_config_file_and_flags_win() {
+    let config = temp_file(
+        "stress-config.toml",
+        "\"taskmanager.memory.segment-size\" = \"16kb\"\n\
+         \"taskmanager.network.memory.buffers-per-channel\" = 3\n",
+    );
+    let config = config.to_str().expect("utf-8 path");
+    let short = short_stress_with_config("3", config);
     let run = fluxgate(&short, LIMIT);
     assert!(run.status.success(), "{}", run.all());
     assert!(run.stdout.contains("segments 16 KiB"), "{}", run.all());
@@ -1616,21 +1622,7 @@ fn stress_checks_a_config_file_against_the_segments_it_runs() {
         "\"fluxgate.network.max-frame-size\" = \"16kb\"\n",
     );
     let run = fluxgate(
-        &[
-            "stress",
-            "--nodes",
-            "2",
-            "--channels",
-            "2",
-            "--duration",
-            "0.5",
-            "--seed",
-            "5",
-            "--timeout",
-            "60",
-            "--config",
-            config.to_str().expect("utf-8 path"),
-        ],
+        &short_stress_with_config("5", config.to_str().expect("utf-8 path")),
         LIMIT,
     );
     let _ = std::fs::remove_file(&config);
