@@ -2904,6 +2904,75 @@ fn a_writer_waiting_before_a_record_for_segments_a_consumer_keeps_fails_once_rel
 }
 
 #[test]
+fn an_async_writer_waiting_for_a_segment_a_consumer_keeps_fails_once_released() {
+    // The async twin of the builder request above: pending while the consumer keeps the one
+    // segment the subpartition may hold, then Released at the release, not pending on.
+    let (network, mut partition, mut view, _signal) = subpartition_holding(1);
+    let handle = partition.handle();
+    partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    partition.flush(0);
+    let kept = view.poll_next().expect("the flushed record");
+    {
+        let mut emit = std::pin::pin!(partition.emit_record_async(&[2u8; 5000][..], 0));
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(emit.as_mut().poll(&mut context).is_pending(), "no segment");
+        handle.release();
+        match emit.as_mut().poll(&mut context) {
+            std::task::Poll::Ready(Err(PartitionError::Released)) => {}
+            other => panic!("expected Released, got {other:?}"),
+        }
+    }
+    drop((kept, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
+fn an_async_writer_waiting_before_a_record_for_segments_a_consumer_keeps_fails_once_released() {
+    // The async twin of the wait before a record: once released it must end with Released.
+    // It looped instead (the wait, ready for good after the release, was looked at again
+    // and again inside one poll), so the poll runs on a thread of its own here.
+    let (network, mut partition, mut view, _signal) = subpartition_holding(2);
+    let handle = partition.handle();
+    for _ in 0..50 {
+        partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    }
+    let first = view.poll_next().expect("the first, finished buffer");
+    handle.flush_all();
+    let second = view.poll_next().expect("the second buffer, flushed");
+    let (polled_tx, polled_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let writer = thread::spawn(move || {
+        let outcome = {
+            let mut emit = std::pin::pin!(partition.emit_record_async(&[2u8; 5000][..], 0));
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            let first_poll = emit.as_mut().poll(&mut context).is_pending();
+            polled_tx.send(first_poll).unwrap();
+            release_rx.recv().unwrap();
+            match emit.as_mut().poll(&mut context) {
+                std::task::Poll::Ready(result) => Some(result),
+                std::task::Poll::Pending => None,
+            }
+        };
+        polled_tx.send(true).unwrap();
+        (outcome, partition)
+    });
+    assert!(polled_rx.recv_timeout(LONG).unwrap(), "no segment at first");
+    handle.release();
+    release_tx.send(()).unwrap();
+    assert!(
+        polled_rx.recv_timeout(LONG).is_ok(),
+        "the poll after the release returned"
+    );
+    let (outcome, partition) = writer.join().unwrap();
+    assert!(
+        matches!(outcome, Some(Err(PartitionError::Released))),
+        "{outcome:?}"
+    );
+    drop((first, second, view, partition));
+    assert_eq!(network.available_segments(), network.total_segments());
+}
+
+#[test]
 fn a_record_failing_in_its_second_buffer_releases_the_partition_for_every_reader() {
     // The record crosses into a second buffer and fails there: the partition is released,
     // its reader sees the release (no second buffer padded with zeros), and the writer's next

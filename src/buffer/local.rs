@@ -457,6 +457,21 @@ impl LocalBufferPool {
         }
     }
 
+    /// [`request_builder`](Self::request_builder) that ends with [`PoolError::Cancelled`] once
+    /// `cancelled` holds, looked at before each look for a segment (whoever makes it true
+    /// wakes this pool's waiters, [`PoolWaiters::wake`]).
+    pub(crate) fn request_builder_unless<C: Fn() -> bool + Unpin>(
+        &self,
+        subpartition: usize,
+        cancelled: C,
+    ) -> RequestBuilderUnless<'_, C> {
+        RequestBuilderUnless {
+            wait: AsyncWait::new(self),
+            subpartition,
+            cancelled,
+        }
+    }
+
     /// Waits up to `timeout` until `ready` holds. Woken by whatever wakes a blocked request,
     /// and by [`PoolWaiters::wake`] for state the pool does not own (a partition's writer
     /// waiting for room in a subpartition's queue). Fails when the pool is destroyed or the
@@ -768,6 +783,28 @@ impl Future for RequestBuilder<'_> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let subpartition = self.subpartition;
         self.wait.poll(cx, |pool| pool.try_builder(subpartition))
+    }
+}
+
+/// Future of [`LocalBufferPool::request_builder_unless`].
+pub(crate) struct RequestBuilderUnless<'a, C> {
+    wait: AsyncWait<'a>,
+    subpartition: usize,
+    cancelled: C,
+}
+
+impl<C: Fn() -> bool + Unpin> Future for RequestBuilderUnless<'_, C> {
+    type Output = Result<BufferBuilder, PoolError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let (subpartition, cancelled) = (this.subpartition, &this.cancelled);
+        this.wait.poll(cx, |pool| {
+            if cancelled() {
+                return Err(PoolError::Cancelled);
+            }
+            pool.try_builder(subpartition)
+        })
     }
 }
 

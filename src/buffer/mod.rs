@@ -140,7 +140,8 @@ pub enum PoolError {
     /// The listener queue is full: more listeners than the pool was sized for.
     #[error("the buffer pool has no room for another listener")]
     TooManyListeners,
-    /// A blocking request was called off by its owner (the gate it was for was closed).
+    /// A request was called off by its owner: the gate it was for was closed, or the
+    /// subpartitions a partition's writer waited to write to were released.
     #[error("the buffer request was cancelled")]
     Cancelled,
 }

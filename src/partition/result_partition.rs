@@ -647,7 +647,10 @@ impl ResultPartition {
                     .until_ready(|| subpartition.has_room_or_listen(Queued::Buffer));
                 timed.wait(room).await.map_err(released_if_destroyed)?;
             }
-            let builder = timed.pool.request_builder(target);
+            // Ends at the subpartition's release too, as the blocking request does.
+            let builder = timed
+                .pool
+                .request_builder_unless(target, || subpartition.is_released());
             let builder = timed.wait(builder).await.map_err(released_if_destroyed)?;
             self.install_unicast(target, builder)?;
         }
@@ -691,7 +694,10 @@ impl ResultPartition {
                 });
                 timed.wait(room).await.map_err(released_if_destroyed)?;
             }
-            let builder = timed.pool.request_builder(UNACCOUNTED);
+            // Ends once every subpartition was released, as the blocking request does.
+            let builder = timed.pool.request_builder_unless(UNACCOUNTED, || {
+                subpartitions.iter().all(|s| s.is_released())
+            });
             let builder = timed.wait(builder).await.map_err(released_if_destroyed)?;
             let consumer = builder.create_consumer_from_beginning();
             queue_in_open_subpartitions(&self.handle.shared, |subpartition| {
@@ -752,12 +758,16 @@ impl ResultPartition {
             if !crosses || timed.pool.segment_at_hand(channel) {
                 return Ok(());
             }
-            // Ends at a release too, as the blocking wait does.
+            // Ends at a release too, as the blocking wait does; the write would then fail as
+            // Released, so it is not tried (nor the wait looked at again, which a release
+            // leaves ready for good).
             let pool = timed.pool;
-            let at_hand = pool.until_ready(|| {
-                readers.iter().all(|s| s.is_released()) || pool.segment_at_hand(channel)
-            });
+            let released = || readers.iter().all(|s| s.is_released());
+            let at_hand = pool.until_ready(|| released() || pool.segment_at_hand(channel));
             timed.wait(at_hand).await.map_err(released_if_destroyed)?;
+            if released() {
+                return Err(PartitionError::Released);
+            }
         }
     }
 
