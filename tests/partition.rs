@@ -2835,6 +2835,18 @@ fn writer_waiting(
     (writer, done_rx)
 }
 
+/// Records written past the first buffer of `partition`'s subpartition 0, which is then
+/// finished: that buffer, read (and kept) from `view`.
+fn past_the_first_buffer(
+    partition: &mut ResultPartition,
+    view: &mut SubpartitionView,
+) -> BufferAndBacklog {
+    for _ in 0..50 {
+        partition.emit_record(&[1u8; 100][..], 0).unwrap();
+    }
+    view.poll_next().expect("the first, finished buffer")
+}
+
 /// The released writer's result: its wait ended, with Released.
 fn assert_writer_released(done_rx: &mpsc::Receiver<Result<(), PartitionError>>) {
     let result = done_rx.recv_timeout(LONG).expect("the writer still waits");
@@ -2888,11 +2900,7 @@ fn a_writer_waiting_before_a_record_for_segments_a_consumer_keeps_fails_once_rel
     // it read of both buffers. The release must end that wait too.
     let (network, mut partition, mut view, _signal) = subpartition_holding(2);
     let handle = partition.handle();
-    // Past the first buffer: it is finished and readable.
-    for _ in 0..50 {
-        partition.emit_record(&[1u8; 100][..], 0).unwrap();
-    }
-    let first = view.poll_next().expect("the first, finished buffer");
+    let first = past_the_first_buffer(&mut partition, &mut view);
     let (writer, done_rx) = writer_waiting(partition);
     // What the writer put in its open second buffer, flushed (as the flusher would).
     handle.flush_all();
@@ -2933,10 +2941,7 @@ fn an_async_writer_waiting_before_a_record_for_segments_a_consumer_keeps_fails_o
     // and again inside one poll), so the poll runs on a thread of its own here.
     let (network, mut partition, mut view, _signal) = subpartition_holding(2);
     let handle = partition.handle();
-    for _ in 0..50 {
-        partition.emit_record(&[1u8; 100][..], 0).unwrap();
-    }
-    let first = view.poll_next().expect("the first, finished buffer");
+    let first = past_the_first_buffer(&mut partition, &mut view);
     handle.flush_all();
     let second = view.poll_next().expect("the second buffer, flushed");
     let (polled_tx, polled_rx) = mpsc::channel();
